@@ -1,0 +1,32 @@
+# Two entry points a new user needs: `make demo` and `make test`. Both build .venv from scratch.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned first: pip then takes the local CPU wheel instead of a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/clover info --preset clover-35b-a3b
+	$(BIN)/clover generate --prompt "Shall I compare thee" --max-new-tokens 48
+
+test: install
+	$(BIN)/python -m pytest -q -x
+
+bench: install
+	$(BIN)/python bench/forward.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

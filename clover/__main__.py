@@ -1,0 +1,5 @@
+import sys
+
+from clover.cli import main
+
+sys.exit(main())

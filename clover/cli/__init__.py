@@ -1,0 +1,61 @@
+"""`clover` command line: one entry point, one module per subcommand.
+
+Each subcommand module defines `register(subparsers)`, which adds its parser and sets
+`func=run`. User mistakes raise `UserError` (or a ValueError / FileNotFoundError from
+validation) and end as one line on stderr with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+COMMANDS = ["info", "generate", "chat", "convert", "train", "train_tokenizer", "bench"]
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: reported as one line, exit code 2."""
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=float))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion language models: run, make, serve.")
+    parser.add_argument("--version", action="version", version=f"clover {__import__('clover').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"clover.cli.{name}")
+        except ModuleNotFoundError as e:  # a subcommand not built yet
+            if e.name != f"clover.cli.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        if os.environ.get("CLOVER_DEBUG"):
+            raise
+        print(f"clover {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"clover {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

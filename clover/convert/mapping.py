@@ -1,0 +1,100 @@
+"""Tensor-name and layout mapping from transformers' Qwen3-Next / Qwen3.5-MoE text models to Clover.
+
+Works on one layer's worth of tensors at a time so a converter can stream shard by shard. Input
+names are those of the transformers modules *in memory* (fused experts `gate_up_proj` [E, 2I, H]),
+without the `model.language_model.` prefix; per-expert checkpoints are fused before calling this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.configuration_clover import CloverConfig
+
+CONFIG_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "attention_bias", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+    "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "hidden_act", "max_position_embeddings", "rms_norm_eps", "initializer_range", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "pad_token_id",
+)
+
+
+def clover_config_from_hf(hf: dict, **overrides) -> CloverConfig:
+    """Build a CloverConfig from a Qwen3-Next / Qwen3.5-MoE config dict (text part)."""
+    hf = hf.get("text_config", hf)
+    kwargs = {k: hf[k] for k in CONFIG_FIELDS if k in hf and hf[k] is not None}
+    rope = hf.get("rope_parameters") or {}
+    kwargs["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    kwargs["partial_rotary_factor"] = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("dense (non-MoE) layers are not supported: mlp_only_layers / decoder_sparse_step")
+    kwargs.update(overrides)
+    return CloverConfig(**kwargs)
+
+
+def _gdn_in_proj(t: dict, cfg: CloverConfig, prefix: str) -> torch.Tensor:
+    """Rows [q ; k ; v ; z ; b ; a], each contiguous over heads (the Qwen3.5 order)."""
+    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rep = cfg.linear_num_value_heads // nk
+    if prefix + "in_proj_qkvz.weight" in t:  # Qwen3-Next: rows grouped per key head
+        qkvz = t.pop(prefix + "in_proj_qkvz.weight")
+        hidden = qkvz.shape[-1]
+        q, k, v, z = qkvz.view(nk, 2 * dk + 2 * rep * dv, hidden).split([dk, dk, rep * dv, rep * dv], dim=1)
+        b, a = t.pop(prefix + "in_proj_ba.weight").view(nk, 2 * rep, hidden).split([rep, rep], dim=1)
+        parts = [x.reshape(-1, hidden) for x in (q, k, v, z, b, a)]
+    else:  # Qwen3.5: already contiguous
+        parts = [t.pop(prefix + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
+    return torch.cat(parts)
+
+
+def convert_layer(t: dict, cfg: CloverConfig, i: int) -> dict:
+    """Pop layer i's source tensors from `t` and return Clover's (identity diffusion additions)."""
+    src, dst = f"model.layers.{i}.", f"model.layers.{i}."
+    out = {}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[dst + norm + ".weight"] = t.pop(src + norm + ".weight")
+    if cfg.layer_types[i] == "full_attention":
+        a = src + "self_attn."
+        q = t.pop(a + "q_proj.weight")
+        hidden = q.shape[-1]
+        q, gate = q.view(cfg.num_attention_heads, 2, cfg.head_dim, hidden).unbind(1)
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+            [q.reshape(-1, hidden), gate.reshape(-1, hidden), t.pop(a + "k_proj.weight"), t.pop(a + "v_proj.weight")]
+        )
+        for name in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
+            out[dst + "self_attn." + name] = t.pop(a + name)
+        if cfg.attention_bias:
+            raise ValueError("attention_bias=True checkpoints are not supported")
+    else:
+        g = src + "linear_attn."
+        out[dst + "linear_attn.in_proj.weight"] = _gdn_in_proj(t, cfg, g)
+        for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight"):
+            out[dst + "linear_attn." + name] = t.pop(g + name)
+    m = src + "mlp."
+    out[dst + "mlp.gate.weight"] = t.pop(m + "gate.weight")
+    out[dst + "mlp.experts.gate_up_proj"] = t.pop(m + "experts.gate_up_proj")
+    out[dst + "mlp.experts.down_proj"] = t.pop(m + "experts.down_proj")
+    if cfg.shared_expert_intermediate_size:
+        out[dst + "mlp.shared_expert.gate_up_proj.weight"] = torch.cat(
+            [t.pop(m + "shared_expert.gate_proj.weight"), t.pop(m + "shared_expert.up_proj.weight")]
+        )
+        out[dst + "mlp.shared_expert.down_proj.weight"] = t.pop(m + "shared_expert.down_proj.weight")
+        out[dst + "mlp.shared_expert_gate.weight"] = t.pop(m + "shared_expert_gate.weight")
+    return out
+
+
+def convert_state_dict(sd: dict, cfg: CloverConfig) -> dict:
+    """Whole-model mapping (in-memory transformers names). Diffusion additions are left to the
+    model's own identity initialisation."""
+    t = dict(sd)
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        out.update(convert_layer(t, cfg, i))
+    out["model.embed_tokens.weight"] = t.pop("model.embed_tokens.weight")
+    out["model.norm.weight"] = t.pop("model.norm.weight")
+    head = t.pop("lm_head.weight", None)
+    if head is not None:
+        out["lm_head.weight"] = head
+    return out

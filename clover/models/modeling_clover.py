@@ -1,0 +1,544 @@
+"""Clover: a Qwen3-Next / Qwen3.5-MoE hybrid backbone (Gated DeltaNet + gated attention, sparse MoE)
+that decodes by block diffusion. Formulas and design choices: docs/architecture.md.
+
+One forward serves every use:
+* AR (no block arguments): a causal LM; with the diffusion additions at their initial values it
+  equals transformers' Qwen3NextForCausalLM.
+* Stream (`draft_len`, `block_size`, optional `cache`): `input_ids` = [clean tokens ; one draft
+  window]. Clean tokens are cut into windows of `clean_block_size` anchored at the end of the clean
+  segment (the first window may be partial) and committed to the cache; the draft window (the last
+  `draft_len` tokens, noisy, block size `block_size`) sees the whole clean prefix and itself.
+* Training layout (`noisy_input_ids`): [x_t ; x_0] in one pass; noisy window k sees clean windows
+  < k and itself. Equal to running the windows one by one through the stream path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import ModelOutput
+
+from ..ops.block_attention import masked_attention
+from ..ops.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_from_states,
+    gated_delta_rule,
+)
+from ..ops.moe import grouped_experts
+from ..ops.short_conv import block_short_conv
+from .cache_clover import CloverCache
+from .configuration_clover import CloverConfig, calibration_weights
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout of one forward pass
+# ------------------------------------------------------------------------------------------------
+def window_ids(length: int, block: int, device=None) -> torch.Tensor:
+    """Window index per position, windows anchored at the END (the first window may be partial)."""
+    pad = (-length) % block
+    return (torch.arange(length, device=device) + pad) // block
+
+
+@dataclass
+class Layout:
+    """Everything the layers need to know about how the tokens of one forward relate."""
+
+    wid: torch.Tensor  # [L] window id per column (stream) or per clean column (training)
+    positions: torch.Tensor  # [B, L] RoPE positions
+    attn_mask: torch.Tensor  # [B, 1, Lq, Lk] for the attention layers (keys: cache prefix + new)
+    bidir_mask: torch.Tensor | None  # [B, 1, Lq, Lq] same-window mask for the GDN softmax branch
+    calib: torch.Tensor | None  # [L(q), A] calibration interpolation weights per column
+    num_clean: int  # stream: committed columns (the rest is the draft window)
+    pad: torch.Tensor | None  # [B, L] left padding of the clean segment (stream only)
+    training: bool = False  # [x_t ; x_0] layout: first half noisy, second half clean
+    clean_block_size: int = 1
+    draft_block_size: int = 1
+
+
+def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -> torch.Tensor | None:
+    """Per-column interpolation weights [L, A] for (count, block_size) runs; None when all are 0."""
+    if all(bs <= 1 or n == 0 for n, bs in sizes):
+        return None
+    rows = []
+    for n, bs in sizes:
+        rows.append(torch.tensor(calibration_weights(bs, cfg.num_calibration_anchors)).expand(n, -1))
+    return torch.cat(rows).to(device)
+
+
+def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad, device) -> Layout:
+    num_clean = length - draft_len
+    wid = window_ids(num_clean, clean_bs, device)
+    if draft_len:
+        first_draft = int(wid[-1]) + 1 if num_clean else 0
+        wid = torch.cat([wid, torch.full((draft_len,), first_draft, device=device)])
+    lens = cache.lens if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
+    npad = pad.sum(1) if pad is not None else torch.zeros(batch, dtype=torch.long, device=device)
+    cols = torch.arange(length, device=device)
+    positions = (lens[:, None] + cols[None, :] - npad[:, None]).clamp_min(0)
+    valid = ~pad if pad is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
+    new = (wid[None, :] <= wid[:, None])[None] & valid[:, None, :]  # [B, Lq, Lk]
+    same = (wid[None, :] == wid[:, None])[None] & valid[:, None, :]
+    if pad is not None:  # padded queries look at themselves only, so no row is empty
+        eye = torch.eye(length, dtype=torch.bool, device=device)[None] & pad[:, :, None]
+        new, same = new | eye, same | eye
+    prefix = cache.max_len() if cache is not None else 0
+    if prefix:
+        old = (torch.arange(prefix, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
+        new = torch.cat([old, new], dim=-1)
+    calib = _calibration_rows(cfg, [(num_clean, clean_bs), (draft_len, draft_bs)], device)
+    return Layout(wid, positions, new[:, None], same[:, None] if calib is not None else None, calib,
+                  num_clean, pad, False, clean_bs, draft_bs)
+
+
+def training_layout(cfg, batch, length, block, device) -> Layout:
+    wid = window_ids(length, block, device)
+    positions = torch.arange(length, device=device).repeat(2)[None].expand(batch, -1)
+    same = wid[None, :] == wid[:, None]
+    earlier = wid[None, :] < wid[:, None]
+    upto = same | earlier
+    top = torch.cat([same, earlier], dim=1)  # noisy queries: own noisy window + earlier clean windows
+    bottom = torch.cat([torch.zeros_like(same), upto], dim=1)  # clean queries: block-causal clean
+    mask = torch.cat([top, bottom])[None, None].expand(batch, -1, -1, -1)
+    calib = _calibration_rows(cfg, [(2 * length, block)], device)
+    bidir = torch.block_diag(same, same)[None, None].expand(batch, -1, -1, -1) if calib is not None else None
+    return Layout(wid, positions, mask, bidir, calib, length, None, True, block, block)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------
+class CloverRMSNorm(nn.Module):
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+
+class CloverGatedRMSNorm(nn.Module):
+    """GDN output norm: w * x / rms(x) * silu(z) (weight initialised to one, not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x, z):
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * xf.to(dtype)).float() * F.silu(z.float())).to(dtype)
+
+
+def rope_cos_sin(positions, rotary_dim, theta, dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim))
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_partial_rope(x, cos, sin):
+    """x [B, H, L, D]; rotates the first cos.shape[-1] dims (rotate-half convention)."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
+def l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class CloverAttention(nn.Module):
+    """Gated GQA attention: q/k RMSNorm, partial RoPE, sigmoid output gate. One fused input
+    projection, rows [query (H*D) ; gate (H*D) ; key (Hkv*D) ; value (Hkv*D)]."""
+
+    def __init__(self, config: CloverConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.rotary_dim, self.theta = config.rotary_dim, config.rope_theta
+        q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.split = (q_dim, q_dim, kv_dim, kv_dim)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = CloverRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = CloverRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, layout: Layout, cache: CloverCache | None):
+        batch, length, _ = x.shape
+        q, gate, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = self.q_norm(q.view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(layout.positions, self.rotary_dim, self.theta, q.dtype)
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        keys, values = k, v
+        if cache is not None:
+            prefix = cache.max_len()
+            if prefix:
+                keys = torch.cat([cache.key[self.layer_idx][:, :, :prefix].to(k.dtype), k], dim=2)
+                values = torch.cat([cache.value[self.layer_idx][:, :, :prefix].to(v.dtype), v], dim=2)
+            self._commit(cache, k, v, layout)
+        out = masked_attention(q, keys, values, layout.attn_mask, self.head_dim**-0.5)
+        out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _commit(self, cache, k, v, layout):
+        n = layout.num_clean
+        if n == 0:
+            return
+        rows, cols = torch.nonzero(~layout.pad[:, :n] if layout.pad is not None else torch.ones(k.shape[0], n, dtype=torch.bool, device=k.device), as_tuple=True)
+        slots = layout.positions[rows, cols]
+        cache.key[self.layer_idx][rows, :, slots] = k[rows, :, cols].to(cache.dtype)
+        cache.value[self.layer_idx][rows, :, slots] = v[rows, :, cols].to(cache.dtype)
+
+
+class CloverGatedDeltaNet(nn.Module):
+    """Block-diffusion Gated DeltaNet ("add" reading, docs/architecture.md):
+
+        o = DeltaRule_causal(q, k, v; prefix state) + c(B) * softmax_block(s * q k^T) v
+
+    The causal recurrence runs through the current block as in the AR model; the bidirectional
+    softmax branch over the block is scaled by a learnable per-head calibration c(B) (zero at
+    init, interpolated over log2 block-size anchors, identically 0 for B = 1); the short conv gains a
+    zero-initialised right-side branch restricted to the block. At init this is exactly the AR GDN.
+    One fused input projection, rows [q (Kd) ; k (Kd) ; v (Vd) ; z (Vd) ; b (Hv) ; a (Hv)].
+    """
+
+    def __init__(self, config: CloverConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.k_heads, self.v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = c.linear_conv_kernel_dim
+        self.split = (self.conv_dim, self.value_dim, self.v_heads, self.v_heads)
+        self.in_proj = nn.Linear(c.hidden_size, sum(self.split), bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
+                                padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.v_heads).uniform_(1, 16)))
+        self.norm = CloverGatedRMSNorm(self.dv, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        # --- block-diffusion additions (identity at init) ---
+        self.right_conv = nn.Parameter(torch.zeros(self.conv_dim, self.kernel - 1))
+        self.block_calibration = nn.Parameter(torch.zeros(c.num_calibration_anchors, self.v_heads))
+        self.bidir_log_scale = nn.Parameter(torch.full((self.v_heads,), 0.5 * math.log(self.dk)))
+
+    # ---- pieces shared by both layouts ----
+    def _project(self, x):
+        mixed, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        return mixed, z, b, a
+
+    def _qkv(self, conv_out, b, a):
+        """Post-conv activations -> per-v-head q, k (L2-normed), v, decay g and beta."""
+        batch, length, _ = conv_out.shape
+        q, k, v = F.silu(conv_out).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        rep = self.v_heads // self.k_heads
+        q = l2norm(q.reshape(batch, length, self.k_heads, self.dk).float())
+        k = l2norm(k.reshape(batch, length, self.k_heads, self.dk).float())
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        v = v.reshape(batch, length, self.v_heads, self.dv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v, g, b.float().sigmoid()
+
+    def _bidirectional(self, q, k, v, layout):
+        """c(B) * softmax(s q.k) v within each block; None when every calibration weight is 0."""
+        if layout.calib is None:
+            return None
+        coef = layout.calib.to(self.block_calibration.dtype) @ self.block_calibration  # [L, Hv]
+        scale = self.bidir_log_scale.exp().float()
+        qs = (q * scale[None, None, :, None]).transpose(1, 2)
+        out = masked_attention(qs, k.transpose(1, 2), v.float().transpose(1, 2), layout.bidir_mask, 1.0)
+        return out.transpose(1, 2) * coef.float()[None, :, :, None]
+
+    def _finish(self, core, z, extra):
+        batch, length = z.shape[:2]
+        if extra is not None:
+            core = core.float() + extra
+        core = core.to(z.dtype).reshape(batch, length, self.v_heads, self.dv)
+        core = self.norm(core, z.reshape(batch, length, self.v_heads, self.dv))
+        return self.out_proj(core.reshape(batch, length, self.value_dim))
+
+    def _conv_weight(self):
+        return self.conv1d.weight.squeeze(1)
+
+    # ---- stream layout: [clean segment ; draft window] against the cache ----
+    def forward(self, x, layout: Layout, cache: CloverCache | None):
+        if layout.training:
+            return self._forward_training(x, layout)
+        batch, length, _ = x.shape
+        mixed, z, b, a = self._project(x)
+        pad = layout.pad
+        if pad is not None:
+            mixed = mixed.masked_fill(pad[..., None], 0.0)
+        stream = mixed.transpose(1, 2)  # [B, C, L]
+        left = cache.conv[self.layer_idx].to(stream.dtype) if cache is not None else stream.new_zeros(batch, self.conv_dim, self.kernel - 1)
+        ext = torch.cat([left, stream], dim=-1)
+        if pad is not None:  # move the conv state right in front of each row's first real token
+            ext = ext.gather(2, _left_context_index(pad, self.kernel)[:, None, :].expand(-1, self.conv_dim, -1))
+        conv = block_short_conv(ext, self._conv_weight(), self.right_conv, layout.wid).transpose(1, 2)
+        q, k, v, g, beta = self._qkv(conv, b, a)
+        if pad is not None:
+            keep = (~pad).float()[..., None]
+            g, beta = g * keep, beta * keep
+        n = layout.num_clean
+        state = cache.state[self.layer_idx] if cache is not None else None
+        outs = []
+        if n:
+            out, state = gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], self.dk**-0.5, state)
+            outs.append(out)
+            if cache is not None:
+                if cache.recording:
+                    cache.recorded[self.layer_idx] = (cache.conv[self.layer_idx].clone(), cache.state[self.layer_idx].clone(),
+                                                      stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
+                cache.state[self.layer_idx] = state
+                cache.conv[self.layer_idx] = ext[..., n : n + self.kernel - 1].to(cache.dtype)
+        if n < length:
+            out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state)
+            outs.append(out)
+        core = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return self._finish(core, z, self._bidirectional(q, k, v, layout))
+
+    # ---- training layout: [x_t ; x_0] ----
+    def _forward_training(self, x, layout: Layout):
+        length = x.shape[1] // 2
+        block = layout.clean_block_size
+        mixed, z, b, a = self._project(x)
+        noisy, clean = mixed[:, :length].transpose(1, 2), mixed[:, length:].transpose(1, 2)
+        zeros = clean.new_zeros(clean.shape[0], self.conv_dim, self.kernel - 1)
+        clean_ext = torch.cat([zeros, clean], dim=-1)
+        conv_clean = block_short_conv(clean_ext, self._conv_weight(), self.right_conv, layout.wid)
+        # noisy column t sees, j steps to its left, the noisy token if it is in t's block, else the clean one
+        wid = layout.wid
+        cols = torch.arange(length, device=x.device)
+        w = self._conv_weight()
+        conv_noisy = block_short_conv(torch.cat([zeros, noisy], dim=-1), torch.zeros_like(w), self.right_conv, wid)
+        for j in range(self.kernel):
+            shift = self.kernel - 1 - j  # tap j multiplies input t - shift
+            src = cols - shift
+            in_block = (src >= 0) & (wid[src.clamp_min(0)] == wid)
+            tap = torch.where(in_block[None, None, :], noisy[..., src.clamp_min(0)], clean_ext[..., src + self.kernel - 1])
+            conv_noisy = conv_noisy + w[:, j : j + 1].to(tap.dtype) * tap
+        conv = torch.cat([conv_noisy, conv_clean], dim=-1).transpose(1, 2)
+        q, k, v, g, beta = self._qkv(conv, b, a)
+        scale = self.dk**-0.5
+        sl = slice(length, None)
+        out_clean, _, starts = chunk_gated_delta_rule(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale,
+                                                      chunk_size=block)
+        ns = slice(0, length)
+        out_noisy = chunk_gated_delta_rule_from_states(q[:, ns], k[:, ns], v[:, ns], g[:, ns], beta[:, ns], scale,
+                                                       starts, block)
+        core = torch.cat([out_noisy, out_clean], dim=1)
+        return self._finish(core, z, self._bidirectional(q, k, v, layout))
+
+
+def _left_context_index(pad: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Gather index turning [conv_state ; pads ; tokens] into [pads ; conv_state ; tokens] per row."""
+    batch, length = pad.shape
+    npad = pad.sum(1, keepdim=True)
+    i = torch.arange(kernel - 1 + length, device=pad.device)[None, :].expand(batch, -1)
+    src = torch.where(i < npad, i + kernel - 1, i - npad)
+    return torch.where(i >= npad + kernel - 1, i, src)
+
+
+class CloverSparseMoe(nn.Module):
+    """Top-k routed experts (fp32 softmax router, renormalised) plus a sigmoid-gated shared expert."""
+
+    def __init__(self, config: CloverConfig):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k, self.norm_topk = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = CloverExperts(e, h, i)
+        si = config.shared_expert_intermediate_size
+        self.shared_expert = CloverMLP(h, si) if si else None
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False) if si else None
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        top_w, top_idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+        out = grouped_experts(flat, top_idx, top_w.to(flat.dtype), self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.reshape(shape)
+
+
+class CloverExperts(nn.Module):
+    def __init__(self, num_experts, hidden, inter):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+
+class CloverMLP(nn.Module):
+    """SwiGLU MLP with a fused gate/up projection (rows [gate ; up])."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class CloverDecoderLayer(nn.Module):
+    def __init__(self, config: CloverConfig, layer_idx: int):
+        super().__init__()
+        self.kind = config.layer_types[layer_idx]
+        if self.kind == "full_attention":
+            self.self_attn = CloverAttention(config, layer_idx)
+        else:
+            self.linear_attn = CloverGatedDeltaNet(config, layer_idx)
+        self.mlp = CloverSparseMoe(config)
+        self.input_layernorm = CloverRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = CloverRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, layout, cache):
+        mixer = self.self_attn if self.kind == "full_attention" else self.linear_attn
+        x = x + mixer(self.input_layernorm(x), layout, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class CloverOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+class CloverPreTrainedModel(PreTrainedModel):
+    config_class = CloverConfig
+    config: CloverConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["CloverDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, CloverRMSNorm):
+            init.zeros_(module.weight)
+        elif isinstance(module, CloverGatedRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, CloverExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, CloverGatedDeltaNet):
+            init.ones_(module.dt_bias)
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
+            init.zeros_(module.right_conv)
+            init.zeros_(module.block_calibration)
+            init.constant_(module.bidir_log_scale, 0.5 * math.log(module.dk))
+
+
+class CloverModel(CloverPreTrainedModel):
+    def __init__(self, config: CloverConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(CloverDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = CloverRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def forward(self, input_ids, layout: Layout, cache: CloverCache | None = None):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, layout, cache)
+        return self.norm(x)
+
+
+class CloverForBlockDiffusion(CloverPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: CloverConfig):
+        super().__init__(config)
+        self.model = CloverModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def new_cache(self, batch_size: int, capacity: int = 256) -> CloverCache:
+        return CloverCache(self.config, batch_size, capacity, device=self.device, dtype=self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        cache: CloverCache | None = None,
+        block_size: int | None = None,
+        draft_len: int = 0,
+        clean_block_size: int | None = None,
+        pad_mask: torch.Tensor | None = None,
+        noisy_input_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        **unused,
+    ) -> CloverOutput:
+        """See the module docstring. Logits at column i predict the token after column i.
+
+        `logits_to_keep` > 0 computes the head only for the last that many columns. In the training
+        layout the logits returned are those of the noisy half. `labels` (AR mode) gives the mean
+        next-token cross-entropy, labels shifted inside as in transformers.
+        """
+        batch, length = input_ids.shape
+        device = input_ids.device
+        if noisy_input_ids is not None:
+            block = block_size or self.config.block_size
+            layout = training_layout(self.config, batch, length, block, device)
+            hidden = self.model(torch.cat([noisy_input_ids, input_ids], dim=1), layout)[:, :length]
+        else:
+            block = block_size or 1
+            if draft_len and not 1 <= draft_len <= length:
+                raise ValueError(f"draft_len={draft_len} must be in [1, {length}]")
+            clean_bs = clean_block_size or (block if draft_len else 1)
+            if cache is not None:
+                cache.reserve(length - draft_len)
+            layout = stream_layout(self.config, batch, length, draft_len, clean_bs, block, cache, pad_mask, device)
+            hidden = self.model(input_ids, layout, cache)
+            if cache is not None:
+                committed = (length - draft_len) - (pad_mask.sum(1) if pad_mask is not None else 0)
+                cache.lens = cache.lens + committed
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CloverOutput(loss=loss, logits=logits)

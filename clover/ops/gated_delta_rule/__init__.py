@@ -1,0 +1,24 @@
+"""Gated delta rule: S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T, o_t = scale * S_t^T q_t,
+with a_t = exp(g_t). Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv]
+in fp32. q and k arrive L2-normalised and already expanded to the value heads."""
+
+from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_from_states
+from .fused_recurrent import fused_recurrent_gated_delta_rule
+from .naive import naive_gated_delta_rule
+
+
+def gated_delta_rule(q, k, v, g, beta, scale, initial_state=None):
+    """Causal gated delta rule over the whole sequence; picks the faster form for the length."""
+    if q.shape[1] <= 2:
+        return fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
+    out, state, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size=min(64, q.shape[1]))
+    return out, state
+
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_from_states",
+    "fused_recurrent_gated_delta_rule",
+    "gated_delta_rule",
+    "naive_gated_delta_rule",
+]
