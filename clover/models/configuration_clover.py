@@ -94,6 +94,7 @@ class CloverConfig(PretrainedConfig):
         self.block_size = block_size
         self.max_block_size = max_block_size
         self.router_aux_loss_coef = router_aux_loss_coef
+        self.validate()  # before the base class, which has weaker checks of its own
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             pad_token_id=pad_token_id,
@@ -101,7 +102,6 @@ class CloverConfig(PretrainedConfig):
             eos_token_id=eos_token_id,
             **kwargs,
         )
-        self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field."""

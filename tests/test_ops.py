@@ -1,0 +1,93 @@
+"""Every fast op against its naive reference: random inputs, odd lengths, batch 2."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clover.ops.block_attention import masked_attention, naive_masked_attention
+from clover.ops.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_from_states,
+    fused_recurrent_gated_delta_rule,
+    gated_delta_rule,
+    naive_gated_delta_rule,
+)
+from clover.ops.moe import grouped_experts, naive_experts
+from clover.ops.short_conv import block_short_conv, naive_block_short_conv
+
+
+def gdn_inputs(batch, length, heads=3, dk=8, dv=6):
+    q = F.normalize(torch.randn(batch, length, heads, dk), dim=-1)
+    k = F.normalize(torch.randn(batch, length, heads, dk), dim=-1)
+    v = torch.randn(batch, length, heads, dv)
+    g = -F.softplus(torch.randn(batch, length, heads))
+    beta = torch.rand(batch, length, heads)
+    state = torch.randn(batch, heads, dk, dv)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 13, 33])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_gated_delta_rule_forms_match_naive(length, with_state):
+    q, k, v, g, beta, state = gdn_inputs(2, length)
+    init = state if with_state else None
+    ref_out, ref_state = naive_gated_delta_rule(q, k, v, g, beta, 0.4, init)
+    out, st = fused_recurrent_gated_delta_rule(q, k, v, g, beta, 0.4, init)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st, ref_state, atol=1e-5, rtol=1e-5)
+    for chunk in (1, 4, 5, 64):
+        out, st, _ = chunk_gated_delta_rule(q, k, v, g, beta, 0.4, init, chunk_size=chunk)
+        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(st, ref_state, atol=1e-4, rtol=1e-4)
+    out, st = gated_delta_rule(q, k, v, g, beta, 0.4, init)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_states_are_the_states_at_left_anchored_boundaries():
+    q, k, v, g, beta, state = gdn_inputs(2, 11)
+    _, _, starts = chunk_gated_delta_rule(q, k, v, g, beta, 0.5, state, chunk_size=4)
+    # chunks anchored at the end: [0,3) [3,7) [7,11)
+    for i, begin in enumerate((0, 3, 7)):
+        _, expect = naive_gated_delta_rule(q[:, :begin], k[:, :begin], v[:, :begin], g[:, :begin], beta[:, :begin], 0.5, state)
+        torch.testing.assert_close(starts[:, :, i], expect, atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_from_states_runs_each_chunk_from_its_own_state():
+    q, k, v, g, beta, _ = gdn_inputs(2, 10)
+    starts = torch.randn(2, 3, 3, 8, 6)  # 3 chunks of 4 anchored at the end: [0,2) [2,6) [6,10)
+    out = chunk_gated_delta_rule_from_states(q, k, v, g, beta, 0.5, starts, 4)
+    for i, (s, e) in enumerate(((0, 2), (2, 6), (6, 10))):
+        ref, _ = naive_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], 0.5, starts[:, :, i])
+        torch.testing.assert_close(out[:, s:e], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (5, 9), (7, 7)])
+def test_masked_attention_matches_naive(lq, lk):
+    q = torch.randn(2, 4, lq, 8)
+    k, v = torch.randn(2, 2, lk, 8), torch.randn(2, 2, lk, 5)
+    mask = torch.rand(2, 1, lq, lk) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    torch.testing.assert_close(masked_attention(q, k, v, mask, 0.3), naive_masked_attention(q, k, v, mask, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+def test_grouped_experts_match_naive(tokens):
+    experts, hidden, inter, topk = 6, 10, 7, 2
+    x = torch.randn(tokens, hidden)
+    gate_up, down = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
+    torch.testing.assert_close(grouped_experts(x, top_idx, top_w, gate_up, down), naive_experts(x, top_idx, top_w, gate_up, down),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length,block", [(1, 1), (9, 4), (13, 5), (6, 32)])
+@pytest.mark.parametrize("right", [True, False])
+def test_block_short_conv_matches_naive(length, block, right):
+    channels, kernel = 5, 4
+    x_ext = torch.randn(2, channels, kernel - 1 + length)
+    weight = torch.randn(channels, kernel)
+    right_w = torch.randn(channels, kernel - 1) if right else torch.zeros(channels, kernel - 1)
+    pad = (-length) % block
+    wid = (torch.arange(length) + pad) // block
+    fast = block_short_conv(x_ext, weight, right_w if right else None, wid)
+    torch.testing.assert_close(fast, naive_block_short_conv(x_ext, weight, right_w, wid), atol=1e-5, rtol=1e-5)
