@@ -1,0 +1,271 @@
+"""The decoding engine. Reads top to bottom: add requests (validate, prefill) -> step (one model
+forward per denoising step / AR step, two per self-spec round) -> postprocess (hand finished
+blocks to their Sequence, start the next block, drop finished rows).
+
+Batch state lives on-device as [rows, window] tensors; the host sees one small sync per step (did a
+block finish?). Every row advances its own block and leaves the batch when it finishes.
+
+Modes (all share prefill, caches and bookkeeping):
+* diffusion (`low_confidence`, `topk`, `entropy`, `margin`): the draft window is
+  [last known token, MASK x (B-1)]; column j predicts target j. A finished block becomes clean and
+  is committed *in the same forward* as the first step of the next block (clean_block_size = B).
+* `ar`: greedy/sampled next-token decoding; the last token is committed as it is fed.
+* `self_spec`: prefix committed causally (clean_block_size = 1); each round drafts a block in one
+  diffusion step, verifies it causally with the cache recording, keeps the agreeing prefix plus the
+  AR correction and rolls the cache back to it. Lossless w.r.t. `ar` greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .policies import SCORES, make_policy
+from .sampling import SamplingParams, make_generator, sample
+from .sequence import Sequence
+
+MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar")
+
+
+@dataclass
+class DecodeConfig:
+    mode: str = "low_confidence"
+    block_size: int = 32
+    threshold: float = 0.95
+    steps: int | None = None  # per block, for topk / entropy / margin
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
+
+
+class Engine:
+    def __init__(self, model, config: DecodeConfig):
+        cfg, mc = config, model.config
+        if cfg.mode not in MODES:
+            raise ValueError(f"unknown mode {cfg.mode!r} (known: {', '.join(MODES)})")
+        if not 1 <= cfg.block_size <= mc.max_block_size:
+            raise ValueError(f"block_size must be in [1, {mc.max_block_size}], got {cfg.block_size}")
+        if cfg.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+        cfg.sampling.validate()
+        if cfg.mode == "self_spec" and not cfg.sampling.greedy:
+            raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
+        self.model, self.cfg = model, cfg
+        self.policy = make_policy(cfg.mode, cfg.block_size, cfg.threshold, cfg.steps) if cfg.mode in SCORES else None
+        self.width = 1 if cfg.mode == "ar" else cfg.block_size  # columns of the per-row window
+        self.clean_bs = cfg.block_size if self.policy else 1  # AR and self-spec commit causally
+        self.mask_id = mc.mask_token_id
+        self.device = model.device
+        self.eos = set(cfg.eos_token_ids)
+        self.eos_t = torch.tensor(sorted(self.eos), device=self.device) if self.eos else None
+        self.generator = make_generator(cfg.sampling, self.device)
+        self.seqs: list[Sequence] = []
+
+    # ---- add requests ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, prompts: list[list[int]]) -> list[Sequence]:
+        """Validate every prompt before any work, then prefill them as one batch."""
+        ctx = self.model.config.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + self.cfg.max_new_tokens > ctx:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({self.cfg.max_new_tokens}) "
+                                 f"exceeds the model's context of {ctx} tokens")
+        if self.seqs:
+            raise RuntimeError("this engine is already running a batch")
+        self.seqs = [Sequence(i, list(p), self.cfg.max_new_tokens) for i, p in enumerate(prompts)]
+        rows, longest = len(prompts), max(map(len, prompts))
+        self.cache = self.model.new_cache(rows, capacity=longest + self.cfg.max_new_tokens + self.width)
+        self._prefill()
+        self.window = torch.full((rows, self.width), self.mask_id, dtype=torch.long, device=self.device)
+        self.window[:, 0] = torch.tensor([p[-1] for p in prompts], device=self.device)
+        if self.policy:
+            self._new_block_state(rows)
+        return list(self.seqs)
+
+    def _prefill(self) -> None:
+        """Commit prompt[:-1] (left-padded) in chunks whose boundaries fall on clean windows counted
+        from the end; the last chunk is left pending, to be fused with the first decoding forward."""
+        cleans = [s.prompt_ids[:-1] for s in self.seqs]
+        width = max(map(len, cleans))
+        self.pending = None
+        if width == 0:
+            return
+        ids = torch.zeros(len(cleans), width, dtype=torch.long)
+        pad = torch.ones(len(cleans), width, dtype=torch.bool)
+        for r, c in enumerate(cleans):
+            if c:
+                ids[r, width - len(c):] = torch.tensor(c)
+                pad[r, width - len(c):] = False
+        ids, pad = ids.to(self.device), pad.to(self.device)
+        chunk = max(self.clean_bs, self.cfg.prefill_chunk // self.clean_bs * self.clean_bs)
+        cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]
+        for a, b in zip(cuts[:-2], cuts[1:-1]):
+            self.model(ids[:, a:b], cache=self.cache, clean_block_size=self.clean_bs,
+                       pad_mask=pad[:, a:b] if pad[:, a:b].any() else None, logits_to_keep=1)
+        a = cuts[-2]
+        self.pending = (ids[:, a:], pad[:, a:] if pad[:, a:].any() else None)
+
+    def _new_block_state(self, rows: int) -> None:
+        B = self.cfg.block_size
+        self.filled = torch.zeros(rows, B, dtype=torch.bool, device=self.device)
+        self.targets = torch.zeros(rows, B, dtype=torch.long, device=self.device)
+        self.fill_step = torch.zeros(rows, B, dtype=torch.long, device=self.device)
+        self.steps_done = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.eligible = self._eligible()
+
+    def _eligible(self) -> torch.Tensor:
+        """Targets a new block may fill: all B, or the remaining budget in a last partial block."""
+        remaining = torch.tensor([s.remaining for s in self.seqs], device=self.device)
+        return torch.arange(self.cfg.block_size, device=self.device)[None, :] < remaining[:, None]
+
+    # ---- step ---------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return bool(self.seqs)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Advance every running row; returns (sequence, new tokens) for rows that produced output."""
+        if self.cfg.mode == "ar":
+            events = self._step_ar()
+        elif self.cfg.mode == "self_spec":
+            events = self._step_self_spec()
+        else:
+            events = self._step_diffusion()
+        self._drop_finished()
+        return events
+
+    def _forward(self, window: torch.Tensor, draft_len: int, keep: int) -> torch.Tensor:
+        """One model call on [pending clean segment ; window]; the pending segment is consumed."""
+        ids, pad = window, None
+        if self.pending is not None:
+            clean, clean_pad = self.pending
+            ids = torch.cat([clean, window], dim=1)
+            if clean_pad is not None:
+                pad = torch.cat([clean_pad, clean_pad.new_zeros(window.shape)], dim=1)
+            self.pending = None
+        for s in self.seqs:
+            s.forward_passes += 1
+        return self.model(ids, cache=self.cache, block_size=self.cfg.block_size if draft_len else None,
+                          draft_len=draft_len, clean_block_size=self.clean_bs, pad_mask=pad,
+                          logits_to_keep=keep).logits
+
+    def _sample(self, logits):
+        return sample(logits, self.cfg.sampling, self.mask_id, self.generator)
+
+    def _step_ar(self):
+        tokens, _ = self._sample(self._forward(self.window, 0, 1)[:, -1])
+        self.window = tokens[:, None]
+        events = []
+        for seq, t in zip(self.seqs, tokens.tolist()):
+            seq.append([t], [0], self.eos)
+            events.append((seq, [t]))
+        return events
+
+    def _step_self_spec(self):
+        B = self.cfg.block_size
+        draft, _ = self._sample(self._forward(self.window, B, B))  # draft[:, j] = guess for target j
+        self.cache.start_recording()
+        verify_ids = torch.cat([self.window[:, :1], draft[:, :-1]], dim=1)
+        ar, _ = self._sample(self._forward(verify_ids, 0, B))  # ar[:, j] = greedy AR token for target j
+        agree = (draft == ar).long().cumprod(1).sum(1)
+        # the agreeing prefix equals ar[:, :agree]; ar[:, agree] is the correction (when agree < B)
+        take = (agree + 1).clamp_max(B).tolist()
+        events, keep = [], []
+        for seq, row, n, a in zip(self.seqs, ar.tolist(), take, agree.tolist()):
+            tokens = self._cut_at_eos(row[: min(n, seq.remaining)])
+            seq.append(tokens, [0 if j < a else 1 for j in range(len(tokens))], self.eos)
+            events.append((seq, tokens))
+            keep.append(len(tokens))
+        keep_t = torch.tensor(keep, device=self.device)
+        self.cache.rollback(keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
+        self.window = torch.full_like(self.window, self.mask_id)
+        self.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
+        return events
+
+    def _cut_at_eos(self, tokens: list[int]) -> list[int]:
+        for i, t in enumerate(tokens):
+            if t in self.eos:
+                return tokens[: i + 1]
+        return tokens
+
+    def _step_diffusion(self):
+        B = self.cfg.block_size
+        tokens, probs = self._sample(self._forward(self.window, B, B))
+        masked = self.eligible & ~self.filled
+        chosen = self.policy.select(probs, tokens, masked, self.steps_done)
+        self.targets = torch.where(chosen, tokens, self.targets)
+        self.fill_step = torch.where(chosen, self.steps_done[:, None], self.fill_step)
+        self.filled |= chosen
+        self.window[:, 1:] = torch.where(chosen[:, :-1], tokens[:, :-1], self.window[:, 1:])
+        self.steps_done += 1
+        if self.eos_t is not None:  # nothing after the first filled EOS is kept or filled
+            eos = (self.filled & torch.isin(self.targets, self.eos_t)).long()
+            self.eligible &= (eos.cumsum(1) - eos) == 0
+        done = ~(self.eligible & ~self.filled).any(1)
+        return self._finish_blocks(done) if bool(done.any()) else []
+
+    # ---- postprocess ------------------------------------------------------------------------------
+    def _finish_blocks(self, done: torch.Tensor):
+        """Hand finished blocks to their sequences; rows that go on commit their window with the
+        next forward (fused) and start a new block from their last target."""
+        B = self.cfg.block_size
+        rows = done.nonzero().squeeze(1).tolist()
+        counts = self.eligible[done].sum(1).tolist()
+        events = []
+        for r, toks, steps, n in zip(rows, self.targets[done].tolist(), self.fill_step[done].tolist(), counts):
+            seq = self.seqs[r]
+            seq.append(toks[:n], steps[:n], self.eos)
+            events.append((seq, toks[:n]))
+        go_on = torch.tensor([r in rows and not s.finished for r, s in enumerate(self.seqs)], device=self.device)
+        if bool(go_on.any()):
+            self.pending = (self.window, None if bool(go_on.all()) else ~go_on[:, None].expand(-1, B))
+            fresh = torch.full_like(self.window, self.mask_id)
+            fresh[:, 0] = self.targets[:, -1]
+            self.window = torch.where(go_on[:, None], fresh, self.window)
+            self.filled &= ~go_on[:, None]
+            self.steps_done = torch.where(go_on, 0, self.steps_done)
+            self.eligible = torch.where(go_on[:, None], self._eligible(), self.eligible)
+        return events
+
+    def _drop_finished(self) -> None:
+        keep = [r for r, s in enumerate(self.seqs) if not s.finished]
+        if len(keep) == len(self.seqs):
+            return
+        self.seqs = [self.seqs[r] for r in keep]
+        if not keep:
+            self.pending = None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        self.cache.select_rows(idx)
+        self.window = self.window[idx]
+        if self.policy:
+            for name in ("filled", "targets", "fill_step", "steps_done", "eligible"):
+                setattr(self, name, getattr(self, name)[idx])
+        if self.pending is not None:
+            clean, pad = self.pending
+            pad = pad[idx] if pad is not None else None
+            if pad is None or not bool(pad.all()):  # someone still commits
+                self.pending = (clean[idx], pad if pad is not None and bool(pad.any()) else None)
+            else:
+                self.pending = None
+
+    # ---- whole runs ---------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], on_step=None) -> list[Sequence]:
+        """Run a batch to the end; `on_step(engine, events)` is called after every step."""
+        for _ in self.stream(prompts, on_step):
+            pass
+        return self.finished_seqs
+
+    def stream(self, prompts: list[list[int]], on_step=None):
+        """Yield (sequence, new tokens) as rows produce output (block by block)."""
+        self.finished_seqs = self.add(prompts)
+        while self.running:
+            events = self.step()
+            if on_step is not None:
+                on_step(self, events)
+            yield from events

@@ -1,0 +1,84 @@
+"""Fill policies for block diffusion: which masked positions of the current block to fill this step.
+
+A policy = a confidence score per position (from the distribution the token was drawn from) + a
+selection rule. All work on whole batches [rows, block] on-device, with no host round trip.
+
+* `low_confidence` (SPEC section 3): fill every masked position whose probability is strictly above
+  the threshold; if none is, fill the single most confident one (leftmost on ties).
+* `topk`, `entropy`, `margin` (the Dream / llama.cpp variants): a fixed budget of `steps` per block;
+  each step fills ceil(masked / steps left) positions, ranked by probability, negative entropy or
+  top1-top2 margin (leftmost on ties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+# ---- confidence scores: higher = more certain ---------------------------------------------------
+def probability(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return probs.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def neg_entropy(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return (probs * probs.clamp_min(1e-30).log()).sum(-1)
+
+
+def margin(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    top2 = probs.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
+
+
+# ---- selection rules ----------------------------------------------------------------------------
+def select_threshold(score: torch.Tensor, masked: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Masked positions with score > threshold; rows where none passes get their best one."""
+    score = score.masked_fill(~masked, NEG_INF)
+    chosen = masked & (score > threshold)
+    best = torch.zeros_like(masked).scatter_(1, score.argmax(1, keepdim=True), True)  # first max = leftmost
+    return chosen | (best & masked & ~chosen.any(1, keepdim=True))
+
+
+def select_count(score: torch.Tensor, masked: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The `count[row]` highest-scoring masked positions of each row (leftmost first on ties)."""
+    order = score.masked_fill(~masked, NEG_INF).sort(dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    return masked & (rank < count[:, None])
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    threshold: float | None = None  # threshold rule when set, else `steps` budget per block
+    steps: int = 1
+
+    def select(self, probs, tokens, masked, steps_done) -> torch.Tensor:
+        """probs [R, B, V], tokens/masked [R, B], steps_done [R] (steps taken in the current block)."""
+        score = self.score(probs, tokens)
+        if self.threshold is not None:
+            return select_threshold(score, masked, self.threshold)
+        left = (self.steps - steps_done).clamp_min(1)
+        count = (masked.sum(1) + left - 1) // left  # ceil: the budget always finishes the block
+        return select_count(score, masked, count)
+
+
+SCORES = {"low_confidence": probability, "topk": probability, "entropy": neg_entropy, "margin": margin}
+
+
+def make_policy(mode: str, block_size: int, threshold: float = 0.95, steps: int | None = None) -> Policy:
+    """`steps` (per block, for topk/entropy/margin) defaults to block_size // 4: ~4 tokens per step."""
+    if mode not in SCORES:
+        raise ValueError(f"unknown diffusion policy {mode!r} (known: {', '.join(SCORES)})")
+    if mode == "low_confidence":
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        return Policy(mode, probability, threshold=threshold)
+    steps = steps or max(1, block_size // 4)
+    if not 1 <= steps <= block_size:
+        raise ValueError(f"steps must be in [1, block_size={block_size}], got {steps}")
+    return Policy(mode, SCORES[mode], steps=steps)
