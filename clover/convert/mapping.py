@@ -1,11 +1,16 @@
 """Tensor-name and layout mapping from transformers' Qwen3-Next / Qwen3.5-MoE text models to Clover.
 
 Works on one layer's worth of tensors at a time so a converter can stream shard by shard. Input
-names are those of the transformers modules *in memory* (fused experts `gate_up_proj` [E, 2I, H]),
-without the `model.language_model.` prefix; per-expert checkpoints are fused before calling this.
+names are those of the transformers text model (`model.layers.{i}...`, `lm_head.weight`); on-disk
+names with the multimodal `model.language_model.` prefix are brought to that form by `text_name`.
+Experts may come fused (`experts.gate_up_proj` [E, 2I, H]) or per expert (`experts.{e}.gate_proj`,
+what transformers' save_pretrained writes).
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import torch
 
@@ -34,6 +39,67 @@ def clover_config_from_hf(hf: dict, **overrides) -> CloverConfig:
     return CloverConfig(**kwargs)
 
 
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+MULTIMODAL_PREFIX = "model.language_model."
+
+
+def text_prefix(keys) -> str:
+    """The prefix of the text model's tensors on disk: multimodal checkpoints nest it one level down."""
+    return MULTIMODAL_PREFIX if any(k.startswith(MULTIMODAL_PREFIX) for k in keys) else "model."
+
+
+def text_name(key: str, prefix: str) -> str | None:
+    """On-disk name -> text-model name, or None for tensors of other towers (vision, MTP head)."""
+    if key == "lm_head.weight":
+        return key
+    if key.startswith(prefix):
+        return "model." + key[len(prefix):]
+    return None
+
+
+def disk_name(name: str, prefix: str) -> str:
+    """Inverse of `text_name`, so errors name the tensor as it is stored."""
+    return prefix + name[len("model."):] if name.startswith("model.") else name
+
+
+def skipped_group(key: str) -> str:
+    """A short label for a skipped tensor's tower (`model.visual`, `mtp`)."""
+    parts = key.split(".")
+    return ".".join(parts[:2]) if parts[0] == "model" else parts[0]
+
+
+def layer_of(name: str) -> int | None:
+    m = LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def diffusion_additions(cfg: CloverConfig, i: int) -> dict:
+    """Identity values of a GDN layer's block-diffusion parameters (as CloverGatedDeltaNet initialises
+    them), written explicitly so a converted checkpoint is complete."""
+    if cfg.layer_types[i] != "linear_attention":
+        return {}
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    conv_dim = 2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
+    p = f"model.layers.{i}.linear_attn."
+    return {
+        p + "right_conv": torch.zeros(conv_dim, cfg.linear_conv_kernel_dim - 1),
+        p + "block_calibration": torch.zeros(cfg.num_calibration_anchors, hv),
+        p + "bidir_log_scale": torch.full((hv,), 0.5 * math.log(cfg.linear_key_head_dim)),
+    }
+
+
+def _experts(t: dict, cfg: CloverConfig, m: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused gate_up [E, 2I, H] and down [E, H, I], from fused or per-expert source tensors."""
+    if m + "experts.gate_up_proj" in t:
+        return t.pop(m + "experts.gate_up_proj"), t.pop(m + "experts.down_proj")
+    e = m + "experts."
+    gate_up = torch.stack([
+        torch.cat([t.pop(f"{e}{j}.gate_proj.weight"), t.pop(f"{e}{j}.up_proj.weight")])
+        for j in range(cfg.num_experts)
+    ])
+    return gate_up, torch.stack([t.pop(f"{e}{j}.down_proj.weight") for j in range(cfg.num_experts)])
+
+
 def _gdn_in_proj(t: dict, cfg: CloverConfig, prefix: str) -> torch.Tensor:
     """Rows [q ; k ; v ; z ; b ; a], each contiguous over heads (the Qwen3.5 order)."""
     nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -50,7 +116,8 @@ def _gdn_in_proj(t: dict, cfg: CloverConfig, prefix: str) -> torch.Tensor:
 
 
 def convert_layer(t: dict, cfg: CloverConfig, i: int) -> dict:
-    """Pop layer i's source tensors from `t` and return Clover's (identity diffusion additions)."""
+    """Pop layer i's source tensors from `t` and return Clover's backbone tensors (a missing source
+    tensor raises KeyError naming it; the diffusion additions come from `diffusion_additions`)."""
     src, dst = f"model.layers.{i}.", f"model.layers.{i}."
     out = {}
     for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -74,8 +141,7 @@ def convert_layer(t: dict, cfg: CloverConfig, i: int) -> dict:
             out[dst + "linear_attn." + name] = t.pop(g + name)
     m = src + "mlp."
     out[dst + "mlp.gate.weight"] = t.pop(m + "gate.weight")
-    out[dst + "mlp.experts.gate_up_proj"] = t.pop(m + "experts.gate_up_proj")
-    out[dst + "mlp.experts.down_proj"] = t.pop(m + "experts.down_proj")
+    out[dst + "mlp.experts.gate_up_proj"], out[dst + "mlp.experts.down_proj"] = _experts(t, cfg, m)
     if cfg.shared_expert_intermediate_size:
         out[dst + "mlp.shared_expert.gate_up_proj.weight"] = torch.cat(
             [t.pop(m + "shared_expert.gate_proj.weight"), t.pop(m + "shared_expert.up_proj.weight")]
