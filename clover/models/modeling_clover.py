@@ -380,17 +380,22 @@ class CloverSparseMoe(nn.Module):
         top_w, top_idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
-        out = grouped_experts(flat, top_idx, top_w.to(flat.dtype), self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.experts(flat, top_idx, top_w.to(flat.dtype))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)
 
 
 class CloverExperts(nn.Module):
+    """Routed SwiGLU experts, fused weights. Owns its dispatch so a quantised twin can replace it."""
+
     def __init__(self, num_experts, hidden, inter):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x, top_idx, top_w):
+        return grouped_experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 
 class CloverMLP(nn.Module):
