@@ -30,6 +30,15 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hi
               temporal_patch_size=1, spatial_merge_size=1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from threads, and on a shared 2-core box 2 threads run ~10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _random(model):
     """transformers leaves RMSNorm weights at zero and more at constants: randomise all so parity can fail."""
     with torch.no_grad():
@@ -178,7 +187,7 @@ def _unsupported(folder):
 @pytest.mark.parametrize("mutate, message", [
     (_missing, "missing tensor model.layers.1.linear_attn.A_log"),
     (_wrong_shape, "model.layers.0.mlp.gate.weight"),
-    (_per_expert_shape, "layer 2"),
+    (_per_expert_shape, "wrong shape for model.layers.2.mlp.experts.5.up_proj.weight: (32, 60)"),
     (_unsupported, "unsupported architecture LlamaForCausalLM"),
 ])
 def test_bad_source_is_one_line_error(base, tmp_path, capsys, mutate, message):
@@ -203,3 +212,9 @@ def test_existing_dst_needs_force(base, tmp_path, capsys):
     assert summary["shards"] == ["model.safetensors"] and not (dst / "keep.txt").exists()
     assert CloverForBlockDiffusion.from_pretrained(dst).dtype == torch.bfloat16
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clover"]
+
+
+def test_mask_token_id_flag_keeps_vocab(base, tmp_path, capsys):
+    summary = _convert(capsys, base, tmp_path / "clover", "--mask-token-id", "5")
+    assert summary["mask_token_id"] == 5 and summary["vocab_size"] == VOCAB
+    assert CloverConfig.from_pretrained(tmp_path / "clover").mask_token_id == 5

@@ -24,13 +24,14 @@ from tqdm import tqdm
 
 from ..models import CloverForBlockDiffusion
 from .mapping import (
-    clover_config_from_hf, convert_layer, diffusion_additions, disk_name, layer_of, skipped_group,
+    SourceShapeError, clover_config_from_hf, convert_layer, diffusion_additions, disk_name, layer_of, skipped_group,
     text_name, text_prefix,
 )
 
 SUPPORTED_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 MASK_TOKEN = "<|mask|>"
 VOCAB_MULTIPLE = 64  # grown vocabularies are padded to this (kernel-friendly row counts)
+TOP_LEVEL = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Files of SRC that are not carried over: weights and the config (both are rewritten).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -142,6 +143,10 @@ def _mask_token(src: Path, tmp: Path, rows: int, requested: int | None, notice) 
         })
     tk.save(str(tmp / "tokenizer.json"))
     (tmp / "tokenizer_config.json").write_text(json.dumps(conf, indent=2, ensure_ascii=False) + "\n")
+    if (src / "special_tokens_map.json").is_file():  # older layouts: keep the two files agreeing
+        special = json.loads((src / "special_tokens_map.json").read_text())
+        special["mask_token"] = token
+        (tmp / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n")
     return mask_id
 
 
@@ -185,9 +190,7 @@ def _check(out: dict, expected: dict, prefix: str) -> None:
         if name not in expected:
             raise ConversionError(f"unexpected tensor {disk_name(name, prefix)}")
         if tuple(tensor.shape) != expected[name]:
-            raise ConversionError(
-                f"wrong shape for {name}: {tuple(tensor.shape)}, the config implies {expected[name]}"
-            )
+            raise ConversionError(SourceShapeError.describe(name, tuple(tensor.shape), expected[name]))
 
 
 def convert_checkpoint(
@@ -218,7 +221,10 @@ def convert_checkpoint(
             old = dst.parent / f".{dst.name}.old-{os.getpid()}"
             os.replace(dst, old)
             os.replace(tmp, dst)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
         else:
             os.replace(tmp, dst)
     except BaseException:
@@ -230,14 +236,15 @@ def convert_checkpoint(
 def _convert_into(src, tmp, hf, dtype, max_shard_bytes, mask_token_id, progress, notice) -> dict:
     source = _Source(src)
     prefix = text_prefix(source.weight_map)
-    text_hf = hf.get("text_config", hf)
-    base = clover_config_from_hf(hf)
-    layers, top, skipped = _layout(source.weight_map, prefix, base.num_hidden_layers)
+    layers, top, skipped = _layout(source.weight_map, prefix, clover_config_from_hf(hf).num_hidden_layers)
     for group, n in skipped.items():
         notice(f"skipping {group}.* ({n} tensors, not part of the text model)")
-
+    extra = sorted(set(top) - set(TOP_LEVEL))
+    if extra:
+        raise ConversionError(f"unexpected tensor {top[extra[0]]}")
     if "model.embed_tokens.weight" not in top:
         raise ConversionError(f"missing tensor {disk_name('model.embed_tokens.weight', prefix)}")
+
     rows = source.shape(top["model.embed_tokens.weight"])[0]
     mask_id = _mask_token(src, tmp, rows, mask_token_id, notice)
     vocab = rows if mask_id < rows else -(-(mask_id + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
@@ -247,45 +254,44 @@ def _convert_into(src, tmp, hf, dtype, max_shard_bytes, mask_token_id, progress,
         expected = {k: tuple(v.shape) for k, v in CloverForBlockDiffusion(cfg).state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-        top.pop("lm_head.weight", None)
 
     writer = _ShardWriter(tmp, max_shard_bytes, dtype)
-    first_dtype = None
 
     def emit(out: dict) -> None:
-        nonlocal first_dtype
         _check(out, expected, prefix)
         for name, tensor in out.items():
-            first_dtype = first_dtype or tensor.dtype
             writer.add(name, tensor)
             expected.pop(name)
 
-    t = _read(source, top)
-    emit({"model.embed_tokens.weight": _grow(t.pop("model.embed_tokens.weight"), vocab)})
-    for i in tqdm(range(cfg.num_hidden_layers), desc="converting layers", disable=None if progress is None else not progress):
-        lt = _read(source, layers.get(i, {}))
+    def top_level(name: str) -> torch.Tensor:
+        if name not in top:
+            raise ConversionError(f"missing tensor {disk_name(name, prefix)}")
+        return source.get(top[name])
+
+    embed = top_level("model.embed_tokens.weight")
+    out_dtype = dtype or embed.dtype
+    emit({"model.embed_tokens.weight": _grow(embed, vocab)})
+    del embed
+    for i in tqdm(range(cfg.num_hidden_layers), desc="converting layers",
+                  disable=None if progress is None else not progress):
+        t = _read(source, layers.get(i, {}))
         try:
-            out = convert_layer(lt, cfg, i)
+            out = convert_layer(t, cfg, i)
         except KeyError as e:
             raise ConversionError(f"missing tensor {disk_name(e.args[0], prefix)}") from None
-        except RuntimeError as e:
-            raise ConversionError(f"layer {i}: tensors do not fit the config: {e}") from None
-        if lt:
-            raise ConversionError(f"unexpected tensor {disk_name(sorted(lt)[0], prefix)}")
+        except SourceShapeError as e:
+            raise ConversionError(SourceShapeError.describe(disk_name(e.name, prefix), e.shape, e.want)) from None
+        if t:
+            raise ConversionError(f"unexpected tensor {disk_name(sorted(t)[0], prefix)}")
         emit({**out, **diffusion_additions(cfg, i)})
-    for name in ("model.norm.weight", "lm_head.weight"):
-        if name in expected:
-            if name not in t:
-                raise ConversionError(f"missing tensor {disk_name(name, prefix)}")
-            tensor = t.pop(name)
-            emit({name: _grow(tensor, vocab) if name == "lm_head.weight" else tensor})
-    if t:
-        raise ConversionError(f"unexpected tensor {disk_name(sorted(t)[0], prefix)}")
+    emit({"model.norm.weight": top_level("model.norm.weight")})
+    if "lm_head.weight" in expected:
+        emit({"lm_head.weight": _grow(top_level("lm_head.weight"), vocab)})
     if expected:
         raise ConversionError(f"missing tensor {disk_name(sorted(expected)[0], prefix)}")
     shards = writer.close()
 
-    cfg.dtype = dtype or first_dtype
+    cfg.dtype = out_dtype
     cfg.save_pretrained(tmp)
     _copy_extras(src, tmp)
     return {

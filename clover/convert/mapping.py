@@ -88,48 +88,70 @@ def diffusion_additions(cfg: CloverConfig, i: int) -> dict:
     }
 
 
+class SourceShapeError(ValueError):
+    """A source tensor whose shape does not follow from the config (`name` is its text-model name)."""
+
+    def __init__(self, name: str, shape: tuple, want: tuple):
+        super().__init__(self.describe(name, shape, want))
+        self.name, self.shape, self.want = name, shape, want
+
+    @staticmethod
+    def describe(name: str, shape: tuple, want: tuple) -> str:
+        return f"wrong shape for {name}: {shape}, the config implies {want}"
+
+
+def _take(t: dict, name: str, *want: int) -> torch.Tensor:
+    """Pop a tensor that is reshaped or concatenated, checking its shape first so a bad checkpoint
+    fails with its name rather than a torch error (1:1 tensors are checked on the Clover side)."""
+    x = t.pop(name)
+    if tuple(x.shape) != want:
+        raise SourceShapeError(name, tuple(x.shape), want)
+    return x
+
+
 def _experts(t: dict, cfg: CloverConfig, m: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused gate_up [E, 2I, H] and down [E, H, I], from fused or per-expert source tensors."""
     if m + "experts.gate_up_proj" in t:
         return t.pop(m + "experts.gate_up_proj"), t.pop(m + "experts.down_proj")
-    e = m + "experts."
+    e, h, i = m + "experts.", cfg.hidden_size, cfg.moe_intermediate_size
     gate_up = torch.stack([
-        torch.cat([t.pop(f"{e}{j}.gate_proj.weight"), t.pop(f"{e}{j}.up_proj.weight")])
+        torch.cat([_take(t, f"{e}{j}.gate_proj.weight", i, h), _take(t, f"{e}{j}.up_proj.weight", i, h)])
         for j in range(cfg.num_experts)
     ])
-    return gate_up, torch.stack([t.pop(f"{e}{j}.down_proj.weight") for j in range(cfg.num_experts)])
+    return gate_up, torch.stack([_take(t, f"{e}{j}.down_proj.weight", h, i) for j in range(cfg.num_experts)])
 
 
 def _gdn_in_proj(t: dict, cfg: CloverConfig, prefix: str) -> torch.Tensor:
     """Rows [q ; k ; v ; z ; b ; a], each contiguous over heads (the Qwen3.5 order)."""
-    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    rep = cfg.linear_num_value_heads // nk
+    nk, dk, dv, hv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
+    rep, hidden = hv // nk, cfg.hidden_size
     if prefix + "in_proj_qkvz.weight" in t:  # Qwen3-Next: rows grouped per key head
-        qkvz = t.pop(prefix + "in_proj_qkvz.weight")
-        hidden = qkvz.shape[-1]
+        qkvz = _take(t, prefix + "in_proj_qkvz.weight", nk * (2 * dk + 2 * rep * dv), hidden)
         q, k, v, z = qkvz.view(nk, 2 * dk + 2 * rep * dv, hidden).split([dk, dk, rep * dv, rep * dv], dim=1)
-        b, a = t.pop(prefix + "in_proj_ba.weight").view(nk, 2 * rep, hidden).split([rep, rep], dim=1)
+        ba = _take(t, prefix + "in_proj_ba.weight", 2 * hv, hidden)
+        b, a = ba.view(nk, 2 * rep, hidden).split([rep, rep], dim=1)
         parts = [x.reshape(-1, hidden) for x in (q, k, v, z, b, a)]
     else:  # Qwen3.5: already contiguous
-        parts = [t.pop(prefix + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
+        rows = {"qkv": 2 * nk * dk + hv * dv, "z": hv * dv, "b": hv, "a": hv}
+        parts = [_take(t, prefix + f"in_proj_{n}.weight", r, hidden) for n, r in rows.items()]
     return torch.cat(parts)
 
 
 def convert_layer(t: dict, cfg: CloverConfig, i: int) -> dict:
-    """Pop layer i's source tensors from `t` and return Clover's backbone tensors (a missing source
-    tensor raises KeyError naming it; the diffusion additions come from `diffusion_additions`)."""
+    """Pop layer i's source tensors from `t` and return Clover's backbone tensors. A missing source
+    tensor raises KeyError naming it, a mis-shaped one SourceShapeError; the diffusion additions
+    come from `diffusion_additions`."""
     src, dst = f"model.layers.{i}.", f"model.layers.{i}."
     out = {}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out[dst + norm + ".weight"] = t.pop(src + norm + ".weight")
     if cfg.layer_types[i] == "full_attention":
         a = src + "self_attn."
-        q = t.pop(a + "q_proj.weight")
-        hidden = q.shape[-1]
+        hidden, kv_rows = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+        q = _take(t, a + "q_proj.weight", 2 * cfg.num_attention_heads * cfg.head_dim, hidden)
         q, gate = q.view(cfg.num_attention_heads, 2, cfg.head_dim, hidden).unbind(1)
-        out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
-            [q.reshape(-1, hidden), gate.reshape(-1, hidden), t.pop(a + "k_proj.weight"), t.pop(a + "v_proj.weight")]
-        )
+        k, v = _take(t, a + "k_proj.weight", kv_rows, hidden), _take(t, a + "v_proj.weight", kv_rows, hidden)
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([q.reshape(-1, hidden), gate.reshape(-1, hidden), k, v])
         for name in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
             out[dst + "self_attn." + name] = t.pop(a + name)
         if cfg.attention_bias:
@@ -143,8 +165,9 @@ def convert_layer(t: dict, cfg: CloverConfig, i: int) -> dict:
     out[dst + "mlp.gate.weight"] = t.pop(m + "gate.weight")
     out[dst + "mlp.experts.gate_up_proj"], out[dst + "mlp.experts.down_proj"] = _experts(t, cfg, m)
     if cfg.shared_expert_intermediate_size:
+        si, h = cfg.shared_expert_intermediate_size, cfg.hidden_size
         out[dst + "mlp.shared_expert.gate_up_proj.weight"] = torch.cat(
-            [t.pop(m + "shared_expert.gate_proj.weight"), t.pop(m + "shared_expert.up_proj.weight")]
+            [_take(t, m + "shared_expert.gate_proj.weight", si, h), _take(t, m + "shared_expert.up_proj.weight", si, h)]
         )
         out[dst + "mlp.shared_expert.down_proj.weight"] = t.pop(m + "shared_expert.down_proj.weight")
         out[dst + "mlp.shared_expert_gate.weight"] = t.pop(m + "shared_expert_gate.weight")
