@@ -82,12 +82,12 @@ def _multimodal_prefix(sd):
     return out
 
 
-def _build(kind, folder, tokenizer_size=None, fused=False, prefix=False, shard=None):
+def _build(kind, folder, tokenizer_size=None, fused=False, prefix=False, shard=None, tied=False):
     torch.manual_seed(1)
     if kind == "qwen3_next":
         model = Qwen3NextForCausalLM(Qwen3NextConfig(**TEXT))
     elif kind == "qwen3_5_moe":
-        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TEXT))
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TEXT, tie_word_embeddings=tied))
     else:
         model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION))
     _random(model).save_pretrained(folder, max_shard_size=shard or "5GB")
@@ -110,6 +110,7 @@ CASES = {
     "next-per_expert-sharded-tokenizer": ("qwen3_next", dict(tokenizer_size=100, shard="100KB")),
     "next-fused-prefix-mtp": ("qwen3_next", dict(fused=True, prefix=True)),
     "qwen3_5-fused-no_tokenizer": ("qwen3_5_moe", dict(fused=True)),
+    "qwen3_5-tied_embeddings": ("qwen3_5_moe", dict(tied=True)),
     "qwen3_5_vl-per_expert-prefix-sharded-full_tokenizer": ("qwen3_5_moe_vl", dict(tokenizer_size=VOCAB, shard="100KB")),
 }
 
@@ -125,6 +126,7 @@ def test_conversion_parity(case, tmp_path, capsys):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.model_type == "clover" and len(summary["shards"]) > 1
     assert (dst / "model.safetensors.index.json").is_file()
+    assert all((dst / f).stat().st_size < 300_000 + 20_000 for f in summary["shards"])  # + header
     ids = torch.randint(0, VOCAB, (2, 11))
     with torch.no_grad():
         want = ref(input_ids=ids).logits
@@ -148,6 +150,20 @@ def test_conversion_parity(case, tmp_path, capsys):
     if opts.get("prefix") or kind == "qwen3_5_moe_vl":
         assert summary["skipped"] == ({"mtp": 1} if opts.get("prefix") else {"model.visual": summary["skipped"]["model.visual"]})
     assert sorted(p.name for p in dst.parent.iterdir()) == ["clover"]  # no temp folder left behind
+
+
+def test_streams_layer_by_layer(tmp_path, monkeypatch):
+    """Each source tensor is read once, and a layer's tensors all before the next layer's."""
+    from clover.convert import convert as conv
+
+    _build("qwen3_next", tmp_path / "src", shard="100KB")
+    reads = []
+    get = conv._Source.get
+    monkeypatch.setattr(conv._Source, "get", lambda self, key: reads.append(key) or get(self, key))
+    conv.convert_checkpoint(tmp_path / "src", tmp_path / "dst", progress=False)
+    assert len(reads) == len(set(reads))
+    layers = [int(k.split(".")[2]) for k in reads if k.startswith("model.layers.")]
+    assert layers == sorted(layers)
 
 
 def test_diffusion_additions_match_model_init():

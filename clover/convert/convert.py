@@ -194,7 +194,7 @@ def _check(out: dict, expected: dict, prefix: str) -> None:
 
 
 def convert_checkpoint(
-    src, dst, *, dtype: str | None = None, max_shard_bytes: int = 2 * 1024**3,
+    src, dst, *, dtype: str | None = None, max_shard_bytes: int = 2 * 10**9,
     mask_token_id: int | None = None, force: bool = False, progress: bool | None = None, notice=_notice,
 ) -> dict:
     """Convert SRC to a Clover checkpoint at DST; returns a summary (dst, num_params, mask_token_id,
