@@ -1,9 +1,9 @@
-import os
-
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tiny test tensors: one thread avoids OpenMP spin overhead, which on a shared 2-core box made
+# small forwards 10-100x slower with two threads.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

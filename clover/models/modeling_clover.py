@@ -32,6 +32,7 @@ from ..ops.gated_delta_rule import (
 )
 from ..ops.moe import grouped_experts
 from ..ops.short_conv import block_short_conv
+from ..ops.utils import cast
 from .cache_clover import CloverCache
 from .configuration_clover import CloverConfig, calibration_weights
 
@@ -59,6 +60,12 @@ class Layout:
     training: bool = False  # [x_t ; x_0] layout: first half noisy, second half clean
     clean_block_size: int = 1
     draft_block_size: int = 1
+    rope: tuple | None = None  # (cos, sin), computed by the first attention layer, shared by the rest
+
+    def rope_for(self, rotary_dim: int, theta: float, dtype):
+        if self.rope is None:
+            self.rope = rope_cos_sin(self.positions, rotary_dim, theta, dtype)
+        return self.rope
 
 
 def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -> torch.Tensor | None:
@@ -114,7 +121,7 @@ def training_layout(cfg, batch, length, block, device) -> Layout:
 # Layers
 # ------------------------------------------------------------------------------------------------
 class CloverRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: x / rms(x) * (1 + w), computed in fp32."""
+    """Zero-centred RMSNorm: x / rms(x) * (1 + w), computed in fp32 (one fused kernel)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -122,9 +129,8 @@ class CloverRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        out = F.rms_norm(_fp32(x), x.shape[-1:], 1.0 + _fp32(self.weight), self.eps)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class CloverGatedRMSNorm(nn.Module):
@@ -136,10 +142,12 @@ class CloverGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, z):
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * xf.to(dtype)).float() * F.silu(z.float())).to(dtype)
+        normed = F.rms_norm(_fp32(x), x.shape[-1:], None, self.eps).to(x.dtype) * self.weight
+        return (_fp32(normed) * F.silu(_fp32(z))).to(x.dtype)
+
+
+def _fp32(x):
+    return cast(x, torch.float32)
 
 
 def rope_cos_sin(positions, rotary_dim, theta, dtype):
@@ -185,7 +193,7 @@ class CloverAttention(nn.Module):
         q = self.q_norm(q.view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(k.view(batch, length, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(layout.positions, self.rotary_dim, self.theta, q.dtype)
+        cos, sin = layout.rope_for(self.rotary_dim, self.theta, q.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         keys, values = k, v
         if cache is not None:
@@ -252,13 +260,13 @@ class CloverGatedDeltaNet(nn.Module):
         batch, length, _ = conv_out.shape
         q, k, v = F.silu(conv_out).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         rep = self.v_heads // self.k_heads
-        q = l2norm(q.reshape(batch, length, self.k_heads, self.dk).float())
-        k = l2norm(k.reshape(batch, length, self.k_heads, self.dk).float())
+        q = l2norm(_fp32(q.reshape(batch, length, self.k_heads, self.dk)))
+        k = l2norm(_fp32(k.reshape(batch, length, self.k_heads, self.dk)))
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         v = v.reshape(batch, length, self.v_heads, self.dv)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return q, k, v, g, b.float().sigmoid()
+        g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
+        return q, k, v, g, _fp32(b).sigmoid()
 
     def _bidirectional(self, q, k, v, layout):
         """c(B) * softmax(s q.k) v within each block; None when every calibration weight is 0."""
@@ -274,7 +282,7 @@ class CloverGatedDeltaNet(nn.Module):
         batch, length = z.shape[:2]
         if extra is not None:
             core = core.float() + extra
-        core = core.to(z.dtype).reshape(batch, length, self.v_heads, self.dv)
+        core = cast(core, z.dtype).reshape(batch, length, self.v_heads, self.dv)
         core = self.norm(core, z.reshape(batch, length, self.v_heads, self.dv))
         return self.out_proj(core.reshape(batch, length, self.value_dim))
 
@@ -291,7 +299,7 @@ class CloverGatedDeltaNet(nn.Module):
         if pad is not None:
             mixed = mixed.masked_fill(pad[..., None], 0.0)
         stream = mixed.transpose(1, 2)  # [B, C, L]
-        left = cache.conv[self.layer_idx].to(stream.dtype) if cache is not None else stream.new_zeros(batch, self.conv_dim, self.kernel - 1)
+        left = cast(cache.conv[self.layer_idx], stream.dtype) if cache is not None else stream.new_zeros(batch, self.conv_dim, self.kernel - 1)
         ext = torch.cat([left, stream], dim=-1)
         if pad is not None:  # move the conv state right in front of each row's first real token
             ext = ext.gather(2, _left_context_index(pad, self.kernel)[:, None, :].expand(-1, self.conv_dim, -1))
@@ -311,7 +319,7 @@ class CloverGatedDeltaNet(nn.Module):
                     cache.recorded[self.layer_idx] = (cache.conv[self.layer_idx].clone(), cache.state[self.layer_idx].clone(),
                                                       stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
                 cache.state[self.layer_idx] = state
-                cache.conv[self.layer_idx] = ext[..., n : n + self.kernel - 1].to(cache.dtype)
+                cache.conv[self.layer_idx] = cast(ext[..., n : n + self.kernel - 1], cache.dtype)
         if n < length:
             out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state)
             outs.append(out)
@@ -376,11 +384,11 @@ class CloverSparseMoe(nn.Module):
     def forward(self, x):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        probs = torch.softmax(_fp32(self.gate(flat)), dim=-1)
         top_w, top_idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             top_w = top_w / top_w.sum(-1, keepdim=True)
-        out = self.experts(flat, top_idx, top_w.to(flat.dtype))
+        out = self.experts(flat, top_idx, cast(top_w, flat.dtype))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(shape)

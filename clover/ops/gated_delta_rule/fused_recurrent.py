@@ -2,6 +2,8 @@
 
 import torch
 
+from ..utils import cast
+
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state=None):
     batch, length, heads, dk = k.shape
@@ -9,8 +11,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state=None
     if initial_state is None:
         state = q.new_zeros(batch, heads, dk, v.shape[-1], dtype=torch.float32)
     else:
-        state = initial_state.float()
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+        state = cast(initial_state, torch.float32)
+    q, k, v, g, beta = (cast(x, torch.float32) for x in (q, k, v, g, beta))
     decay = g.exp()
     outs = []
     for t in range(length):
@@ -19,4 +21,5 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state=None
         error = v[:, t] - (state * kt).sum(-2)  # [B, H, Dv]
         state = state + kt * (error * beta[:, t, :, None]).unsqueeze(-2)
         outs.append((state * q[:, t].unsqueeze(-1)).sum(-2) * scale)
-    return torch.stack(outs, dim=1).to(out_dtype), state
+    out = outs[0].unsqueeze(1) if length == 1 else torch.stack(outs, dim=1)
+    return cast(out, out_dtype), state

@@ -11,9 +11,11 @@ kernel launches per step, which dominated a 32-token block step on CPU.
 import torch
 import torch.nn.functional as F
 
+from ..utils import cast
+
 
 def grouped_experts(x, top_idx, top_w, gate_up, down):
-    top_w = top_w.to(x.dtype)
+    top_w = cast(top_w, x.dtype)
     inter = down.shape[-1]
     if x.shape[0] == 1:
         out = 0
@@ -21,15 +23,41 @@ def grouped_experts(x, top_idx, top_w, gate_up, down):
             gate, up = F.linear(x, gate_up[e]).split(inter, dim=-1)
             out = out + F.linear(F.silu(gate) * up, down[e]) * top_w[:, slot : slot + 1]
         return out
-    num_experts, k = gate_up.shape[0], top_idx.shape[1]
-    flat = top_idx.reshape(-1)
-    order = flat.argsort(stable=True)
-    expert_of = flat[order]
-    token_of = order // k
-    counts = torch.bincount(flat, minlength=num_experts)
-    slot_of = torch.arange(flat.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert_of]
+    num_experts = gate_up.shape[0]
+    order, expert_of, token_of, counts = sort_by_expert(top_idx, num_experts)
+    slot_of = torch.arange(order.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert_of]
     buf = x.new_zeros(num_experts, int(counts.max()), x.shape[-1])
     buf[expert_of, slot_of] = x[token_of]
     gate, up = torch.bmm(buf, gate_up.transpose(1, 2)).split(inter, dim=-1)
     y = torch.bmm(F.silu(gate) * up, down.transpose(1, 2))[expert_of, slot_of]
+    return torch.zeros_like(x).index_add_(0, token_of, y * top_w.reshape(-1)[order, None])
+
+
+def sort_by_expert(top_idx, num_experts):
+    """(token, slot) pairs sorted by expert: `order` (flat pair index, stable), the expert and the
+    token of each sorted pair, and the number of pairs per expert."""
+    flat = top_idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    return order, flat[order], order // top_idx.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def segmented_experts(x, top_idx, top_w, num_experts, expert_fn):
+    """The same dispatch for experts that are not plain weight tensors (e.g. int4): `expert_fn(e, xs)`
+    maps the rows routed to expert e to its output. One call per used expert, on the contiguous
+    segment of the sorted pairs (a single token calls its k experts directly)."""
+    top_w = top_w.to(x.dtype)
+    if x.shape[0] == 1:
+        out = 0
+        for slot, e in enumerate(top_idx[0].tolist()):
+            out = out + expert_fn(e, x) * top_w[:, slot : slot + 1]
+        return out
+    order, expert_of, token_of, counts = sort_by_expert(top_idx, num_experts)
+    xs = x[token_of]
+    ys = []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            ys.append(expert_fn(e, xs[start : start + n]))
+            start += n
+    y = torch.cat(ys)
     return torch.zeros_like(x).index_add_(0, token_of, y * top_w.reshape(-1)[order, None])

@@ -4,18 +4,20 @@ inputs (mkldnn's depthwise path has a large fixed cost) and is no slower for lon
 
 import torch.nn.functional as F
 
+from ..utils import cast
+
 
 def block_short_conv(x_ext, weight, right_weight, window_ids):
     kernel = weight.shape[-1]
     length = x_ext.shape[-1] - (kernel - 1)
-    weight = weight.to(x_ext.dtype)
+    weight = cast(weight, x_ext.dtype)
     out = weight[:, :1] * x_ext[..., :length]
     for j in range(1, kernel):
         out = out + weight[:, j : j + 1] * x_ext[..., j : j + length]
     if right_weight is None:
         return out
     x = x_ext[..., kernel - 1 :]
-    right_weight = right_weight.to(x.dtype)
+    right_weight = cast(right_weight, x.dtype)
     for j in range(1, min(kernel, length)):
         same = (window_ids[j:] == window_ids[:-j]).to(x.dtype)  # [L - j]
         shifted = right_weight[:, j - 1 : j] * x[..., j:] * same
