@@ -84,6 +84,7 @@ class Engine:
         self.window[:, 0] = torch.tensor([p[-1] for p in prompts], device=self.device)
         if self.policy:
             self._new_block_state(rows)
+        self.ready_draft = None
         return list(self.seqs)
 
     def _prefill(self) -> None:
@@ -167,11 +168,18 @@ class Engine:
         return events
 
     def _step_self_spec(self):
+        """Draft (unless the last verify already drafted this block), then verify causally with the
+        next block's draft fused into the same forward; that draft is kept only if every row
+        accepted its whole block (otherwise the prefix it assumed was rolled back)."""
         B = self.cfg.block_size
-        draft, _ = self._sample(self._forward(self.window, B, B))  # draft[:, j] = guess for target j
+        draft = self.ready_draft
+        if draft is None:
+            draft, _ = self._sample(self._forward(self.window, B, B))  # draft[:, j] = guess for target j
         self.cache.start_recording()
         verify_ids = torch.cat([self.window[:, :1], draft[:, :-1]], dim=1)
-        ar, _ = self._sample(self._forward(verify_ids, 0, B))  # ar[:, j] = greedy AR token for target j
+        next_window = torch.cat([draft[:, -1:], self.window[:, 1:]], dim=1)  # [d_B, MASK...]
+        tokens, _ = self._sample(self._forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B))
+        ar, next_draft = tokens[:, :B], tokens[:, B:]  # ar[:, j] = greedy AR token for target j
         agree = (draft == ar).long().cumprod(1).sum(1)
         # the agreeing prefix equals ar[:, :agree]; ar[:, agree] is the correction (when agree < B)
         take = (agree + 1).clamp_max(B).tolist()
@@ -183,6 +191,8 @@ class Engine:
             keep.append(len(tokens))
         keep_t = torch.tensor(keep, device=self.device)
         self.cache.rollback(keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
+        whole = all(k == B for k, s in zip(keep, self.seqs) if not s.finished)
+        self.ready_draft = next_draft if whole else None
         self.window = torch.full_like(self.window, self.mask_id)
         self.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
         return events
@@ -243,6 +253,8 @@ class Engine:
         idx = torch.tensor(keep, device=self.device)
         self.cache.select_rows(idx)
         self.window = self.window[idx]
+        if self.ready_draft is not None:
+            self.ready_draft = self.ready_draft[idx]
         if self.policy:
             for name in ("filled", "targets", "fill_step", "steps_done", "eligible"):
                 setattr(self, name, getattr(self, name)[idx])
