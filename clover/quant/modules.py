@@ -1,0 +1,233 @@
+"""INT4 twins of the model's linear layers and routed experts, and the swap that installs them.
+
+`Int4Weight` holds a stack of matrices [*lead, N, K] in the stored format (see `int4.py`); its
+`matmul(x, index)` runs x @ W[index]^T through the device's kernel, built lazily on first use. On
+CPU the kernel layout replaces the stored copy in memory (so weights are held once, at ~4.25
+bits per value); `state_dict()` rebuilds the stored format exactly, so saving still works.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.moe import segmented_experts
+from .int4 import PackedInt4, check_group_size, kernel_kind, reference_matmul
+
+QUANT_METHOD = "clover_int4"
+# Linear layers kept in high precision by default (matched on the last name component):
+# the router and the shared-expert gate are tiny and routing-sensitive; the head is optional.
+DEFAULT_NOT_QUANTIZED = ("gate", "shared_expert_gate", "lm_head")
+STORED = ("qweight", "scales", "qzeros")
+
+
+class Int4Weight(nn.Module):
+    """A stack of int4 matrices [*lead, N, K] in the stored format, with lazily built kernels."""
+
+    def __init__(self, lead: tuple, out_features: int, in_features: int, group_size: int, device=None):
+        super().__init__()
+        check_group_size((out_features, in_features), group_size)
+        self.lead, self.out_features, self.in_features, self.group_size = tuple(lead), out_features, in_features, group_size
+        shape = (*self.lead, out_features)
+        self.register_buffer("qweight", torch.zeros(*shape, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(*shape, in_features // group_size, dtype=torch.bfloat16, device=device))
+        self.register_buffer("qzeros", torch.full((*shape, in_features // group_size), 8, dtype=torch.uint8, device=device))
+        self.kernel = "auto"  # or "reference": dequantise then matmul
+        self._packed: list[PackedInt4] | None = None
+        self._released = False
+        self._register_state_dict_hook(Int4Weight._stored_state)
+
+    def extra_repr(self) -> str:
+        lead = f"lead={self.lead}, " if self.lead else ""
+        return f"{lead}in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+    # -- kernels -----------------------------------------------------------------------------
+    def _matrix(self, index: int):
+        if not self.lead:
+            return self.qweight, self.scales, self.qzeros
+        return self.qweight.flatten(0, -3)[index], self.scales.flatten(0, -3)[index], self.qzeros.flatten(0, -3)[index]
+
+    def _build(self) -> list[PackedInt4] | None:
+        kind = kernel_kind(self.qweight.device)
+        if kind == "reference":
+            return None
+        count = math.prod(self.lead)
+        try:
+            with torch.no_grad():
+                packed = [PackedInt4.build(*self._matrix(i), kind) for i in range(count)]
+        except (RuntimeError, NotImplementedError) as e:  # a device op that refuses these shapes
+            warnings.warn(f"int4 {kind} kernel unavailable for {tuple(self.qweight.shape)}: {e}; using the reference")
+            self.kernel = "reference"
+            return None
+        if kind == "cpu":  # the kernel layout now holds everything: drop the stored copy
+            empty = lambda t: torch.empty(0, dtype=t.dtype, device=t.device)  # noqa: E731
+            self.qweight, self.scales, self.qzeros = empty(self.qweight), empty(self.scales), empty(self.qzeros)
+            self._released = True
+        return packed
+
+    def matmul(self, x: torch.Tensor, index: int = 0) -> torch.Tensor:
+        """x [..., K] @ W[index]^T (index into the flattened lead dims) in x's dtype."""
+        if self.kernel == "auto":
+            if self._packed is None:
+                self._packed = self._build()
+            if self._packed is not None:
+                return self._packed[index].matmul(x)
+        self._restore()
+        return reference_matmul(x, *self._matrix(index))
+
+    def set_kernel(self, kernel: str) -> None:
+        if kernel not in ("auto", "reference"):
+            raise ValueError(f"unknown int4 kernel {kernel!r} (auto, reference)")
+        self.kernel = kernel
+
+    # -- the stored format stays the module's public state ---------------------------------------
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self._released:
+            return self.qweight, self.scales, self.qzeros
+        parts = [p.stored() for p in self._packed]
+        shape = (*self.lead, self.out_features)
+        return tuple(torch.stack([p[j] for p in parts]).reshape(*shape, -1) if self.lead else parts[0][j]
+                     for j in range(3))
+
+    def _restore(self) -> None:
+        """Put the stored format back into the buffers and forget the kernel layout."""
+        if self._released:
+            self.qweight, self.scales, self.qzeros = self.stored()
+            self._released = False
+        self._packed = None
+
+    @staticmethod
+    def _stored_state(module, state_dict, prefix, local_metadata):
+        if module._released:
+            for name, tensor in zip(STORED, module.stored()):
+                state_dict[prefix + name] = tensor
+        return state_dict
+
+    def _apply(self, fn, recurse=True):
+        self._restore()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._restore()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def memory_bytes(self) -> int:
+        """Bytes held now (kernel layout if built, else the stored format)."""
+        if self._packed is not None:
+            return sum(p.weight.numel() * p.weight.element_size() + p.sz.numel() * p.sz.element_size()
+                       for p in self._packed)
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.qzeros))
+
+    @torch.no_grad()
+    def load_stored(self, stored: dict) -> "Int4Weight":
+        """Fill the buffers from a {'qweight', 'scales', 'qzeros'} dict (e.g. `quantize_rtn`'s)."""
+        self._restore()
+        for name in STORED:
+            getattr(self, name).copy_(stored[name])
+        return self
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int) -> "Int4Weight":
+        """Round-to-nearest int4 of a float stack [*lead, N, K]."""
+        from .int4 import quantize_rtn
+
+        *lead, n, k = weight.shape
+        return cls(tuple(lead), n, k, group_size, device=weight.device).load_stored(quantize_rtn(weight, group_size))
+
+
+class Int4Linear(Int4Weight):
+    """Drop-in for nn.Linear with int4 weights (activations in bf16 on the kernels)."""
+
+    def __init__(self, in_features, out_features, group_size, bias=False, device=None, dtype=torch.bfloat16):
+        super().__init__((), out_features, in_features, group_size, device=device)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
+        from .int4 import quantize_rtn
+
+        n, k = weight.shape
+        module = cls(k, n, group_size, bias=bias is not None, device=weight.device)
+        if bias is not None:
+            module.bias.data.copy_(bias)
+        return module.load_stored(quantize_rtn(weight, group_size))
+
+    def forward(self, x):
+        y = self.matmul(x)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+
+class Int4Experts(nn.Module):
+    """Int4 twin of CloverExperts: same forward, same sort/grouping (ops.moe.segmented_experts)."""
+
+    def __init__(self, num_experts, hidden, inter, group_size, device=None):
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.gate_up_proj = Int4Weight((num_experts,), 2 * inter, hidden, group_size, device=device)
+        self.down_proj = Int4Weight((num_experts,), hidden, inter, group_size, device=device)
+
+    def _expert(self, e, xs):
+        gate, up = self.gate_up_proj.matmul(xs, e).split(self.inter, dim=-1)
+        return self.down_proj.matmul(F.silu(gate) * up, e)
+
+    def forward(self, x, top_idx, top_w):
+        return segmented_experts(x, top_idx, top_w, self.num_experts, self._expert)
+
+
+# ------------------------------------------------------------------------------------------------
+# Installing the twins
+# ------------------------------------------------------------------------------------------------
+def is_excluded(name: str, not_quantized) -> bool:
+    last = name.rsplit(".", 1)[-1]
+    return any(name == m or last == m or name.endswith("." + m) for m in not_quantized)
+
+
+def quantized_targets(model: nn.Module, not_quantized=DEFAULT_NOT_QUANTIZED):
+    """(qualified name, module) of every layer the int4 format covers: nn.Linear layers not
+    excluded, and every routed-experts module."""
+    from ..models.modeling_clover import CloverExperts
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not is_excluded(name, not_quantized):
+            out.append((name, module))
+        elif isinstance(module, CloverExperts):
+            out.append((name, module))
+    return out
+
+
+def check_quantization_config(qc: dict) -> dict:
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        raise ValueError(f"unsupported quantization_config {qc!r} (expected quant_method {QUANT_METHOD!r})")
+    if qc.get("bits", 4) != 4:
+        raise ValueError(f"{QUANT_METHOD}: only 4 bits are supported, got {qc.get('bits')}")
+    return qc
+
+
+def apply_quantization(model: nn.Module, quantization_config: dict) -> nn.Module:
+    """Replace the covered layers of `model` by int4 twins with empty (to be loaded) buffers."""
+    qc = check_quantization_config(quantization_config)
+    g = int(qc["group_size"])
+    not_quantized = qc.get("modules_not_quantized", DEFAULT_NOT_QUANTIZED)
+    for name, module in quantized_targets(model, not_quantized):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(module, nn.Linear):
+            new = Int4Linear(module.in_features, module.out_features, g, bias=module.bias is not None,
+                             device=module.weight.device)
+        else:
+            e, two_i, h = module.gate_up_proj.shape
+            new = Int4Experts(e, h, two_i // 2, g, device=module.gate_up_proj.device)
+        setattr(parent, attr, new)
+    return model
+
+
+def set_int4_kernel(model: nn.Module, kernel: str) -> None:
+    """'auto' (device kernels) or 'reference' (dequantise then matmul) for every int4 layer."""
+    for m in model.modules():
+        if isinstance(m, Int4Weight):
+            m.set_kernel(kernel)
