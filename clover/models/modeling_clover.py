@@ -33,6 +33,7 @@ from ..ops.gated_delta_rule import (
 from ..ops.moe import grouped_experts
 from ..ops.short_conv import block_short_conv
 from ..ops.utils import cast
+from ..quant import apply_quantization
 from .cache_clover import CloverCache
 from .configuration_clover import CloverConfig, calibration_weights
 
@@ -500,6 +501,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         super().__init__(config)
         self.model = CloverModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "quantization_config", None):  # an int4 checkpoint (`clover quantize`)
+            apply_quantization(self, config.quantization_config)
         self.post_init()
 
     def get_input_embeddings(self):
