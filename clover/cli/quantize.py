@@ -1,0 +1,47 @@
+"""`clover quantize SRC DST`: group-wise INT4 weight-only quantisation (RTN or GPTQ), streamed
+layer by layer; the result loads transparently with from_pretrained / clover generate / serve."""
+
+from __future__ import annotations
+
+from . import UserError, print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("quantize", help="int4 weight-only quantisation of a checkpoint (RTN or GPTQ)")
+    p.add_argument("src", metavar="SRC", help="Clover checkpoint folder (bf16 or fp32)")
+    p.add_argument("dst", metavar="DST", help="output folder (must not exist unless --force)")
+    p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
+                   help="input columns sharing one scale / zero point (default 128)")
+    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
+                   help="rtn: round to nearest; gptq: error-compensating, needs calibration text (default rtn)")
+    p.add_argument("--calib", metavar="FILE", help="gptq calibration data: .jsonl (text / messages / input_ids) "
+                   "or .txt (default: the default model's held-out slice)")
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration rows (default 64)")
+    p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration row (default 256)")
+    p.add_argument("--quantize-head", action="store_true", help="also quantise lm_head (default: kept bf16)")
+    p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default 2GB)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..quant.quantize import QuantizationError, quantize_checkpoint
+    from .convert import parse_size
+
+    quiet = {"notice": lambda msg: None} if args.json else {}
+    try:
+        summary = quantize_checkpoint(
+            args.src, args.dst, group_size=args.group_size, method=args.method, calib=args.calib,
+            calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, quantize_head=args.quantize_head,
+            force=args.force, max_shard_bytes=parse_size(args.max_shard_size), **quiet,
+        )
+    except QuantizationError as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print_json(summary)
+    else:
+        ratio = summary["quantized_bytes"] / max(1, summary["src_bytes_quantized"])
+        print(f"wrote {summary['dst']}: {summary['quantized_params']:,} parameters in int4 ({args.method}, group "
+              f"{args.group_size}; {ratio:.3f}x their source size), {summary['kept_params']:,} kept in bf16")
+    return 0

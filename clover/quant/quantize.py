@@ -1,0 +1,445 @@
+"""`clover quantize`: a bf16/fp32 Clover checkpoint -> an int4 one, streamed layer by layer.
+
+Every linear layer and every routed expert becomes group-wise int4 (format: `int4.py`); the router
+(`mlp.gate`), the shared-expert gate, norms, convs, the embeddings and (unless `quantize_head`) the
+head stay high precision, cast to bf16. Peak memory is about one decoder layer (plus, for GPTQ, the
+calibration activations [samples, 2 * seq_len, hidden] in fp32 and one layer's Hessians).
+
+GPTQ runs the classic sequential recipe: calibration tokens are embedded, then for each layer the
+inputs of every quantised matrix are collected (per expert: the tokens routed to it), the layer is
+quantised, and its output WITH the quantised weights feeds the next layer. Calibration runs in the
+block-diffusion training layout ([x_t ; x_0], random mask ratio per window), so the Hessians see
+both the noisy draft windows and the clean context that decoding feeds the model.
+
+All validation happens before anything is written; the output is built in a temporary folder next
+to DST and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .gptq import Hessian, gptq_quantize
+from .int4 import GROUP_SIZES, check_group_size, dequantize, quantize_rtn
+from .modules import DEFAULT_NOT_QUANTIZED, QUANT_METHOD, quantized_targets
+
+METHODS = ("rtn", "gptq")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+class QuantizationError(ValueError):
+    """A request that cannot be carried out (reported by the CLI as one line, nothing written)."""
+
+
+def _notice(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading and writing checkpoints
+# ------------------------------------------------------------------------------------------------
+class Source:
+    """The safetensors of a checkpoint folder, read one tensor at a time."""
+
+    def __init__(self, src: Path):
+        index = src / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif (src / "model.safetensors").is_file():
+            with safe_open(src / "model.safetensors", "pt") as f:
+                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise QuantizationError(f"{src}: no model.safetensors or model.safetensors.index.json")
+        self.src, self._open = src, {}
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self.weight_map.get(key)
+        if file is None:
+            raise QuantizationError(f"{self.src}: missing tensor {key}")
+        if file not in self._open:
+            if not (self.src / file).is_file():
+                raise QuantizationError(f"{self.src}: shard {file} (holding {key}) is missing")
+            self._open[file] = safe_open(self.src / file, "pt")
+        return self._open[file].get_tensor(key)
+
+
+class ShardWriter:
+    """Appends tensors to safetensors shards of at most `max_bytes`; `close` names them as
+    transformers does and writes the index when there is more than one."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.buffer, self.size, self.files, self.total = {}, 0, [], 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.buffer and self.size + nbytes > self.max_bytes:
+            self._flush()
+        self.buffer[name] = tensor.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        file = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.buffer, self.folder / file, metadata={"format": "pt"})
+        self.files.append((file, list(self.buffer)))
+        self.buffer, self.size = {}, 0
+
+    def close(self) -> list[str]:
+        if self.buffer or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            os.replace(self.folder / self.files[0][0], self.folder / "model.safetensors")
+            return ["model.safetensors"]
+        n, weight_map, names = len(self.files), {}, []
+        for k, (file, keys) in enumerate(self.files):
+            name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / file, self.folder / name)
+            weight_map.update(dict.fromkeys(keys, name))
+            names.append(name)
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def _high_precision(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+
+# ------------------------------------------------------------------------------------------------
+# Calibration data
+# ------------------------------------------------------------------------------------------------
+def default_calibration_file(src: Path) -> Path | None:
+    """The default model's held-out slice, wherever it was shipped."""
+    for p in (src / "heldout.jsonl", REPO / "clover/assets/default/heldout.jsonl",
+              REPO / "clover/assets/default/data/heldout.jsonl", REPO / "data/default/heldout.jsonl"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _records(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        out = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise QuantizationError(f"{path}:{n}: not JSON ({e.msg})") from None
+                if not isinstance(rec, dict) or not {"text", "messages", "input_ids"} & set(rec):
+                    raise QuantizationError(f"{path}:{n}: a record needs 'text', 'messages' or 'input_ids'")
+                out.append(rec)
+        return out
+    return [{"text": t} for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+
+
+def calibration_tokens(path: Path, src: Path, config, samples: int, seq_len: int) -> torch.Tensor:
+    """[n <= samples, seq_len] token ids: the file's documents, tokenised with SRC's tokenizer,
+    joined with end-of-text and cut into rows (the last partial row is dropped unless it is the only one)."""
+    records = _records(path)
+    tok = None
+    if any("input_ids" not in r for r in records):
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(src)
+        except Exception as e:  # noqa: BLE001 - any loading failure means the same thing here
+            raise QuantizationError(f"{path} holds text but {src} has no usable tokenizer ({type(e).__name__})") from None
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    stream: list[int] = []
+    need = samples * seq_len
+    for rec in records:
+        if "input_ids" in rec:
+            ids = list(rec["input_ids"])
+        elif "messages" in rec:
+            if getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template(rec["messages"], tokenize=False)
+            else:
+                text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in rec["messages"])
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(rec["text"], add_special_tokens=False)
+        stream += ids + ([eos] if eos is not None else [])
+        if len(stream) >= need:
+            break
+    if len(stream) < 2:
+        raise QuantizationError(f"{path}: no calibration tokens")
+    if max(stream) >= config.vocab_size or min(stream) < 0:
+        raise QuantizationError(f"{path}: token id {max(stream)} outside the model's vocabulary ({config.vocab_size})")
+    rows = max(1, min(samples, len(stream) // seq_len))
+    length = min(seq_len, len(stream))
+    return torch.tensor(stream[: rows * length]).view(rows, length)
+
+
+def noisy_copy(ids: torch.Tensor, mask_id: int, block: int, seed: int = 0) -> torch.Tensor:
+    """Mask each position with its window's ratio t ~ U(0.1, 0.9) (the training corruption)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, length = ids.shape
+    windows = (torch.arange(length) + (-length) % block) // block
+    t = 0.1 + 0.8 * torch.rand(rows, int(windows[-1]) + 1, generator=gen)
+    mask = torch.rand(rows, length, generator=gen) < t[:, windows]
+    return torch.where(mask, torch.full_like(ids, mask_id), ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# The conversion
+# ------------------------------------------------------------------------------------------------
+def _plan(config, group_size: int, quantize_head: bool):
+    """Names of the quantised modules (checked against the group size) and the exclusion list."""
+    from ..models import CloverForBlockDiffusion
+
+    not_quantized = [m for m in DEFAULT_NOT_QUANTIZED if not (quantize_head and m == "lm_head")]
+    with torch.device("meta"):
+        model = CloverForBlockDiffusion(config)
+    targets = {}
+    for name, module in quantized_targets(model, not_quantized):
+        if isinstance(module, torch.nn.Linear):
+            check_group_size(module.weight.shape, group_size, name)
+            targets[name] = "linear"
+        else:
+            check_group_size(module.gate_up_proj.shape, group_size, name + ".gate_up_proj")
+            check_group_size(module.down_proj.shape, group_size, name + ".down_proj")
+            targets[name] = "experts"
+    return targets, not_quantized
+
+
+def quantize_checkpoint(
+    src, dst, *, group_size: int = 128, method: str = "rtn", calib=None, calib_samples: int = 64,
+    calib_seq_len: int = 256, quantize_head: bool = False, force: bool = False,
+    max_shard_bytes: int = 2 * 10**9, notice=_notice,
+) -> dict:
+    """Quantise checkpoint SRC into DST; returns a summary dict. Raises QuantizationError (or
+    FileNotFoundError for a missing calibration file) before writing anything on bad input."""
+    from ..models import CloverConfig
+
+    src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file():
+        raise QuantizationError(f"{src}: no config.json (not a checkpoint folder)")
+    raw = json.loads((src / "config.json").read_text())
+    if raw.get("quantization_config"):
+        qm = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
+        raise QuantizationError(f"{src} is already quantised ({qm}); quantise its bf16 source instead")
+    if method not in METHODS:
+        raise QuantizationError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
+    if group_size not in GROUP_SIZES:
+        raise QuantizationError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    if calib_samples < 1 or calib_seq_len < 2:
+        raise QuantizationError("--calib-samples must be >= 1 and the calibration length >= 2")
+    if dst.exists() and not force:
+        raise QuantizationError(f"{dst} already exists (use --force to replace it)")
+    if dst.resolve() == src.resolve():
+        raise QuantizationError("DST must differ from SRC")
+    config = CloverConfig.from_pretrained(src)
+    if quantize_head and config.tie_word_embeddings:
+        raise QuantizationError("--quantize-head needs an untied lm_head (this model ties it to the embeddings)")
+    try:
+        targets, not_quantized = _plan(config, group_size, quantize_head)
+    except ValueError as e:
+        raise QuantizationError(str(e)) from None
+    calib_ids, calib_path = None, None
+    if calib is not None and method != "gptq":
+        raise QuantizationError("--calib is only used by --method gptq")
+    if method == "gptq":
+        if calib is not None:
+            calib_path = Path(calib)
+            if not calib_path.is_file():
+                raise FileNotFoundError(f"calibration file {calib_path} does not exist")
+        else:
+            calib_path = default_calibration_file(src)
+            if calib_path is None:
+                raise QuantizationError("gptq needs calibration text: pass --calib FILE (.jsonl with text/messages/"
+                                        "input_ids, or .txt); the default model's held-out data was not found")
+        if config.mask_token_id is None:
+            raise QuantizationError("gptq calibration needs config.mask_token_id")
+        calib_ids = calibration_tokens(calib_path, src, config, calib_samples, calib_seq_len)
+    source = Source(src)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.quantizing-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        stats = _quantize_into(source, writer, config, targets, group_size, method, calib_ids, notice)
+        shards = writer.close()
+        qc = {
+            "quant_method": QUANT_METHOD, "bits": 4, "group_size": group_size, "method": method,
+            "modules_not_quantized": not_quantized,
+            "format": "qweight uint8 [..., N, K/2] (low nibble = even column), scales bf16 and qzeros uint8 "
+                      "[..., N, K/group_size]; W = (q - qzeros) * scales",
+        }
+        if calib_path is not None:
+            qc["calibration"] = {"file": calib_path.name, "samples": int(calib_ids.shape[0]),
+                                 "seq_len": int(calib_ids.shape[1]), "layout": "block-diffusion training [x_t ; x_0]"}
+        out_cfg = {**raw, "quantization_config": qc, "dtype": "bfloat16"}
+        out_cfg.pop("torch_dtype", None)
+        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
+        for path in src.iterdir():
+            if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
+                shutil.copy2(path, tmp / path.name)
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dst": str(dst), "method": method, "group_size": group_size, "shards": shards, **stats}
+
+
+def _layer_keys(weight_map, prefix: str) -> list[str]:
+    return [k for k in weight_map if k.startswith(prefix)]
+
+
+def _quantize_into(source, writer, config, targets, g, method, calib_ids, notice) -> dict:
+    from ..models.modeling_clover import CloverDecoderLayer, CloverRMSNorm, training_layout
+
+    stats = {"quantized_params": 0, "kept_params": 0, "quantized_bytes": 0, "kept_bytes": 0, "src_bytes_quantized": 0}
+    layer_err = []
+
+    def keep(name, t):
+        stats["kept_params"] += t.numel()
+        t = _high_precision(t)
+        stats["kept_bytes"] += t.numel() * t.element_size()
+        writer.add(name, t)
+
+    def put_quantized(name, stored, w):
+        stats["quantized_params"] += w.numel()
+        stats["src_bytes_quantized"] += w.numel() * w.element_size()
+        for k, t in stored.items():
+            stats["quantized_bytes"] += t.numel() * t.element_size()
+            writer.add(f"{name}.{k}", t)
+
+    wm = source.weight_map
+    gptq = method == "gptq"
+    hidden = layout = None
+    if gptq:
+        embed = source.get("model.embed_tokens.weight").float()
+        noisy = noisy_copy(calib_ids, config.mask_token_id, config.block_size)
+        hidden = torch.cat([F.embedding(noisy, embed), F.embedding(calib_ids, embed)], dim=1)
+        del embed
+    batch = 8
+
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        keys = _layer_keys(wm, prefix)
+        local = {k[len(prefix):]: source.get(k) for k in keys}
+        layer_targets = {n[len(prefix):]: kind for n, kind in targets.items() if n.startswith(prefix)}
+        if gptq:
+            layer = CloverDecoderLayer(config, i)
+            missing = set(layer.state_dict()) - set(local)
+            if missing:
+                raise QuantizationError(f"missing tensors {sorted(prefix + m for m in missing)[:3]}")
+            layer.load_state_dict({k: v.float() for k, v in local.items()})
+            hess = _collect_hessians(layer, layer_targets, hidden, config, batch, training_layout)
+        done = set()
+        for name, kind in layer_targets.items():
+            if kind == "linear":
+                w = local[name + ".weight"]
+                stored = gptq_quantize(w, hess[name], g) if gptq else quantize_rtn(w, g)
+                put_quantized(prefix + name, stored, w)
+                done.add(name + ".weight")
+                if gptq:
+                    layer.get_submodule(name).weight.data.copy_(dequantize(**stored))
+            else:
+                for part in ("gate_up_proj", "down_proj"):
+                    w = local[f"{name}.{part}"]
+                    if gptq:
+                        per = [gptq_quantize(w[e], hess[f"{name}.{part}"][e], g) for e in range(w.shape[0])]
+                        stored = {k: torch.stack([p[k] for p in per]) for k in per[0]}
+                        getattr(layer.get_submodule(name), part).data.copy_(dequantize(**stored))
+                    else:
+                        stored = quantize_rtn(w, g)
+                    put_quantized(f"{prefix}{name}.{part}", stored, w)
+                    done.add(f"{name}.{part}")
+        for k, t in local.items():
+            if k not in done:
+                keep(prefix + k, t)
+        if gptq:  # the next layer sees this layer's output with quantised weights
+            with torch.no_grad():
+                hidden = _run_layer(layer, hidden, config, batch, training_layout)
+            del layer, hess
+        del local
+        notice(f"layer {i + 1}/{config.num_hidden_layers} quantised ({method})")
+
+    for k in wm:
+        if k.startswith("model.layers."):
+            continue
+        t = source.get(k)
+        if k == "lm_head.weight" and "lm_head" in targets:
+            if gptq:
+                norm = CloverRMSNorm(config.hidden_size, config.rms_norm_eps)
+                norm.weight.data.copy_(source.get("model.norm.weight").float())
+                h = Hessian(t.shape[1])
+                with torch.no_grad():
+                    for b in range(0, hidden.shape[0], batch):
+                        h.add(norm(hidden[b : b + batch]))
+                stored = gptq_quantize(t, h, g)
+            else:
+                stored = quantize_rtn(t, g)
+            put_quantized("lm_head", stored, t)
+        else:
+            keep(k, t)
+    return stats
+
+
+def _layout_for(rows, config, length, training_layout):
+    return training_layout(config, rows, length // 2, config.block_size, "cpu")
+
+
+def _run_layer(layer, hidden, config, batch, training_layout):
+    out = []
+    for b in range(0, hidden.shape[0], batch):
+        x = hidden[b : b + batch]
+        out.append(layer(x, _layout_for(x.shape[0], config, x.shape[1], training_layout), None))
+    return torch.cat(out)
+
+
+def _collect_hessians(layer, layer_targets, hidden, config, batch, training_layout) -> dict:
+    """One pass of the calibration activations through the (unquantised) layer, accumulating the
+    Hessian of every quantised matrix's inputs; experts get one Hessian per expert, from the
+    tokens routed to it (down_proj: the SwiGLU activations those tokens produce)."""
+    hess, handles = {}, []
+    for name, kind in layer_targets.items():
+        module = layer.get_submodule(name)
+        if kind == "linear":
+            hess[name] = Hessian(module.in_features)
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, h=hess[name]: h.add(args[0])))
+        else:
+            e, two_i, hdim = module.gate_up_proj.shape
+            hess[name + ".gate_up_proj"] = [Hessian(hdim) for _ in range(e)]
+            hess[name + ".down_proj"] = [Hessian(two_i // 2) for _ in range(e)]
+
+            def experts_hook(m, args, hg=hess[name + ".gate_up_proj"], hd=hess[name + ".down_proj"]):
+                x, top_idx = args[0], args[1]
+                inter = m.down_proj.shape[-1]
+                for ex in top_idx.unique().tolist():
+                    xe = x[(top_idx == ex).any(-1)]
+                    hg[ex].add(xe)
+                    gate, up = F.linear(xe, m.gate_up_proj[ex]).split(inter, dim=-1)
+                    hd[ex].add(F.silu(gate) * up)
+
+            handles.append(module.register_forward_pre_hook(experts_hook))
+    try:
+        with torch.no_grad():
+            _run_layer(layer, hidden, config, batch, training_layout)
+    finally:
+        for h in handles:
+            h.remove()
+    return hess
