@@ -13,6 +13,12 @@ def register(sub) -> None:
     src.add_argument("--preset", help="a built-in preset (default: clover-35b-a3b)")
     src.add_argument("--model", help="a checkpoint folder with config.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quant", choices=["int4"], help="add the memory plan of a quantised deployment")
+    p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="int4 group size (default 128)")
+    p.add_argument("--context", type=int, help="tokens of KV cache in the plan (default: the model's maximum)")
+    p.add_argument("--batch", type=int, default=1, help="sequences held at once in the plan (default 1)")
+    p.add_argument("--quantize-head", action="store_true", help="plan with lm_head in int4 too")
+    p.add_argument("--gpu-memory", type=float, default=16.0, help="GPU memory in GiB to plan for (default 16)")
     p.set_defaults(func=run)
 
 
@@ -35,6 +41,9 @@ def run(args) -> int:
 
     name, config = load_config(args)
     stats = {"model": name, **model_stats(config)}
+    plan = _quant_plan(args, config)
+    if plan is not None:
+        stats["quant_plan"] = plan
     if args.json:
         print_json(stats)
         return 0
@@ -48,4 +57,40 @@ def run(args) -> int:
     print(f"  bf16 weights        {stats['bf16_weight_bytes'] / gib:>15.2f} GiB")
     print(f"  KV cache            {stats['kv_bytes_per_token']:>15,} B/token (bf16)")
     print(f"  GDN state           {stats['gdn_state_bytes']:>15,} B/sequence")
+    if plan is not None:
+        print(f"int4 plan (group {plan['group_size']}, {plan['bits_per_quantized_weight']:.2f} bits per quantised "
+              f"weight, context {plan['context']:,}, batch {plan['batch']}):")
+        print(f"  int4 weights        {plan['int4_weight_bytes'] / gib:>15.2f} GiB  ({plan['int4_params']:,} params; "
+              f"routed experts {plan['routed_expert_bytes'] / gib:.2f} GiB)")
+        print(f"  bf16 weights        {plan['bf16_weight_bytes'] / gib:>15.2f} GiB  ({plan['bf16_params']:,} params: "
+              f"embeddings, head, router, norms)")
+        print(f"  KV cache            {plan['kv_cache_bytes'] / gib:>15.2f} GiB")
+        print(f"  GDN state           {plan['gdn_state_bytes'] / gib:>15.2f} GiB")
+        print(f"  runtime overhead    {plan['runtime_overhead_bytes'] / gib:>15.2f} GiB  ({plan['runtime_overhead_note']})")
+        print(f"  total               {plan['total_bytes'] / gib:>15.2f} GiB  "
+              f"({plan['weight_ratio_vs_bf16']:.3f}x the bf16 weights for the weights)")
+        print(f"  fits in {plan['budget_bytes'] / gib:.0f} GiB? {plan['answer']}")
     return 0
+
+
+def _quant_plan(args, config):
+    if not getattr(args, "quant", None):
+        for flag in ("context", "quantize_head"):
+            if getattr(args, flag, None):
+                raise UserError(f"--{flag.replace('_', '-')} needs --quant int4")
+        return None
+    from ..models.stats import int4_memory_plan
+
+    if args.context is not None and args.context < 1:
+        raise UserError(f"--context must be >= 1, got {args.context}")
+    if args.batch < 1:
+        raise UserError(f"--batch must be >= 1, got {args.batch}")
+    if args.gpu_memory <= 0:
+        raise UserError(f"--gpu-memory must be > 0 GiB, got {args.gpu_memory}")
+    if args.quantize_head and config.tie_word_embeddings:
+        raise UserError("--quantize-head needs an untied lm_head")
+    try:
+        return int4_memory_plan(config, args.group_size, args.context, args.quantize_head,
+                                int(args.gpu_memory * 1024**3), args.batch)
+    except ValueError as e:
+        raise UserError(str(e)) from None
