@@ -11,3 +11,7 @@ AutoModel.register(CloverConfig, CloverModel, exist_ok=True)
 AutoModelForCausalLM.register(CloverConfig, CloverForBlockDiffusion, exist_ok=True)
 
 __all__ = ["CloverCache", "CloverConfig", "CloverForBlockDiffusion", "CloverModel", "preset_config"]
+
+from .api import Generation, generate, load  # noqa: E402
+
+__all__ += ["Generation", "generate", "load"]

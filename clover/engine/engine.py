@@ -39,19 +39,27 @@ class DecodeConfig:
     eos_token_ids: tuple[int, ...] = ()
     prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
 
+    def validate(self) -> None:
+        """Checks that need no model (so a CLI can fail before loading one)."""
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r} (known: {', '.join(MODES)})")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.sampling.validate()
+        if self.mode == "self_spec" and not self.sampling.greedy:
+            raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
+        if self.mode in SCORES:
+            make_policy(self.mode, self.block_size, self.threshold, self.steps)
+
 
 class Engine:
     def __init__(self, model, config: DecodeConfig):
         cfg, mc = config, model.config
-        if cfg.mode not in MODES:
-            raise ValueError(f"unknown mode {cfg.mode!r} (known: {', '.join(MODES)})")
-        if not 1 <= cfg.block_size <= mc.max_block_size:
+        cfg.validate()
+        if cfg.block_size > mc.max_block_size:
             raise ValueError(f"block_size must be in [1, {mc.max_block_size}], got {cfg.block_size}")
-        if cfg.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-        cfg.sampling.validate()
-        if cfg.mode == "self_spec" and not cfg.sampling.greedy:
-            raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
         self.model, self.cfg = model, cfg
         self.policy = make_policy(cfg.mode, cfg.block_size, cfg.threshold, cfg.steps) if cfg.mode in SCORES else None
         self.width = 1 if cfg.mode == "ar" else cfg.block_size  # columns of the per-row window
@@ -122,6 +130,14 @@ class Engine:
         """Targets a new block may fill: all B, or the remaining budget in a last partial block."""
         remaining = torch.tensor([s.remaining for s in self.seqs], device=self.device)
         return torch.arange(self.cfg.block_size, device=self.device)[None, :] < remaining[:, None]
+
+    def block_view(self, row: int = 0) -> list[tuple[int | None, int]]:
+        """The current block of a running row as (token or None while masked, fill step) pairs."""
+        if not self.policy or row >= len(self.seqs):
+            return []
+        n = int(self.eligible[row].sum())
+        filled, tokens, steps = (t[row, :n].tolist() for t in (self.filled, self.targets, self.fill_step))
+        return [(t if f else None, s) for f, t, s in zip(filled, tokens, steps)]
 
     # ---- step ---------------------------------------------------------------------------------------
     @property

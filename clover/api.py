@@ -1,0 +1,110 @@
+"""Python API: `model, tokenizer = clover.load()` and `clover.generate(model, tokenizer, prompt)`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import DecodeConfig, Engine, SamplingParams, Sequence
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default"
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS) or "length"
+    forward_passes: int  # model forwards after the prompt prefill
+    tokens_per_forward: float
+    seconds: float
+    tokens_per_second: float
+    reasoning: str | None = None  # the <think> part, with think=True
+    trajectory: list[tuple[int, int]] | None = None  # per token: (block, step at which it was filled)
+
+    def to_dict(self, token_ids: bool = True) -> dict:
+        d = asdict(self)
+        if not token_ids:
+            del d["token_ids"]
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def load(path: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a model folder; None = the shipped default model. bf16 on CUDA."""
+    from transformers import AutoTokenizer
+
+    from .cli import UserError
+    from .models import CloverForBlockDiffusion
+
+    folder = Path(path) if path else DEFAULT_MODEL
+    if not (folder / "config.json").is_file():
+        if path is None:
+            raise UserError(f"no default model at {folder}: build it with `make model` (or pass a model folder)")
+        raise UserError(f"{folder}: no config.json (not a model folder)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    model = CloverForBlockDiffusion.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the tokenizer, the model config and its generation config."""
+    found = set()
+    for source in (tokenizer.eos_token_id, model.config.eos_token_id,
+                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        found |= set(source if isinstance(source, (list, tuple)) else [source])
+    return tuple(sorted(t for t in found if t is not None))
+
+
+def encode(tokenizer, prompt: str | list[dict], chat: bool = False, think: bool = False) -> list[int]:
+    """Token ids of a prompt; with chat (or a list of messages) through the chat template."""
+    if chat or not isinstance(prompt, str):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template (drop --chat)")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=think)
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    return tokenizer(prompt).input_ids
+
+
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """'<think>r</think>a' -> (r, a); text without a closed think block -> (None, text)."""
+    head, sep, answer = text.partition("</think>")
+    if not sep:
+        return None, text
+    return head.replace("<think>", "").strip(), answer.strip()
+
+
+def decode_config(model, tokenizer, max_new_tokens=128, block_size=32, threshold=0.95, mode="low_confidence",
+                  steps=None, temperature=0.0, top_p=1.0, top_k=0, seed=None) -> DecodeConfig:
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return DecodeConfig(mode=mode, block_size=block_size, threshold=threshold, steps=steps,
+                        max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(model, tokenizer))
+
+
+def result(seq: Sequence, tokenizer, think: bool = False, trajectory: bool = False) -> Generation:
+    n = len(seq.token_ids)
+    text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+    reasoning = None
+    if think:
+        reasoning, text = split_thinking(text)
+    return Generation(text, seq.token_ids, seq.finish_reason, seq.forward_passes, n / max(seq.forward_passes, 1),
+                      seq.seconds, n / seq.seconds, reasoning, seq.trajectory if trajectory else None)
+
+
+def generate(model, tokenizer, prompts, max_new_tokens: int = 128, block_size: int = 32, threshold: float = 0.95,
+             mode: str = "low_confidence", steps: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int | None = None, chat: bool = False, think: bool = False,
+             trajectory: bool = False, on_step=None):
+    """Generate for one prompt (a string or a list of chat messages) -> Generation, or for a list of
+    prompts (one batch, each row finishing on its own) -> list[Generation]. See DecodeConfig for modes."""
+    single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+    batch = [prompts] if single else list(prompts)
+    cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode, steps, temperature, top_p, top_k, seed)
+    cfg.validate()
+    ids = [encode(tokenizer, p, chat, think) for p in batch]
+    seqs = Engine(model, cfg).generate(ids, on_step)
+    out = [result(s, tokenizer, think, trajectory) for s in seqs]
+    return out[0] if single else out

@@ -1,0 +1,119 @@
+"""`clover generate`: prompts through the decoding engine; plain text, `--json`, or a live view of
+the denoising (`--show`), and optionally a picture of the fill order (`--trajectory-out`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from . import UserError, print_json
+
+STEP_COLOURS = (34, 36, 32, 33, 35, 31, 94, 96, 92, 93, 95, 91)  # ANSI: one per denoising step, cycling
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+
+
+def add_decoding_args(p) -> None:
+    from ..engine import MODES
+
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--block-size", type=int, default=32, metavar="B")
+    p.add_argument("--threshold", type=float, default=0.95, metavar="T",
+                   help="low_confidence: fill every masked position with confidence > T (default 0.95)")
+    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, metavar="S", help="topk/entropy/margin: steps per block (default B/4)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--think", action="store_true", help="thinking mode (chat template); reasoning shown apart")
+
+
+def decoding_kwargs(args) -> dict:
+    """Engine settings from the flags, validated before any model is loaded."""
+    from ..engine import DecodeConfig, SamplingParams
+
+    kw = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
+              mode=args.mode, steps=args.steps, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              seed=args.seed)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    DecodeConfig(mode=args.mode, block_size=args.block_size, threshold=args.threshold, steps=args.steps,
+                 max_new_tokens=args.max_new_tokens, sampling=sampling).validate()
+    return kw
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (block diffusion by default)")
+    add_model_args(p)
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", metavar="F", help="a file whose whole text is the prompt")
+    add_decoding_args(p)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list for several prompts)")
+    p.add_argument("--show", action="store_true", help="animate the denoising in the terminal")
+    p.add_argument("--trajectory-out", metavar="FILE", help="picture of the fill order (.html or .png)")
+    p.set_defaults(func=run)
+
+
+def read_prompts(args) -> list[str]:
+    if bool(args.prompt) == bool(args.prompt_file):
+        raise UserError("give either --prompt TEXT or --prompt-file F")
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise UserError(f"{path}: no such prompt file")
+        return [path.read_text()]
+    return args.prompt
+
+
+class LiveView:
+    """`--show`: redraws the first running row after every step: finished text, then the current
+    block with masks (░) and each filled token coloured by the step that filled it."""
+
+    def __init__(self, tokenizer, delay: float = 0.03):
+        self.tokenizer, self.delay = tokenizer, delay
+
+    def __call__(self, engine, events) -> None:
+        if not engine.seqs:
+            return
+        seq = engine.seqs[0]
+        done = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        block = "".join("\u2591" if t is None else f"\x1b[{STEP_COLOURS[s % len(STEP_COLOURS)]}m"
+                        f"{self.tokenizer.decode([t])}\x1b[0m" for t, s in engine.block_view(0))
+        sys.stdout.write(f"\x1b[2J\x1b[H{done}{block}\n\x1b[2m[block {seq.blocks}, {seq.forward_passes} forwards]\x1b[0m\n")
+        sys.stdout.flush()
+        time.sleep(self.delay)
+
+
+def run(args) -> int:
+    from ..api import generate, load
+    from ..engine.trajectory import FORMATS, write_trajectory
+
+    prompts = read_prompts(args)
+    kwargs = decoding_kwargs(args)
+    if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
+        raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
+    model, tokenizer = load(args.model, args.device)
+    results = generate(model, tokenizer, prompts, chat=args.chat or args.think, think=args.think,
+                       trajectory=bool(args.trajectory_out), on_step=LiveView(tokenizer) if args.show else None, **kwargs)
+    if args.trajectory_out:
+        first = results[0]
+        pieces = [tokenizer.decode([t]) for t in first.token_ids]
+        write_trajectory(args.trajectory_out, pieces, first.trajectory, f"clover generate --mode {args.mode}")
+    if args.json:
+        dicts = [r.to_dict(token_ids=False) for r in results]
+        for d in dicts:
+            d.pop("trajectory", None)
+        print_json(dicts[0] if len(dicts) == 1 else dicts)
+        return 0
+    for r in results:
+        if r.reasoning is not None:
+            print(f"\x1b[2m{r.reasoning}\x1b[0m\n" if sys.stdout.isatty() else f"[thinking]\n{r.reasoning}\n[answer]")
+        print(r.text)
+        print(f"[{len(r.token_ids)} tokens, {r.forward_passes} forwards, {r.tokens_per_forward:.2f} tokens/forward, "
+              f"{r.tokens_per_second:.1f} tokens/s, finish: {r.finish_reason}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,55 @@
+"""Pictures of the order in which tokens were filled: HTML (the text, each token coloured by the
+step of its block at which it was filled) or PNG (a grid: one row per block, one cell per token)."""
+
+from __future__ import annotations
+
+import colorsys
+import html
+from pathlib import Path
+
+FORMATS = (".html", ".png")
+
+
+def _rgb(step: int, steps: int) -> tuple[int, int, int]:
+    """Early steps blue, late steps red."""
+    frac = step / max(steps - 1, 1)
+    r, g, b = colorsys.hsv_to_rgb(0.66 * (1 - frac), 0.55, 0.95)
+    return int(r * 255), int(g * 255), int(b * 255)
+
+
+def _steps_per_block(trajectory) -> dict[int, int]:
+    steps: dict[int, int] = {}
+    for block, step in trajectory:
+        steps[block] = max(steps.get(block, 0), step + 1)
+    return steps
+
+
+def write_trajectory(path: str | Path, pieces: list[str], trajectory: list[tuple[int, int]], title: str = "") -> None:
+    """`pieces[i]` is the text of generated token i, `trajectory[i]` its (block, step)."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"{path}: trajectory pictures are {' or '.join(FORMATS)}")
+    steps = _steps_per_block(trajectory)
+    if path.suffix.lower() == ".html":
+        spans = []
+        for text, (block, step) in zip(pieces, trajectory):
+            r, g, b = _rgb(step, steps[block])
+            spans.append(f'<span title="block {block}, step {step}" style="background:rgb({r},{g},{b})">'
+                         f"{html.escape(text)}</span>")
+        path.write_text(f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title>"
+                        f"<h3>{html.escape(title)}</h3><p>colour = step within the block (blue first, red last); "
+                        f"hover a token for its block and step</p>"
+                        f"<pre style='white-space:pre-wrap;font-size:15px'>{''.join(spans)}</pre>\n")
+        return
+    from PIL import Image, ImageDraw
+
+    cell, width = 18, max((sum(1 for b, _ in trajectory if b == k) for k in steps), default=1)
+    image = Image.new("RGB", (cell * width + 1, cell * max(len(steps), 1) + 1), "white")
+    draw = ImageDraw.Draw(image)
+    column: dict[int, int] = {}
+    for block, step in trajectory:
+        x, y = column.get(block, 0), sorted(steps).index(block)
+        column[block] = x + 1
+        draw.rectangle([x * cell, y * cell, (x + 1) * cell, (y + 1) * cell], fill=_rgb(step, steps[block]), outline="white")
+        draw.text((x * cell + 4, y * cell + 3), str(step), fill="black")
+    image.save(path)

@@ -1,0 +1,138 @@
+"""`clover generate` / `clover chat` / `clover.load` end to end on a tiny random model and a
+character-level tokenizer built in the test (no downloads)."""
+
+import json
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import clover
+from clover.api import DEFAULT_MODEL, split_thinking
+from clover.cli import main
+from clover.models import CloverForBlockDiffusion, preset_config
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if not enable_thinking | default(false) %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_tokenizer(vocab_size=128):
+    chars = list(string.ascii_letters + string.digits + " \n.,!?:;'-()+=")
+    tokens = SPECIAL + ["<think>", "</think>"] + chars
+    tokens += [f"<unused{i}>" for i in range(vocab_size - 1 - len(tokens))] + ["<|mask|>"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIAL[:2] + ["<|mask|>"])
+    fast.add_tokens(["<think>", "</think>"])
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(0)
+    config = preset_config("clover-tiny", eos_token_id=tokenizer.eos_token_id)
+    model = CloverForBlockDiffusion(config)
+    model.lm_head.weight.data *= 40  # peaked, so low_confidence fills several tokens per step
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_load_and_generate_api(model_dir):
+    model, tokenizer = clover.load(model_dir)
+    one = clover.generate(model, tokenizer, "Hello there", max_new_tokens=12, block_size=8, threshold=0.5, trajectory=True)
+    assert one.finish_reason in ("stop", "length") and 1 <= len(one.token_ids) <= 12
+    assert one.forward_passes >= 1 and one.tokens_per_forward == len(one.token_ids) / one.forward_passes
+    assert len(one.trajectory) == len(one.token_ids) and one.tokens_per_second > 0
+    assert one.text == tokenizer.decode(one.token_ids, skip_special_tokens=True)
+    many = clover.generate(model, tokenizer, ["Hello there", "Hi"], max_new_tokens=12, block_size=8, threshold=0.5)
+    assert many[0].token_ids == one.token_ids and len(many) == 2
+
+
+def test_generate_json(model_dir, capsys):
+    code, out, err = cli(capsys, "generate", "--model", model_dir, "--prompt", "abc", "--max-new-tokens", "10",
+                         "--block-size", "8", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert set(got) >= {"text", "finish_reason", "forward_passes", "tokens_per_forward", "seconds", "tokens_per_second"}
+    assert "token_ids" not in got
+
+
+@pytest.mark.parametrize("mode", ["ar", "self_spec", "topk", "entropy", "margin"])
+def test_generate_modes(model_dir, capsys, mode):
+    code, out, err = cli(capsys, "generate", "--model", model_dir, "--prompt", "abc", "--max-new-tokens", "6",
+                         "--block-size", "4", "--mode", mode)
+    assert code == 0 and "tokens/forward" in err
+
+
+def test_chat_think_show_and_trajectory(model_dir, capsys, tmp_path):
+    for suffix in ("html", "png"):
+        picture = tmp_path / f"traj.{suffix}"
+        code, out, err = cli(capsys, "generate", "--model", model_dir, "--prompt", "2+2=", "--chat", "--think",
+                             "--max-new-tokens", "10", "--block-size", "8", "--threshold", "0.5", "--show",
+                             "--trajectory-out", str(picture))
+        assert code == 0, err
+        assert picture.stat().st_size > 100
+    assert "\u2591" in out or "\x1b[" in out  # the live view drew something
+
+
+def test_split_thinking():
+    assert split_thinking("<think>\ncarry 1\n</think>\n\n4") == ("carry 1", "4")
+    assert split_thinking("just text") == (None, "just text")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt-file", "/nonexistent/p.txt"], "no such prompt file"),
+    (["--prompt", "x", "--threshold", "1.5"], "threshold"),
+    (["--prompt", "x", "--mode", "bogus"], "unknown mode"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--prompt", "x", "--block-size", "1000"], "block_size"),
+    (["--prompt", "x", "--mode", "self_spec", "--temperature", "0.7"], "greedy"),
+    (["--prompt", "x", "--max-new-tokens", "1024"], "context of 1024"),
+    (["--prompt", "x", "--trajectory-out", "t.gif"], ".html or .png"),
+    ([], "--prompt"),
+])
+def test_user_mistakes_are_one_line(model_dir, capsys, argv, needle):
+    code, out, err = cli(capsys, "generate", "--model", model_dir, *argv)
+    last = err.strip().splitlines()[-1]  # (after the weight-loading progress bar, when the error comes later)
+    assert code == 2 and needle in last and last.startswith("clover generate: error:") and "Traceback" not in err
+
+
+def test_missing_default_model_names_make_model(capsys):
+    if (DEFAULT_MODEL / "config.json").is_file():
+        pytest.skip("the default model exists")
+    code, out, err = cli(capsys, "generate", "--prompt", "x")
+    assert code == 2 and "make model" in err and err.count("\n") == 1
+
+
+def test_chat_session(model_dir, capsys, monkeypatch):
+    lines = iter(["hello", "/think", "why?", "/reset", "again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, out, err = cli(capsys, "chat", "--model", model_dir, "--max-new-tokens", "8", "--block-size", "4")
+    assert code == 0, err
+    assert "thinking on" in out and "reset" in out
