@@ -136,3 +136,15 @@ def test_chat_session(model_dir, capsys, monkeypatch):
     code, out, err = cli(capsys, "chat", "--model", model_dir, "--max-new-tokens", "8", "--block-size", "4")
     assert code == 0, err
     assert "thinking on" in out and "reset" in out
+
+
+def test_bench_decode_table_and_json(capsys, tmp_path):
+    out_json = tmp_path / "decode.json"
+    code, out, err = cli(capsys, "bench", "decode", "--preset", "clover-tiny", "--prompt-tokens", "5",
+                         "--max-new-tokens", "8", "--block-size", "4", "--repeats", "1", "--threads", "1",
+                         "--json", str(out_json))
+    assert code == 0, err
+    assert "| low_confidence t=0.95 |" in out and "| transformers generate |" in out and "random weights" in out
+    rows = json.loads(out_json.read_text())["results"]
+    assert [r["mode"] for r in rows][-2:] == ["ar", "transformers generate"]
+    assert all(r["tokens"] == 8 and r["tokens_per_second"] > 0 for r in rows)

@@ -92,7 +92,7 @@ class Engine:
         self.window[:, 0] = torch.tensor([p[-1] for p in prompts], device=self.device)
         if self.policy:
             self._new_block_state(rows)
-        self.ready_draft = None
+        self.ready_draft, self.whole_last_round = None, False
         return list(self.seqs)
 
     def _prefill(self) -> None:
@@ -184,17 +184,22 @@ class Engine:
         return events
 
     def _step_self_spec(self):
-        """Draft (unless the last verify already drafted this block), then verify causally with the
-        next block's draft fused into the same forward; that draft is kept only if every row
-        accepted its whole block (otherwise the prefix it assumed was rolled back)."""
+        """Draft (unless the last verify already drafted this block), then verify causally. When the
+        last round accepted whole blocks, the next block's draft rides along in the verify forward,
+        assuming this block is accepted whole too; it is used only if it was (otherwise the prefix
+        it assumed has been rolled back)."""
         B = self.cfg.block_size
         draft = self.ready_draft
         if draft is None:
             draft, _ = self._sample(self._forward(self.window, B, B))  # draft[:, j] = guess for target j
         self.cache.start_recording()
         verify_ids = torch.cat([self.window[:, :1], draft[:, :-1]], dim=1)
-        next_window = torch.cat([draft[:, -1:], self.window[:, 1:]], dim=1)  # [d_B, MASK...]
-        tokens, _ = self._sample(self._forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B))
+        fuse = self.ready_draft is not None or self.whole_last_round
+        if fuse:
+            next_window = torch.cat([draft[:, -1:], self.window[:, 1:]], dim=1)  # [d_B, MASK...]
+            tokens, _ = self._sample(self._forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B))
+        else:
+            tokens, _ = self._sample(self._forward(verify_ids, 0, B))
         ar, next_draft = tokens[:, :B], tokens[:, B:]  # ar[:, j] = greedy AR token for target j
         agree = (draft == ar).long().cumprod(1).sum(1)
         # the agreeing prefix equals ar[:, :agree]; ar[:, agree] is the correction (when agree < B)
@@ -207,8 +212,8 @@ class Engine:
             keep.append(len(tokens))
         keep_t = torch.tensor(keep, device=self.device)
         self.cache.rollback(keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
-        whole = all(k == B for k, s in zip(keep, self.seqs) if not s.finished)
-        self.ready_draft = next_draft if whole else None
+        self.whole_last_round = all(k == B for k, s in zip(keep, self.seqs) if not s.finished)
+        self.ready_draft = next_draft if fuse and self.whole_last_round else None
         self.window = torch.full_like(self.window, self.mask_id)
         self.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
         return events
