@@ -90,6 +90,8 @@ class LiveView:
 
 
 def run(args) -> int:
+    from tqdm import tqdm
+
     from ..api import generate, load
     from ..engine.trajectory import FORMATS, write_trajectory
 
@@ -98,8 +100,11 @@ def run(args) -> int:
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
     model, tokenizer = load(args.model, args.device)
-    results = generate(model, tokenizer, prompts, chat=args.chat or args.think, think=args.think,
-                       trajectory=bool(args.trajectory_out), on_step=LiveView(tokenizer) if args.show else None, **kwargs)
+    with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", leave=False,
+              disable=None if not args.show else True, file=sys.stderr) as bar:  # shown on terminals only
+        progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))
+        results = generate(model, tokenizer, prompts, chat=args.chat or args.think, think=args.think,
+                           trajectory=bool(args.trajectory_out), on_step=progress, **kwargs)
     if args.trajectory_out:
         first = results[0]
         pieces = [tokenizer.decode([t]) for t in first.token_ids]

@@ -206,10 +206,10 @@ class Engine:
         take = (agree + 1).clamp_max(B).tolist()
         events, keep = [], []
         for seq, row, n, a in zip(self.seqs, ar.tolist(), take, agree.tolist()):
-            tokens = self._cut_at_eos(row[: min(n, seq.remaining)])
-            seq.append(tokens, [0 if j < a else 1 for j in range(len(tokens))], self.eos)
-            events.append((seq, tokens))
-            keep.append(len(tokens))
+            out = self._cut_at_eos(row[: min(n, seq.remaining)])
+            seq.append(out, [0 if j < a else 1 for j in range(len(out))], self.eos)  # step 1 = AR correction
+            events.append((seq, out))
+            keep.append(len(out))
         keep_t = torch.tensor(keep, device=self.device)
         self.cache.rollback(keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
         self.whole_last_round = all(k == B for k, s in zip(keep, self.seqs) if not s.finished)
