@@ -184,12 +184,14 @@ def calibration_tokens(path: Path, src: Path, config, samples: int, seq_len: int
 
 
 def noisy_copy(ids: torch.Tensor, mask_id: int, block: int, seed: int = 0) -> torch.Tensor:
-    """Mask each position with its window's ratio t ~ U(0.1, 0.9) (the training corruption)."""
+    """The training corruption: each window draws t ~ U(0.1, 0.9) and masks each of its columns with
+    probability t, except its first column (the previous window's last target, always clean)."""
     gen = torch.Generator().manual_seed(seed)
     rows, length = ids.shape
     windows = (torch.arange(length) + (-length) % block) // block
+    first = torch.cat([torch.ones(1, dtype=torch.bool), windows[1:] != windows[:-1]])
     t = 0.1 + 0.8 * torch.rand(rows, int(windows[-1]) + 1, generator=gen)
-    mask = torch.rand(rows, length, generator=gen) < t[:, windows]
+    mask = (torch.rand(rows, length, generator=gen) < t[:, windows]) & ~first
     return torch.where(mask, torch.full_like(ids, mask_id), ids)
 
 
@@ -360,8 +362,7 @@ def _quantize_into(source, writer, config, targets, g, method, calib_ids, notice
                 for part in ("gate_up_proj", "down_proj"):
                     w = local[f"{name}.{part}"]
                     if gptq:
-                        per = [gptq_quantize(w[e], hess[f"{name}.{part}"][e], g) for e in range(w.shape[0])]
-                        stored = {k: torch.stack([p[k] for p in per]) for k in per[0]}
+                        stored = gptq_quantize(w, hess[f"{name}.{part}"], g)
                         getattr(layer.get_submodule(name), part).data.copy_(dequantize(**stored))
                     else:
                         stored = quantize_rtn(w, g)

@@ -1,0 +1,258 @@
+"""INT4 benchmark: size on disk and in memory, decode speed at batch 1, held-out loss and task
+accuracy for bf16, RTN and GPTQ. Prints a markdown section with the command line that made it.
+
+    python bench/quant.py                       # the default model (clover/assets/default)
+    python bench/quant.py --model DIR           # any Clover checkpoint with a tokenizer
+    python bench/quant.py --random clover-small # random weights (no data: quality = agreement with bf16)
+
+Speed: the engine's default decoding (low_confidence, block 32) at batch 1, end-of-text disabled
+so every run makes the same number of tokens; models timed alternately (A B C A B C ...), medians.
+Memory: bytes of the tensors the loaded model holds after a forward (int4: the CPU kernel layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from clover.engine import DecodeConfig, Engine  # noqa: E402
+from clover.models import CloverForBlockDiffusion, preset_config  # noqa: E402
+from clover.quant.modules import Int4Weight  # noqa: E402
+from clover.quant.quantize import quantize_checkpoint  # noqa: E402
+
+SCRATCH = Path("/tmp/quant_bench")
+
+
+def disk_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def memory(model) -> tuple[int, int]:
+    """(all tensor bytes held, bytes of the quantisable layers' weights) after the kernels are built."""
+    total = quant = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        total += t.numel() * t.element_size()
+    for m in model.modules():
+        if isinstance(m, Int4Weight):
+            b = m.memory_bytes()
+            quant += b
+            total += b - sum(t.numel() * t.element_size() for t in (m.qweight, m.scales, m.qzeros))
+    return total, quant
+
+
+def bf16_quantisable_bytes(model) -> int:
+    from clover.quant.modules import quantized_targets
+
+    out = 0
+    for _, m in quantized_targets(model):
+        out += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if p.dim() >= 2)
+    return out
+
+
+def load(folder, dtype):
+    model = CloverForBlockDiffusion.from_pretrained(folder, dtype=dtype).eval()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4]]))  # builds the int4 kernel layout
+    return model
+
+
+def decode_once(model, prompt, new_tokens, block):
+    eng = Engine(model, DecodeConfig(block_size=block, max_new_tokens=new_tokens, eos_token_ids=()))
+    t0 = time.perf_counter()
+    seq = eng.generate([prompt])[0]
+    return time.perf_counter() - t0, seq
+
+
+@torch.no_grad()
+def heldout_loss(model, rows, block, seed=0):
+    try:
+        from clover.training.objectives import block_diffusion_loss
+    except ImportError:
+        block_diffusion_loss = None
+    ids = torch.tensor(rows)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    if block_diffusion_loss is not None:
+        gen = torch.Generator().manual_seed(seed)
+        losses = [block_diffusion_loss(model, ids[i : i + 8], mask[i : i + 8], block, generator=gen,
+                                       complementary=True)[0].item() for i in range(0, len(ids), 8)]
+        diff = statistics.fmean(losses)
+    else:
+        diff = float("nan")
+    ar = statistics.fmean(model(ids[i : i + 8], labels=ids[i : i + 8]).loss.item() for i in range(0, len(ids), 8))
+    return diff, ar
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=REPO / "clover/assets/default")
+    ap.add_argument("--random", metavar="PRESET", help="benchmark random weights of this preset instead")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calib-samples", type=int, default=32)
+    ap.add_argument("--eval-per-task", type=int, default=10, help="task-accuracy prompts per task (default 10)")
+    ap.add_argument("--loss-rows", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    command = "python " + shlex.join(["bench/quant.py", *sys.argv[1:]])
+
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+    SCRATCH.mkdir(parents=True)
+    seq_len = 256
+    if args.random:
+        torch.manual_seed(0)
+        src = SCRATCH / "src"
+        model = CloverForBlockDiffusion(preset_config(args.random))
+        model.to(torch.bfloat16).save_pretrained(src)
+        what = f"random `{args.random}` weights (no trained default model available)"
+        gen = torch.Generator().manual_seed(1)
+        vocab = model.config.vocab_size - 1
+        calib_rows = torch.randint(0, vocab, (args.calib_samples, seq_len), generator=gen).tolist()
+        loss_rows = torch.randint(0, vocab, (args.loss_rows, seq_len), generator=gen).tolist()
+        prompts, answers, tok = [torch.randint(0, vocab, (16,), generator=gen).tolist()], None, None
+        del model
+    else:
+        from transformers import AutoTokenizer
+
+        from clover.data import tasks
+
+        src = args.model
+        if not (src / "config.json").is_file():
+            print(f"bench/quant.py: no model at {src} (pass --model DIR or --random clover-small)", file=sys.stderr)
+            return 2
+        what = f"`{src.relative_to(REPO) if src.is_relative_to(REPO) else src}`"
+        tok = AutoTokenizer.from_pretrained(src)
+        eos = tok.eos_token_id
+        n_eval = args.eval_per_task * len(tasks.TASKS)
+        # the held-out split of clover/data/build.py (seed 0 -> held-out seed 1): the first examples
+        # are the task-accuracy set, the next feed the loss, the rest calibrate GPTQ
+        held = tasks.generate_split(1, n_eval + 4000)
+        evals = held[:n_eval]
+
+        def rows_of(examples, n):
+            stream = []
+            for ex in examples:
+                stream += tok.encode(tasks.plain_text(ex), add_special_tokens=False) + [eos]
+                if len(stream) >= n * seq_len:
+                    break
+            return [stream[i * seq_len:(i + 1) * seq_len] for i in range(n)]
+
+        loss_rows = rows_of(held[n_eval:n_eval + 2000], args.loss_rows)
+        calib_rows = rows_of(held[n_eval + 2000:], args.calib_samples)
+        prompts = [tok.encode(tasks.plain_prompt(ex), add_special_tokens=False) for ex in evals]
+        answers = [ex["answer"] for ex in evals]
+    calib = SCRATCH / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in calib_rows))
+
+    quiet = lambda m: None  # noqa: E731
+    timing = {}
+    for method in ("rtn", "gptq"):
+        t0 = time.perf_counter()
+        summary = quantize_checkpoint(src, SCRATCH / method, group_size=args.group_size, method=method,
+                                      calib=calib if method == "gptq" else None, calib_samples=args.calib_samples,
+                                      calib_seq_len=seq_len, notice=quiet)
+        timing[method] = (time.perf_counter() - t0, summary)
+
+    folders = {"bf16": src, "int4 RTN": SCRATCH / "rtn", "int4 GPTQ": SCRATCH / "gptq"}
+    models = {name: load(f, torch.bfloat16) for name, f in folders.items()}
+    models_fp32 = {"fp32": load(src, torch.float32), "int4 RTN, fp32 elsewhere": load(SCRATCH / "rtn", torch.float32)}
+    bf16_q = bf16_quantisable_bytes(models["bf16"])
+
+    # ---- speed: alternate the models, medians ------------------------------------------------
+    speed_models = {"bf16": models["bf16"], "int4 RTN": models["int4 RTN"], **models_fp32}
+    prompt = prompts[0]
+    for m in speed_models.values():
+        decode_once(m, prompt, 8, args.block_size)  # warm up
+    runs = {k: [] for k in speed_models}
+    seqs = {}
+    for _ in range(args.repeats):
+        for name, m in speed_models.items():
+            dt, seq = decode_once(m, prompt, args.new_tokens, args.block_size)
+            runs[name].append((dt, seq.forward_passes))
+            seqs[name] = seq
+    speed = {}
+    for name, r in runs.items():
+        dt = statistics.median(x[0] for x in r)
+        fw = statistics.median(x[1] for x in r)
+        speed[name] = (args.new_tokens / dt, fw, 1000 * dt / fw)
+
+    # ---- quality ------------------------------------------------------------------------------
+    quality = {}
+    for name, m in models.items():
+        diff, ar = heldout_loss(m, loss_rows, args.block_size)
+        if answers is not None:
+            eng = Engine(m, DecodeConfig(block_size=args.block_size, max_new_tokens=24, eos_token_ids=(tok.eos_token_id,)))
+            outs = eng.generate(prompts)
+            texts = [tok.decode(s.token_ids, skip_special_tokens=True).strip().split("\n")[0].strip() for s in outs]
+            acc = sum(t == a for t, a in zip(texts, answers)) / len(answers)
+            gen_ids = [s.token_ids for s in outs]
+        else:
+            outs = Engine(m, DecodeConfig(block_size=args.block_size, max_new_tokens=args.new_tokens,
+                                          eos_token_ids=())).generate(prompts)
+            acc, gen_ids = None, [s.token_ids for s in outs]
+        quality[name] = (diff, ar, acc, gen_ids)
+    ref_ids = quality["bf16"][3]
+
+    def agreement(ids):
+        same = total = 0
+        for a, b in zip(ids, ref_ids):
+            total += len(b)
+            same += sum(x == y for x, y in zip(a, b))
+        return same / max(1, total)
+
+    # ---- report ---------------------------------------------------------------------------------
+    g = args.group_size
+    print(f"### INT4 weight-only quantisation (group size {g})\n")
+    print(f"```\n$ {command}\n```\n")
+    print(f"Model: {what}. {torch.get_num_threads()} CPU thread(s); int4 kernel: torch "
+          f"`_weight_int4pack_mm_for_cpu` (bf16 activations). GPTQ calibration: {args.calib_samples} x {seq_len} "
+          f"tokens{'' if args.random else ' from the held-out split'}, {timing['gptq'][0]:.1f} s to quantise "
+          f"(RTN {timing['rtn'][0]:.1f} s).\n")
+    print("| | bf16 | int4 RTN | int4 GPTQ |")
+    print("|---|---:|---:|---:|")
+    d = {k: disk_bytes(f) for k, f in folders.items()}
+    print(f"| checkpoint on disk (MB) | {d['bf16'] / 1e6:.2f} | {d['int4 RTN'] / 1e6:.2f} ({d['int4 RTN'] / d['bf16']:.2f}x) "
+          f"| {d['int4 GPTQ'] / 1e6:.2f} ({d['int4 GPTQ'] / d['bf16']:.2f}x) |")
+    s = timing["rtn"][1]
+    print(f"| quantised layers on disk (MB) | {s['src_bytes_quantized'] / 1e6:.2f} | {s['quantized_bytes'] / 1e6:.2f} "
+          f"({s['quantized_bytes'] / s['src_bytes_quantized']:.3f}x) | same |")
+    mem = {k: memory(m) for k, m in models.items()}
+    print(f"| model in memory (MB) | {mem['bf16'][0] / 1e6:.2f} | {mem['int4 RTN'][0] / 1e6:.2f} "
+          f"({mem['int4 RTN'][0] / mem['bf16'][0]:.2f}x) | {mem['int4 GPTQ'][0] / 1e6:.2f} |")
+    print(f"| quantised layers in memory (MB) | {bf16_q / 1e6:.2f} | {mem['int4 RTN'][1] / 1e6:.2f} "
+          f"({mem['int4 RTN'][1] / bf16_q:.3f}x) | same |")
+    print(f"| decode tok/s, batch 1 ({args.new_tokens} tokens, block {args.block_size}) | {speed['bf16'][0]:.1f} | "
+          f"{speed['int4 RTN'][0]:.1f} ({speed['int4 RTN'][0] / speed['bf16'][0]:.2f}x) | same kernels as RTN |")
+    print(f"| ms per forward (TPF) | {speed['bf16'][2]:.1f} ({args.new_tokens / speed['bf16'][1]:.2f}) | "
+          f"{speed['int4 RTN'][2]:.1f} ({args.new_tokens / speed['int4 RTN'][1]:.2f}) | |")
+    print(f"| held-out block-diffusion loss (block {args.block_size}) | " + " | ".join(f"{quality[k][0]:.4f}" for k in models) + " |")
+    print("| held-out AR loss | " + " | ".join(f"{quality[k][1]:.4f}" for k in models) + " |")
+    if answers is not None:
+        print(f"| task accuracy ({len(answers)} held-out prompts, greedy) | " +
+              " | ".join(f"{100 * quality[k][2]:.1f}%" for k in models) + " |")
+    print("| generated tokens equal to bf16's | 100% | " +
+          " | ".join(f"{100 * agreement(quality[k][3]):.1f}%" for k in ("int4 RTN", "int4 GPTQ")) + " |")
+    print("\nDecode speed by model dtype (the dtype of everything but the int4 matmuls, whose activations are "
+          "always bf16); `clover.load` picks fp32 on CPU:\n")
+    print("| model | tok/s | ms per forward | vs bf16 | vs fp32 |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (tps, fw, ms) in speed.items():
+        print(f"| {name} | {tps:.1f} | {ms:.1f} | {tps / speed['bf16'][0]:.2f}x | {tps / speed['fp32'][0]:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
