@@ -99,12 +99,13 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, block_size: i
              top_k: int = 0, seed: int | None = None, chat: bool = False, think: bool = False,
              trajectory: bool = False, on_step=None):
     """Generate for one prompt (a string or a list of chat messages) -> Generation, or for a list of
-    prompts (one batch, each row finishing on its own) -> list[Generation]. See DecodeConfig for modes."""
+    prompts (one batch, each row finishing on its own) -> list[Generation]. See DecodeConfig for modes;
+    think=True uses the chat template in thinking mode and returns the reasoning apart."""
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     batch = [prompts] if single else list(prompts)
     cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode, steps, temperature, top_p, top_k, seed)
     cfg.validate()
-    ids = [encode(tokenizer, p, chat, think) for p in batch]
+    ids = [encode(tokenizer, p, chat or think, think) for p in batch]
     seqs = Engine(model, cfg).generate(ids, on_step)
     out = [result(s, tokenizer, think, trajectory) for s in seqs]
     return out[0] if single else out

@@ -75,6 +75,8 @@ class Engine:
     @torch.no_grad()
     def add(self, prompts: list[list[int]]) -> list[Sequence]:
         """Validate every prompt before any work, then prefill them as one batch."""
+        if not prompts:
+            raise ValueError("no prompts")
         ctx = self.model.config.max_position_embeddings
         for i, p in enumerate(prompts):
             if not p:
