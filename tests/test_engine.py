@@ -168,3 +168,18 @@ def test_seeded_sampling_is_reproducible(model, prompts):
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
     with pytest.raises(ValueError, match="greedy"):
         run(model, prompts[:1], mode="self_spec", **kw)
+
+
+@pytest.mark.parametrize("mode", ["low_confidence", "ar", "self_spec"])
+def test_requests_added_between_steps_equal_alone(model, prompts, mode):
+    """Continuous batching: a request joining a running batch decodes as it would alone."""
+    engine = Engine(model, DecodeConfig(mode=mode, block_size=B, threshold=0.5, max_new_tokens=12, prefill_chunk=8))
+    first = engine.add(prompts[:2])
+    engine.step()
+    assert engine.running
+    late = engine.add(prompts[2:4])
+    while engine.running:
+        engine.step()
+    for seq, p in zip(first + late, prompts[:4]):
+        alone = run(model, [p], mode=mode, threshold=0.5, max_new_tokens=12)[0]
+        assert (seq.token_ids, seq.trajectory) == (alone.token_ids, alone.trajectory)

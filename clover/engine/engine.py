@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .policies import SCORES, make_policy
 from .sampling import SamplingParams, make_generator, sample
@@ -69,12 +70,15 @@ class Engine:
         self.eos = set(cfg.eos_token_ids)
         self.eos_t = torch.tensor(sorted(self.eos), device=self.device) if self.eos else None
         self.generator = make_generator(cfg.sampling, self.device)
-        self.seqs: list[Sequence] = []
+        self.seqs: list[Sequence] = []  # running rows, in cache row order
+        self.added = 0
+        self.pending = self.ready_draft = None
 
     # ---- add requests ----------------------------------------------------------------------------
     @torch.no_grad()
     def add(self, prompts: list[list[int]]) -> list[Sequence]:
-        """Validate every prompt before any work, then prefill them as one batch."""
+        """Validate every prompt before any work, prefill them as a batch and join the running rows
+        (continuous batching: requests may be added between steps)."""
         if not prompts:
             raise ValueError("no prompts")
         ctx = self.model.config.max_position_embeddings
@@ -84,27 +88,35 @@ class Engine:
             if len(p) + self.cfg.max_new_tokens > ctx:
                 raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({self.cfg.max_new_tokens}) "
                                  f"exceeds the model's context of {ctx} tokens")
-        if self.seqs:
-            raise RuntimeError("this engine is already running a batch")
-        self.seqs = [Sequence(i, list(p), self.cfg.max_new_tokens) for i, p in enumerate(prompts)]
-        rows, longest = len(prompts), max(map(len, prompts))
-        self.cache = self.model.new_cache(rows, capacity=longest + self.cfg.max_new_tokens + self.width)
-        self._prefill()
-        self.window = torch.full((rows, self.width), self.mask_id, dtype=torch.long, device=self.device)
-        self.window[:, 0] = torch.tensor([p[-1] for p in prompts], device=self.device)
-        if self.policy:
-            self._new_block_state(rows)
-        self.ready_draft, self.whole_last_round = None, False
-        return list(self.seqs)
+        seqs = [Sequence(self.added + i, list(p), self.cfg.max_new_tokens) for i, p in enumerate(prompts)]
+        self.added += len(seqs)
+        longest = max(map(len, prompts))
+        cache = self.model.new_cache(len(seqs), capacity=longest + self.cfg.max_new_tokens + self.width)
+        pending = self._prefill(seqs, cache)
+        window = torch.full((len(seqs), self.width), self.mask_id, dtype=torch.long, device=self.device)
+        window[:, 0] = torch.tensor([p[-1] for p in prompts], device=self.device)
+        state = self._new_block_state(seqs) if self.policy else {}
+        if self.seqs:  # join the running rows
+            self.cache.append_rows(cache)
+            self.pending = _stack_pending(self.pending, len(self.seqs), pending, len(seqs), self.device)
+            window = torch.cat([self.window, window])
+            state = {name: torch.cat([getattr(self, name), value]) for name, value in state.items()}
+        else:
+            self.cache, self.pending, self.whole_last_round = cache, pending, False
+        self.window = window
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.ready_draft = None  # a draft fused into the last verify covers the old rows only
+        self.seqs += seqs
+        return seqs
 
-    def _prefill(self) -> None:
+    def _prefill(self, seqs: list[Sequence], cache) -> tuple | None:
         """Commit prompt[:-1] (left-padded) in chunks whose boundaries fall on clean windows counted
-        from the end; the last chunk is left pending, to be fused with the first decoding forward."""
-        cleans = [s.prompt_ids[:-1] for s in self.seqs]
+        from the end; returns the last chunk, to be fused with the first decoding forward."""
+        cleans = [s.prompt_ids[:-1] for s in seqs]
         width = max(map(len, cleans))
-        self.pending = None
         if width == 0:
-            return
+            return None
         ids = torch.zeros(len(cleans), width, dtype=torch.long)
         pad = torch.ones(len(cleans), width, dtype=torch.bool)
         for r, c in enumerate(cleans):
@@ -115,22 +127,20 @@ class Engine:
         chunk = max(self.clean_bs, self.cfg.prefill_chunk // self.clean_bs * self.clean_bs)
         cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]
         for a, b in zip(cuts[:-2], cuts[1:-1]):
-            self.model(ids[:, a:b], cache=self.cache, clean_block_size=self.clean_bs,
+            self.model(ids[:, a:b], cache=cache, clean_block_size=self.clean_bs,
                        pad_mask=pad[:, a:b] if pad[:, a:b].any() else None, logits_to_keep=1)
         a = cuts[-2]
-        self.pending = (ids[:, a:], pad[:, a:] if pad[:, a:].any() else None)
+        return ids[:, a:], pad[:, a:] if pad[:, a:].any() else None
 
-    def _new_block_state(self, rows: int) -> None:
-        B = self.cfg.block_size
-        self.filled = torch.zeros(rows, B, dtype=torch.bool, device=self.device)
-        self.targets = torch.zeros(rows, B, dtype=torch.long, device=self.device)
-        self.fill_step = torch.zeros(rows, B, dtype=torch.long, device=self.device)
-        self.steps_done = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self.eligible = self._eligible()
+    def _new_block_state(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        rows, B = len(seqs), self.cfg.block_size
+        zeros = lambda dtype: torch.zeros(rows, B, dtype=dtype, device=self.device)  # noqa: E731
+        return dict(filled=zeros(torch.bool), targets=zeros(torch.long), fill_step=zeros(torch.long),
+                    steps_done=torch.zeros(rows, dtype=torch.long, device=self.device), eligible=self._eligible(seqs))
 
-    def _eligible(self) -> torch.Tensor:
+    def _eligible(self, seqs: list[Sequence]) -> torch.Tensor:
         """Targets a new block may fill: all B, or the remaining budget in a last partial block."""
-        remaining = torch.tensor([s.remaining for s in self.seqs], device=self.device)
+        remaining = torch.tensor([s.remaining for s in seqs], device=self.device)
         return torch.arange(self.cfg.block_size, device=self.device)[None, :] < remaining[:, None]
 
     def block_view(self, row: int = 0) -> list[tuple[int | None, int]]:
@@ -262,7 +272,7 @@ class Engine:
             self.window = torch.where(go_on[:, None], fresh, self.window)
             self.filled &= ~go_on[:, None]
             self.steps_done = torch.where(go_on, 0, self.steps_done)
-            self.eligible = torch.where(go_on[:, None], self._eligible(), self.eligible)
+            self.eligible = torch.where(go_on[:, None], self._eligible(self.seqs), self.eligible)
         return events
 
     def _drop_finished(self) -> None:
@@ -292,15 +302,33 @@ class Engine:
     # ---- whole runs ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], on_step=None) -> list[Sequence]:
         """Run a batch to the end; `on_step(engine, events)` is called after every step."""
-        for _ in self.stream(prompts, on_step):
+        seqs = self.add(prompts)
+        for _ in self._run(on_step):
             pass
-        return self.finished_seqs
+        return seqs
 
     def stream(self, prompts: list[list[int]], on_step=None):
         """Yield (sequence, new tokens) as rows produce output (block by block)."""
-        self.finished_seqs = self.add(prompts)
+        self.add(prompts)
+        yield from self._run(on_step)
+
+    def _run(self, on_step):
         while self.running:
             events = self.step()
             if on_step is not None:
                 on_step(self, events)
             yield from events
+
+
+def _stack_pending(a, rows_a: int, b, rows_b: int, device):
+    """Pending clean segments of two row groups as one, left-padded to a common width."""
+    parts = []
+    for p, rows in ((a, rows_a), (b, rows_b)):
+        ids, pad = p if p is not None else (torch.zeros(rows, 0, dtype=torch.long, device=device), None)
+        parts.append((ids, pad if pad is not None else torch.zeros_like(ids, dtype=torch.bool)))
+    width = max(ids.shape[1] for ids, _ in parts)
+    ids = torch.cat([F.pad(i, (width - i.shape[1], 0)) for i, _ in parts])
+    pad = torch.cat([F.pad(m, (width - m.shape[1], 0), value=True) for _, m in parts])
+    if width == 0 or bool(pad.all()):
+        return None
+    return ids, pad if bool(pad.any()) else None

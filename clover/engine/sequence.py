@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Sequence:
-    index: int  # position in the caller's list
+    index: int  # order of arrival at the engine
     prompt_ids: list[int]
     max_new_tokens: int
     token_ids: list[int] = field(default_factory=list)
