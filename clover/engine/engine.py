@@ -3,7 +3,8 @@ forward per denoising step / AR step, two per self-spec round) -> postprocess (h
 blocks to their Sequence, start the next block, drop finished rows).
 
 Batch state lives on-device as [rows, window] tensors; the host sees one small sync per step (did a
-block finish?). Every row advances its own block and leaves the batch when it finishes.
+block finish?). Every row advances its own block and leaves the batch when it finishes; new
+requests may join between steps (`add`), so a server can batch continuously.
 
 Modes (all share prefill, caches and bookkeeping):
 * diffusion (`low_confidence`, `topk`, `entropy`, `margin`): the draft window is
