@@ -29,6 +29,7 @@ GROUP_SIZES = (32, 64, 128)
 CPU_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 CPU_INNER_K_TILES = 2  # ignored by the CPU packer (layout checked equal for 1, 2, 4, 8)
 CUDA_INNER_K_TILES = 8
+CPU_SERIAL_WORK = 2**23  # rows * N * K below which the CPU kernel runs on one thread
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +160,17 @@ class PackedInt4:
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         if self.kind == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size, self.sz)
+            threads = torch.get_num_threads()
+            if threads > 1 and x2.shape[0] * self.n * self.k < CPU_SERIAL_WORK:
+                # small products: the kernel's parallel_for costs more than it saves, and on a core
+                # busy with other work waits milliseconds for its worker (12 ms vs 60 us measured)
+                torch.set_num_threads(1)
+                try:
+                    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size, self.sz)
+                finally:
+                    torch.set_num_threads(threads)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size, self.sz)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), self.weight, self.group_size, self.sz)
         if y.shape[-1] != self.n:

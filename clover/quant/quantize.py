@@ -129,6 +129,17 @@ def default_calibration_file(src: Path) -> Path | None:
     return None
 
 
+def default_calibration_records(n: int = 2000) -> list[dict] | None:
+    """Without a shipped file: regenerate the default model's held-out split (clover/data/build.py,
+    seed 0 -> held-out seed 1), skipping its first examples (the task-accuracy set)."""
+    try:
+        from ..data import tasks
+    except ImportError:
+        return None
+    skip = 40 * len(tasks.TASKS)
+    return [{"text": tasks.plain_text(ex)} for ex in tasks.generate_split(1, skip + n)[skip:]]
+
+
 def _records(path: Path) -> list[dict]:
     if path.suffix == ".jsonl":
         out = []
@@ -145,10 +156,12 @@ def _records(path: Path) -> list[dict]:
     return [{"text": t} for t in path.read_text(encoding="utf-8").split("\n\n") if t.strip()]
 
 
-def calibration_tokens(path: Path, src: Path, config, samples: int, seq_len: int) -> torch.Tensor:
-    """[n <= samples, seq_len] token ids: the file's documents, tokenised with SRC's tokenizer,
-    joined with end-of-text and cut into rows (the last partial row is dropped unless it is the only one)."""
-    records = _records(path)
+def calibration_tokens(path, src: Path, config, samples: int, seq_len: int) -> torch.Tensor:
+    """[n <= samples, seq_len] token ids: the documents of `path` (a file, or a list of records),
+    tokenised with SRC's tokenizer, joined with end-of-text and cut into rows (the last partial row
+    is dropped unless it is the only one)."""
+    records = path if isinstance(path, list) else _records(path)
+    path = "the default calibration data" if isinstance(path, list) else path
     tok = None
     if any("input_ids" not in r for r in records):
         try:
@@ -260,12 +273,13 @@ def quantize_checkpoint(
                 raise FileNotFoundError(f"calibration file {calib_path} does not exist")
         else:
             calib_path = default_calibration_file(src)
-            if calib_path is None:
-                raise QuantizationError("gptq needs calibration text: pass --calib FILE (.jsonl with text/messages/"
-                                        "input_ids, or .txt); the default model's held-out data was not found")
+        records = calib_path if calib_path is not None else default_calibration_records()
+        if records is None:
+            raise QuantizationError("gptq needs calibration text: pass --calib FILE (.jsonl with text/messages/"
+                                    "input_ids, or .txt); the default model's held-out data was not found")
         if config.mask_token_id is None:
             raise QuantizationError("gptq calibration needs config.mask_token_id")
-        calib_ids = calibration_tokens(calib_path, src, config, calib_samples, calib_seq_len)
+        calib_ids = calibration_tokens(records, src, config, calib_samples, calib_seq_len)
     source = Source(src)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -282,8 +296,9 @@ def quantize_checkpoint(
             "format": "qweight uint8 [..., N, K/2] (low nibble = even column), scales bf16 and qzeros uint8 "
                       "[..., N, K/group_size]; W = (q - qzeros) * scales",
         }
-        if calib_path is not None:
-            qc["calibration"] = {"file": calib_path.name, "samples": int(calib_ids.shape[0]),
+        if calib_ids is not None:
+            name = calib_path.name if calib_path is not None else "clover.data held-out split (seed 1)"
+            qc["calibration"] = {"file": name, "samples": int(calib_ids.shape[0]),
                                  "seq_len": int(calib_ids.shape[1]), "layout": "block-diffusion training [x_t ; x_0]"}
         out_cfg = {**raw, "quantization_config": qc, "dtype": "bfloat16"}
         out_cfg.pop("torch_dtype", None)
