@@ -7,7 +7,6 @@ import sys
 
 from .generate import add_decoding_args, add_model_args, decoding_kwargs
 
-DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def register(sub) -> None:
@@ -23,6 +22,7 @@ def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
     from ..api import decode_config, encode
     from ..engine import Engine
 
+    dim, reset = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else ("", "")
     engine = Engine(model, decode_config(model, tokenizer, **kwargs))
     shown, end_think = "", "</think>"
     for seq, _ in engine.stream([encode(tokenizer, messages, chat=True, think=think)]):
@@ -32,11 +32,11 @@ def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
         close = text.find(end_think)
         reasoning_end = 0 if not think else close + len(end_think) if close >= 0 else len(text)
         dim_part = new[: max(0, reasoning_end - start)]
-        sys.stdout.write(f"{DIM}{dim_part}{RESET}{new[len(dim_part):]}" if dim_part else new)
+        sys.stdout.write(f"{dim}{dim_part}{reset}{new[len(dim_part):]}" if dim_part else new)
         sys.stdout.flush()
     n = len(seq.token_ids)
-    print(f"\n{DIM}[{n} tokens, {n / max(seq.forward_passes, 1):.2f} tokens/forward, "
-          f"{n / seq.seconds:.1f} tokens/s]{RESET}")
+    print(f"\n{dim}[{n} tokens, {n / max(seq.forward_passes, 1):.2f} tokens/forward, "
+          f"{n / seq.seconds:.1f} tokens/s]{reset}")
     return shown
 
 
