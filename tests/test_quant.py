@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -161,7 +162,7 @@ def rtn_ckpt(ckpt):
     return root / "rtn"
 
 
-def test_quantized_checkpoint_loads_and_generates(ckpt, rtn_ckpt):
+def test_quantized_checkpoint_loads_and_generates(ckpt, rtn_ckpt, tmp_path):
     _, model = ckpt
     cfg = json.loads((rtn_ckpt / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "clover_int4" and cfg["quantization_config"]["group_size"] == G
@@ -182,6 +183,9 @@ def test_quantized_checkpoint_loads_and_generates(ckpt, rtn_ckpt):
     out = Engine(q, DecodeConfig(block_size=8, max_new_tokens=16)).generate([[5, 6, 7], [9]])
     assert [len(s.token_ids) for s in out] == [16, 16]
     assert all(0 <= t < q.config.vocab_size for s in out for t in s.token_ids)
+    q.save_pretrained(tmp_path / "again")  # after the kernels replaced the stored copy
+    again, first = load_file(tmp_path / "again" / "model.safetensors"), load_file(rtn_ckpt / "model.safetensors")
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
 
 
 def test_gptq_checkpoint_via_cli(ckpt, rtn_ckpt, capsys):
