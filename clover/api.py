@@ -24,11 +24,9 @@ class Generation:
     reasoning: str | None = None  # the <think> part, with think=True
     trajectory: list[tuple[int, int]] | None = None  # per token: (block, step at which it was filled)
 
-    def to_dict(self, token_ids: bool = True) -> dict:
-        d = asdict(self)
-        if not token_ids:
-            del d["token_ids"]
-        return {k: v for k, v in d.items() if v is not None}
+    def to_dict(self, token_ids: bool = True, trajectory: bool = True) -> dict:
+        drop = {name for name, keep in (("token_ids", token_ids), ("trajectory", trajectory)) if not keep}
+        return {k: v for k, v in asdict(self).items() if v is not None and k not in drop}
 
 
 def load(path: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None):

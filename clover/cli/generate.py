@@ -101,7 +101,7 @@ def run(args) -> int:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
     model, tokenizer = load(args.model, args.device)
     with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", leave=False,
-              disable=None if not args.show else True, file=sys.stderr) as bar:  # shown on terminals only
+              disable=True if args.show else None, file=sys.stderr) as bar:  # None: on terminals only
         progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))
         results = generate(model, tokenizer, prompts, chat=args.chat or args.think, think=args.think,
                            trajectory=bool(args.trajectory_out), on_step=progress, **kwargs)
@@ -110,9 +110,7 @@ def run(args) -> int:
         pieces = [tokenizer.decode([t]) for t in first.token_ids]
         write_trajectory(args.trajectory_out, pieces, first.trajectory, f"clover generate --mode {args.mode}")
     if args.json:
-        dicts = [r.to_dict(token_ids=False) for r in results]
-        for d in dicts:
-            d.pop("trajectory", None)
+        dicts = [r.to_dict(token_ids=False, trajectory=False) for r in results]
         print_json(dicts[0] if len(dicts) == 1 else dicts)
         return 0
     for r in results:
