@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned first: pip then takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean model
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,3 +30,9 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Rebuild the shipped default model end to end (data, tokenizer, AR stage, block-diffusion stage,
+# export to clover/assets/default, eval): about an hour on 2 CPU cores. RESUME=1 keeps finished steps.
+model: install
+	$(BIN)/pip install -q -e ".[train]"
+	$(BIN)/python recipes/default/make_model.py $(if $(RESUME),--resume,)

@@ -1,0 +1,75 @@
+"""`clover train`: train a Clover model (objective `ar` or `block_diffusion`).
+
+Options come from a TOML config file (`--config`, keys = TrainConfig fields) and flags; flags win.
+List/dict options take JSON on the command line, e.g. --block-schedule '[[0.2,[1]],[1.0,[4,8]]]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tomllib
+import typing
+
+from . import UserError, print_json
+
+
+def _fields():
+    from ..training.trainer import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    return TrainConfig, [(f, hints[f.name]) for f in dataclasses.fields(TrainConfig)]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model (ar or block_diffusion objective)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML file with TrainConfig keys")
+    p.add_argument("--resume", action="store_true", help="continue from <out_dir>/checkpoints/latest")
+    _, fields = _fields()
+    for f, typ in fields:
+        flag = "--" + f.name.replace("_", "-")
+        if typ is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif typ in (int, float, str):
+            p.add_argument(flag, dest=f.name, type=typ, default=None)
+        else:
+            p.add_argument(flag, dest=f.name, type=str, default=None, metavar="JSON")
+    p.set_defaults(func=run)
+
+
+def build_config(args):
+    TrainConfig, fields = _fields()
+    values = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as fh:
+                values.update(tomllib.load(fh))
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"{args.config}: {e}") from None
+    for f, typ in fields:
+        v = getattr(args, f.name, None)
+        if v is None:
+            continue
+        if typ in (list, dict) or typing.get_origin(typ) in (list, dict):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                if f.name.endswith("_files"):
+                    v = [s for s in v.split(",") if s]
+                else:
+                    raise UserError(f"--{f.name.replace('_', '-')}: not valid JSON: {v!r}") from None
+        values[f.name] = v
+    cfg = TrainConfig.from_dict(values)
+    cfg.validate()
+    return cfg
+
+
+def run(args) -> int:
+    from ..training.trainer import Trainer
+
+    cfg = build_config(args)
+    summary = Trainer(cfg, resume=args.resume).fit()
+    print_json(summary)
+    return 0

@@ -1,0 +1,1 @@
+"""Data for training and evaluation: synthetic tasks, Shakespeare, tokenizer, JSONL loading."""

@@ -1,0 +1,66 @@
+"""Build the default model's data set: Shakespeare passages + seeded synthetic tasks, split into
+train / held-out, written as JSONL (`text` and chat `messages` records) plus the held-out task set
+for accuracy evaluation."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from . import shakespeare, tasks
+
+
+def _write(path: Path, recs) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        n = 0
+        for r in recs:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def task_records(examples, rng: random.Random, chat_frac: float, think_frac: float):
+    for ex in examples:
+        if rng.random() < chat_frac:
+            yield {"messages": tasks.chat_messages(ex, think=rng.random() < think_frac)}
+        else:
+            yield {"text": tasks.plain_text(ex)}
+
+
+def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n_eval: int = 40,
+          shakespeare_frac: float = 0.06, chat_frac: float = 0.4, think_frac: float = 0.5) -> dict:
+    """Writes train.jsonl, heldout.jsonl (loss), eval_tasks.jsonl (prompts + answers per task),
+    tokenizer_corpus.txt. `shakespeare_frac`: share of training records that are play passages."""
+    out = Path(out_dir)
+    rng = random.Random(seed)
+    # held-out tasks first; the training set never repeats one of their prompts
+    heldout = tasks.generate_split(seed + 1, n_heldout + n_eval * len(tasks.TASKS))
+    eval_set = heldout[:n_eval * len(tasks.TASKS)]
+    held = heldout[n_eval * len(tasks.TASKS):]
+    train = tasks.generate_split(seed + 2, n_train, exclude={e["prompt"] for e in heldout})
+    plays = shakespeare.plays()
+    names = sorted(plays)
+    held_plays = {names[i] for i in range(0, len(names), 10)}  # every 10th play is held out
+    train_pass = [p for n in names if n not in held_plays for p in shakespeare.passages(plays[n])]
+    held_pass = [p for n in sorted(held_plays) for p in shakespeare.passages(plays[n])]
+    rng.shuffle(train_pass)
+    n_sh = int(n_train * shakespeare_frac / (1 - shakespeare_frac))
+    train_recs = list(task_records(train, rng, chat_frac, think_frac)) + [{"text": p} for p in train_pass[:n_sh]]
+    rng.shuffle(train_recs)
+    held_recs = list(task_records(held, rng, chat_frac, think_frac)) + [{"text": p} for p in held_pass[:len(held) // 5]]
+    stats = {
+        "train_records": _write(out / "train.jsonl", train_recs),
+        "heldout_records": _write(out / "heldout.jsonl", held_recs),
+        "eval_tasks": _write(out / "eval_tasks.jsonl", eval_set),
+        "held_out_plays": sorted(held_plays),
+        "seed": seed,
+    }
+    with (out / "tokenizer_corpus.txt").open("w", encoding="utf-8") as f:
+        for n in names:
+            f.write(plays[n] + "\n\n\n")
+        for ex in train[:20000]:
+            f.write(tasks.plain_text(ex) + "\n\n\n")
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    return stats

@@ -1,0 +1,100 @@
+"""Training objectives: causal LM (`ar`) and vectorised block diffusion (`block_diffusion`).
+
+Block diffusion, with the model's token shift (logits at column i predict token i+1):
+* windows of `block` columns are anchored at the END of the row (the first may be partial);
+* window k covers input columns [s, e) and owns the TARGETS s+1..e (the last column of the row has
+  no target);
+* one noise level t_k ~ U[t_min, t_max] per (row, window); each eligible target (loss mask 1) of
+  window k is masked with probability t_k;
+* input column c of x_t holds <mask> iff its token is a masked target of c's own window, i.e. c is
+  not the first column of its window (that one is the previous window's last target: always clean)
+  and target c is masked; the window's last target (token e) never appears in its input;
+* loss = sum over masked targets of CE / t_k, divided by the number of eligible targets
+  (the per-token masked-diffusion ELBO estimate; with complementary masking the pair is averaged:
+  each row is duplicated with the eligible-but-unmasked targets masked instead, weight 1/(1-t_k),
+  and the sum is divided by twice the eligible count).
+Block size 1 is the AR objective (every target always predicted, weight 1) and runs the AR path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models.modeling_clover import window_ids
+
+
+def ar_loss(model, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Mean next-token CE over targets with loss_mask (targets = ids[:, 1:]). Returns (loss, count)."""
+    logits = model(ids).logits[:, :-1]
+    tgt = ids[:, 1:]
+    m = loss_mask[:, 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
+    n = int(m.sum())
+    return (ce * m).sum() / max(n, 1), n
+
+
+def sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary=False):
+    """Returns (x_t, target_masked, weight) for the vectorised objective.
+
+    target_masked[b, c] says whether the target of column c (token c+1) is masked; weight[b, c] is
+    its ELBO weight 1/t (0 where not masked). With `complementary` the batch doubles.
+    """
+    batch, length = ids.shape
+    wid = window_ids(length, block, ids.device)
+    nwin = int(wid[-1]) + 1
+    t = t_min + (t_max - t_min) * torch.rand(batch, nwin, generator=generator, device=ids.device)
+    t_col = t[:, wid]  # noise level of each column's window (targets belong to their column's window)
+    eligible = torch.zeros_like(loss_mask)
+    eligible[:, :-1] = loss_mask[:, 1:]
+    u = torch.rand(batch, length, generator=generator, device=ids.device)
+    masked = (u < t_col) & eligible
+    weight = masked / t_col
+    if complementary:
+        comp = eligible & ~masked
+        masked = torch.cat([masked, comp])
+        weight = torch.cat([weight, comp / (1 - t_col)])
+        ids = torch.cat([ids, ids])
+    # input column c is masked iff target of column c-1 is masked and c-1 is in c's window
+    same = torch.zeros(length, dtype=torch.bool, device=ids.device)
+    same[1:] = wid[1:] == wid[:-1]
+    in_mask = torch.zeros_like(masked)
+    in_mask[:, 1:] = masked[:, :-1] & same[1:]
+    xt = ids.masked_fill(in_mask, mask_id)
+    return xt, masked, weight
+
+
+def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible):
+    tgt = torch.zeros_like(ids)
+    tgt[:, :-1] = ids[:, 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
+    return (ce * weight).sum() / max(n_eligible, 1)
+
+
+def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None,
+                         complementary=False) -> tuple[torch.Tensor, int]:
+    """Vectorised [x_t ; x_0] loss (see module docstring). Returns (loss, eligible targets)."""
+    if block == 1:
+        return ar_loss(model, ids, loss_mask)
+    mask_id = model.config.mask_token_id
+    xt, masked, weight = sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary)
+    x0 = torch.cat([ids, ids]) if complementary else ids
+    logits = model(x0, noisy_input_ids=xt, block_size=block).logits
+    n = int(loss_mask[:, 1:].sum()) * (2 if complementary else 1)
+    return diffusion_loss_from_logits(logits, x0, masked, weight, n), n
+
+
+def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible):
+    """Reference: the same noise, one window at a time through the stream path (no cache)."""
+    length = ids.shape[1]
+    wid = window_ids(length, block, ids.device).tolist()
+    parts, s = [], 0
+    while s < length:
+        e = s
+        while e < length and wid[e] == wid[s]:
+            e += 1
+        inp = torch.cat([ids[:, :s], xt[:, s:e]], dim=1)
+        parts.append(model(inp, block_size=block, draft_len=e - s, clean_block_size=block).logits[:, s:])
+        s = e
+    logits = torch.cat(parts, dim=1)
+    return diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible), logits

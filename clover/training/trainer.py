@@ -1,0 +1,422 @@
+"""`clover train`: one loop for the `ar` and `block_diffusion` objectives.
+
+Checkpoints (every `ckpt_every` steps, and at the end) are folders
+`<out_dir>/checkpoints/step_NNNNNN/` holding the model in HF format (config.json +
+model.safetensors, fp32 master weights), `trainer_state.pt` (optimizer, scheduler, RNG states, step;
+plain tensors / numbers only, loadable with `torch.load(weights_only=True)`) and `train_config.json`.
+Each is written into a temporary folder and renamed into place with `os.replace`; the file
+`checkpoints/latest` (also replaced atomically) names the newest complete one, so an interrupted run
+always leaves the last good checkpoint intact. `--resume` continues from it bit-for-bit on CPU (the
+batch order and the noise come from one seeded generator whose state is saved).
+
+Outputs in `out_dir`: metrics.jsonl (one record per logged step / eval), loss.png, final/ (model +
+tokenizer), checkpoints/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..data.dataset import encode_files, pack
+from .objectives import ar_loss, block_diffusion_loss
+
+OBJECTIVES = ("ar", "block_diffusion")
+
+
+@dataclass
+class TrainConfig:
+    objective: str = "ar"
+    out_dir: str = "runs/train"
+    tokenizer: str = ""  # tokenizer folder (tokenizer.json)
+    init: str = ""  # a model folder to start from (HF format), else a fresh `preset`
+    preset: str = "clover-small"
+    model_overrides: dict = field(default_factory=dict)  # CloverConfig fields for a fresh model
+    train_files: list = field(default_factory=list)
+    eval_files: list = field(default_factory=list)
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 1000
+    time_budget: float = 0.0  # seconds; > 0: max_steps is fitted to the budget (calibrate_budget, _replan)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | wsd
+    decay_frac: float = 0.2  # wsd: share of steps in the final decay
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    bf16: bool = False
+    device: str = "cpu"
+    seed: int = 0
+    threads: int = 0  # torch.set_num_threads (0: leave)
+    # block diffusion
+    t_min: float = 0.1
+    t_max: float = 1.0
+    complementary: bool = False
+    block_schedule: list = field(default_factory=lambda: [[0.1, [1]], [0.2, [4]], [0.3, [8]], [0.4, [16]],
+                                                         [1.0, [4, 8, 16, 32]]])
+    random_phase: bool = True
+    eval_block_size: int = 32
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    keep_ckpts: int = 2
+    progress: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"unknown training option(s): {', '.join(bad)}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"schedule must be cosine or wsd, got {self.schedule!r}")
+        if not self.train_files:
+            raise ValueError("no train_files given")
+        if not self.tokenizer:
+            raise ValueError("no tokenizer given")
+        if not 0 < self.t_min <= self.t_max <= 1:
+            raise ValueError(f"need 0 < t_min <= t_max <= 1, got {self.t_min}, {self.t_max}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda requested but CUDA is not available")
+        for stage in self.block_schedule:
+            if len(stage) != 2 or not stage[1] or any(int(b) < 1 for b in stage[1]):
+                raise ValueError(f"bad block_schedule stage {stage!r}: want [until_fraction, [sizes...]]")
+
+
+def lr_factor(step: int, cfg: TrainConfig, max_steps: int) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        p = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    decay_start = int(max_steps * (1 - cfg.decay_frac))
+    if step < decay_start:
+        return 1.0
+    p = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+    return 1.0 - (1 - cfg.min_lr_ratio) * p
+
+
+def block_sizes_at(step: int, max_steps: int, schedule: list) -> list[int]:
+    frac = step / max(1, max_steps)
+    for until, sizes in schedule:
+        if frac < until:
+            return [int(s) for s in sizes]
+    return [int(s) for s in schedule[-1][1]]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        from ..data.tokenizer import load_tokenizer
+        from ..models import CloverForBlockDiffusion, preset_config
+
+        cfg.validate()
+        self.cfg = cfg
+        try:  # no "Writing model shards" bars between our own
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except Exception:  # pragma: no cover
+            pass
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.out = Path(cfg.out_dir)
+        self.ckdir = self.out / "checkpoints"
+        self.device = torch.device(cfg.device)
+        self.tok = load_tokenizer(cfg.tokenizer)
+        torch.manual_seed(cfg.seed)
+        latest = self._latest() if resume else None
+        if resume and latest is None:
+            raise ValueError(f"--resume: no checkpoint in {self.ckdir}")
+        if latest is not None:
+            self.model = CloverForBlockDiffusion.from_pretrained(str(latest), dtype=torch.float32)
+        elif cfg.init:
+            self.model = CloverForBlockDiffusion.from_pretrained(cfg.init, dtype=torch.float32)
+        else:
+            over = dict(vocab_size=len(self.tok), mask_token_id=self.tok.mask_token_id,
+                        eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+            over.update(cfg.model_overrides)
+            self.model = CloverForBlockDiffusion(preset_config(cfg.preset, **over))
+        if self.model.config.mask_token_id != self.tok.mask_token_id:
+            raise ValueError(f"model mask_token_id {self.model.config.mask_token_id} != tokenizer's "
+                             f"{self.tok.mask_token_id}")
+        if self.model.config.vocab_size < len(self.tok):
+            raise ValueError(f"model vocab {self.model.config.vocab_size} < tokenizer size {len(self.tok)}")
+        self.model.to(self.device).train()
+        ids, mask = encode_files(cfg.train_files, self.tok)
+        self.rows, self.rmask = pack(ids, mask, cfg.seq_len)
+        self.eval_rows = None
+        if cfg.eval_files:
+            e_ids, e_mask = encode_files(cfg.eval_files, self.tok)
+            n = cfg.eval_batches * cfg.batch_size
+            r, m = pack(e_ids, e_mask, cfg.seq_len)
+            self.eval_rows, self.eval_mask = r[:n], m[:n]
+        decay, no_decay = [], []
+        for n, p in self.model.named_parameters():
+            (no_decay if p.dim() < 2 or "norm" in n or "calibration" in n or "bidir" in n else decay).append(p)
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        )
+        self.max_steps = cfg.max_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, self.cfg, self.max_steps))
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.step = 0
+        self.tokens = 0
+        self.elapsed = 0.0
+        if latest is not None:
+            self._load_state(latest)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+
+    # ---------------------------------------------------------------- checkpoints
+    def _latest(self) -> Path | None:
+        f = self.ckdir / "latest"
+        if not f.exists():
+            return None
+        p = self.ckdir / f.read_text().strip()
+        return p if (p / "trainer_state.pt").exists() else None
+
+    def save_checkpoint(self) -> Path:
+        self.ckdir.mkdir(parents=True, exist_ok=True)
+        name = f"step_{self.step:06d}"
+        final = self.ckdir / name
+        tmp = self.ckdir / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(str(tmp), safe_serialization=True)
+        state = {
+            "step": self.step, "tokens": self.tokens, "elapsed": self.elapsed, "max_steps": self.max_steps,
+            "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+            "generator": self.gen.get_state(), "torch_rng": torch.get_rng_state(),
+        }
+        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "train_config.json").write_text(json.dumps(dataclasses.asdict(self.cfg), indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write(self.ckdir / "latest", name)
+        olds = sorted(p for p in self.ckdir.glob("step_*") if p.is_dir() and p != final)
+        for p in olds[: max(0, len(olds) - (self.cfg.keep_ckpts - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+        return final
+
+    def _load_state(self, path: Path) -> None:
+        st = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
+        self.opt.load_state_dict(st["optimizer"])
+        self.max_steps = int(st["max_steps"])
+        self.sched.load_state_dict(st["scheduler"])
+        self.gen.set_state(st["generator"])
+        torch.set_rng_state(st["torch_rng"])
+        self.step, self.tokens, self.elapsed = int(st["step"]), int(st["tokens"]), float(st["elapsed"])
+
+    # ---------------------------------------------------------------- steps
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+
+    def _loss(self, ids, mask, block, gen):
+        if self.cfg.objective == "ar" or block == 1:
+            return ar_loss(self.model, ids, mask)
+        return block_diffusion_loss(self.model, ids, mask, block, self.cfg.t_min, self.cfg.t_max, gen,
+                                    self.cfg.complementary)
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        block = 1
+        if cfg.objective == "block_diffusion":
+            sizes = block_sizes_at(self.step, self.max_steps, cfg.block_schedule)
+            block = sizes[int(torch.randint(len(sizes), (1,), generator=self.gen))]
+        total, ntok = 0.0, 0
+        for _ in range(cfg.grad_accum):
+            idx = torch.randint(self.rows.shape[0], (cfg.batch_size,), generator=self.gen)
+            ids, mask = self.rows[idx], self.rmask[idx]
+            if cfg.random_phase and block > 1:  # vary where the window boundaries fall
+                crop = int(torch.randint(block, (1,), generator=self.gen))
+                ids, mask = ids[:, crop:], mask[:, crop:]
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            with self._autocast():
+                loss, _ = self._loss(ids, mask, block, self.gen)
+            (loss / cfg.grad_accum).backward()
+            total += float(loss.detach()) / cfg.grad_accum
+            ntok += ids.numel()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += ntok
+        return {"loss": total, "grad_norm": float(gnorm), "block_size": block, "tokens_step": ntok}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        if self.eval_rows is None:
+            return {}
+        self.model.eval()
+        gen = torch.Generator().manual_seed(1234)  # the same noise at every evaluation
+        out = {}
+        bs = self.cfg.batch_size
+        blocks = [1] + ([self.cfg.eval_block_size] if self.cfg.objective == "block_diffusion" else [])
+        for block in blocks:
+            num, den = 0.0, 0
+            for i in range(0, self.eval_rows.shape[0], bs):
+                ids = self.eval_rows[i:i + bs].to(self.device)
+                mask = self.eval_mask[i:i + bs].to(self.device)
+                with self._autocast():
+                    loss, n = self._loss(ids, mask, block, gen)
+                num += float(loss) * n
+                den += n
+            out["eval_ar_loss" if block == 1 else f"eval_bd{block}_loss"] = num / max(den, 1)
+        self.model.train()
+        return out
+
+    def calibrate_budget(self) -> int:
+        """Set max_steps so the run fits `time_budget` seconds: time one step at each block size of
+        the schedule's last stage (after one warm-up pass), on a separate generator and without
+        touching the weights, so the training itself stays a pure function of the config + max_steps."""
+        cfg = self.cfg
+        sizes = block_sizes_at(10**9, 1, cfg.block_schedule) if cfg.objective == "block_diffusion" else [1]
+        gen = torch.Generator().manual_seed(cfg.seed + 7919)
+        ids = self.rows[: cfg.batch_size].to(self.device)
+        mask = self.rmask[: cfg.batch_size].to(self.device)
+        times = []
+        for block in [sizes[-1]] + sizes:
+            t0 = time.time()
+            with self._autocast():
+                loss, _ = self._loss(ids, mask, block, gen)
+            loss.backward()
+            times.append(time.time() - t0)
+        self.opt.zero_grad(set_to_none=True)
+        per_step = sum(times[1:]) / len(sizes) * cfg.grad_accum
+        self.max_steps = max(cfg.warmup_steps + 1, int(cfg.time_budget / per_step))
+        self._log({"calibration": True, "seconds_per_step": per_step, "max_steps": self.max_steps})
+        return self.max_steps
+
+    def _replan(self, per_step: float, bar) -> None:
+        """Time-budget mode on a shared machine: until 75% of the plan, re-fit max_steps to the
+        remaining budget at the recent step time (the schedules stretch or shrink with it). The plan
+        is saved in checkpoints, so --resume continues it; bit-for-bit resume needs a fixed max_steps."""
+        if self.step % max(1, self.cfg.log_every) or self.step >= 0.75 * self.max_steps:
+            return
+        left = max(0.0, self.cfg.time_budget - self.elapsed)
+        new = max(self.step + 1, self.cfg.warmup_steps + 1, self.step + int(left / max(per_step, 1e-6)))
+        if new != self.max_steps:
+            self.max_steps = new
+            bar.total = new
+            bar.refresh()
+
+    # ---------------------------------------------------------------- loop
+    def _log(self, rec: dict) -> None:
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def fit(self) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        if self.step == 0 and (self.out / "metrics.jsonl").exists():
+            (self.out / "metrics.jsonl").unlink()
+        if cfg.time_budget > 0 and self.step == 0:
+            self.calibrate_budget()
+        bar = tqdm(total=self.max_steps, initial=self.step, disable=not cfg.progress, dynamic_ncols=True,
+                   desc=cfg.objective)
+        window_t, window_tok, losses = time.time(), 0, []
+        last_eval = {}
+        step_ema = None
+        while self.step < self.max_steps:
+            t0 = time.time()
+            rec = self.train_step()
+            dt = time.time() - t0
+            self.elapsed += dt
+            window_tok += rec["tokens_step"]
+            losses.append(rec["loss"])
+            if cfg.time_budget > 0:
+                step_ema = dt if step_ema is None else 0.9 * step_ema + 0.1 * dt
+                self._replan(step_ema, bar)
+            if not math.isfinite(rec["loss"]):
+                raise FloatingPointError(f"loss is {rec['loss']} at step {self.step}")
+            if self.step % cfg.log_every == 0 or self.step == self.max_steps:
+                now = time.time()
+                tps = window_tok / max(now - window_t, 1e-9)
+                log = {"step": self.step, "loss": sum(losses) / len(losses), "lr": self.sched.get_last_lr()[0],
+                       "grad_norm": rec["grad_norm"], "block_size": rec["block_size"], "tokens": self.tokens,
+                       "tokens_per_s": tps, "elapsed_s": self.elapsed}
+                self._log(log)
+                window_t, window_tok, losses = now, 0, []
+                bar.set_postfix(loss=f"{log['loss']:.3f}", tok_s=f"{tps:.0f}", bs=rec["block_size"])
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.max_steps:
+                last_eval = self.evaluate()
+                if last_eval:
+                    self._log({"step": self.step, **last_eval})
+                    self.plot()
+            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+                self.save_checkpoint()
+            bar.update(1)
+        bar.close()
+        last_eval = self.evaluate()
+        if last_eval:
+            self._log({"step": self.step, **last_eval})
+        self.save_checkpoint()
+        final = self.out / "final"
+        self.model.save_pretrained(str(final))
+        self.tok.save_pretrained(str(final))
+        self.plot()
+        summary = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
+                   "tokens_per_s": self.tokens / max(self.elapsed, 1e-9), **last_eval, "final": str(final)}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def plot(self) -> Path | None:
+        return plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
+
+
+def plot_metrics(metrics: Path, png: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    recs = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tr = [r for r in recs if "loss" in r]
+    if tr:
+        ax.plot([r["step"] for r in tr], [r["loss"] for r in tr], label="train")
+    for key in sorted({k for r in recs for k in r if k.startswith("eval_")}):
+        ev = [r for r in recs if key in r]
+        ax.plot([r["step"] for r in ev], [r[key] for r in ev], "o-", label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return png

