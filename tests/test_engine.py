@@ -183,3 +183,11 @@ def test_requests_added_between_steps_equal_alone(model, prompts, mode):
     for seq, p in zip(first + late, prompts[:4]):
         alone = run(model, [p], mode=mode, threshold=0.5, max_new_tokens=12)[0]
         assert (seq.token_ids, seq.trajectory) == (alone.token_ids, alone.trajectory)
+
+
+def test_35b_context_limit_checked_before_any_work():
+    with torch.device("meta"):  # shapes only: the check must come before any tensor work
+        big = CloverForBlockDiffusion(preset_config("clover-35b-a3b"))
+    engine = Engine(big, DecodeConfig(max_new_tokens=72))
+    with pytest.raises(ValueError, match=r"prompt 0 \(131001 tokens\) \+ max_new_tokens \(72\) exceeds the model's context of 131072"):
+        engine.add([[1] * 131_001])
