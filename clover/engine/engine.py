@@ -1,5 +1,5 @@
 """The decoding engine. Reads top to bottom: add requests (validate, prefill) -> step (one model
-forward per denoising step / AR step, two per self-spec round) -> postprocess (hand finished
+forward per denoising step / AR step, one or two per self-spec round) -> postprocess (hand finished
 blocks to their Sequence, start the next block, drop finished rows).
 
 Batch state lives on-device as [rows, window] tensors; the host sees one small sync per step (did a
@@ -13,7 +13,8 @@ Modes (all share prefill, caches and bookkeeping):
 * `ar`: greedy/sampled next-token decoding; the last token is committed as it is fed.
 * `self_spec`: prefix committed causally (clean_block_size = 1); each round drafts a block in one
   diffusion step, verifies it causally with the cache recording, keeps the agreeing prefix plus the
-  AR correction and rolls the cache back to it. Lossless w.r.t. `ar` greedy.
+  AR correction and rolls the cache back to it. Lossless w.r.t. `ar` greedy. After a round that
+  accepted whole blocks, the next draft rides along in the verify forward (one forward per round).
 """
 
 from __future__ import annotations
