@@ -13,25 +13,9 @@ import copy
 import os
 
 import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
+from clover.convert.mapping import qwen3next_twin as hf_twin
 from clover.models import CloverForBlockDiffusion, preset_config
 from clover.utils.timing import time_alternately
-
-
-def hf_twin(cfg) -> Qwen3NextForCausalLM:
-    hf = Qwen3NextConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-        layer_types=cfg.layer_types, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        partial_rotary_factor=cfg.partial_rotary_factor, rope_theta=cfg.rope_theta,
-        linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
-        linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
-        num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-        moe_intermediate_size=cfg.moe_intermediate_size, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-    )
-    return Qwen3NextForCausalLM(hf)
 
 
 def main() -> None:

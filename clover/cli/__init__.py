@@ -24,8 +24,15 @@ def print_json(obj) -> None:
     print(json.dumps(obj, indent=2, default=float))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (exit 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clover", description="Block-diffusion language models: run, make, serve.")
+    parser = OneLineParser(prog="clover", description="Block-diffusion language models: run, make, serve.")
     parser.add_argument("--version", action="version", version=f"clover {__import__('clover').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:

@@ -32,18 +32,6 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def hf_twin(cfg):
-    """transformers' Qwen3NextForCausalLM with the same dims as a CloverConfig (random weights)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "partial_rotary_factor", "rope_theta", "linear_num_key_heads",
-              "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
-              "num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size",
-              "shared_expert_intermediate_size", "max_position_embeddings", "rms_norm_eps")
-    return Qwen3NextForCausalLM(Qwen3NextConfig(**{f: getattr(cfg, f) for f in fields}))
-
-
 # ---- decode -----------------------------------------------------------------------------------------
 def add_decode_flags(p) -> None:
     src = p.add_mutually_exclusive_group()
@@ -108,7 +96,9 @@ def run_decode(args) -> int:
 
     candidates = {name: engine_run(name, cfg) for name, cfg in configs.items()}
     if not args.no_hf:
-        hf = hf_twin(model.config).to(model.device, model.dtype).eval()
+        from ..convert.mapping import qwen3next_twin
+
+        hf = qwen3next_twin(model.config).to(model.device, model.dtype).eval()
         ids = torch.tensor([prompt], device=model.device)
 
         def hf_go():

@@ -121,6 +121,19 @@ def _experts(t: dict, cfg: CloverConfig, m: str) -> tuple[torch.Tensor, torch.Te
     return gate_up, torch.stack([_take(t, f"{e}{j}.down_proj.weight", h, i) for j in range(cfg.num_experts)])
 
 
+def qwen3next_twin(cfg: CloverConfig):
+    """transformers' Qwen3NextForCausalLM with the same dims as a CloverConfig (random weights):
+    the AR reference that benchmarks compare against."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "partial_rotary_factor", "rope_theta", "linear_num_key_heads",
+              "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+              "num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "max_position_embeddings", "rms_norm_eps")
+    return Qwen3NextForCausalLM(Qwen3NextConfig(**{f: getattr(cfg, f) for f in fields}))
+
+
 def _gdn_in_proj(t: dict, cfg: CloverConfig, prefix: str) -> torch.Tensor:
     """Rows [q ; k ; v ; z ; b ; a], each contiguous over heads (the Qwen3.5 order)."""
     nk, dk, dv, hv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads

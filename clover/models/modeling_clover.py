@@ -14,6 +14,7 @@ One forward serves every use:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ class Layout:
     training: bool = False  # [x_t ; x_0] layout: first half noisy, second half clean
     clean_block_size: int = 1
     draft_block_size: int = 1
+    prefix: int = 0  # cache slots the attention layers read (the longest row's committed length)
     rope: tuple | None = None  # (cos, sin), computed by the first attention layer, shared by the rest
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
@@ -69,14 +71,17 @@ class Layout:
         return self.rope
 
 
+@functools.lru_cache(maxsize=256)
+def _calibration_row(block_size: int, anchors: int, device) -> torch.Tensor:
+    return torch.tensor(calibration_weights(block_size, anchors), device=device)
+
+
 def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -> torch.Tensor | None:
     """Per-column interpolation weights [L, A] for (count, block_size) runs; None when all are 0."""
     if all(bs <= 1 or n == 0 for n, bs in sizes):
         return None
-    rows = []
-    for n, bs in sizes:
-        rows.append(torch.tensor(calibration_weights(bs, cfg.num_calibration_anchors)).expand(n, -1))
-    return torch.cat(rows).to(device)
+    rows = [_calibration_row(bs, cfg.num_calibration_anchors, device).expand(n, -1) for n, bs in sizes if n]
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
 def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad, device) -> Layout:
@@ -101,7 +106,7 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
         new = torch.cat([old, new], dim=-1)
     calib = _calibration_rows(cfg, [(num_clean, clean_bs), (draft_len, draft_bs)], device)
     return Layout(wid, positions, new[:, None], same[:, None] if calib is not None else None, calib,
-                  num_clean, pad, False, clean_bs, draft_bs)
+                  num_clean, pad, False, clean_bs, draft_bs, prefix)
 
 
 def training_layout(cfg, batch, length, block, device) -> Layout:
@@ -198,7 +203,7 @@ class CloverAttention(nn.Module):
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         keys, values = k, v
         if cache is not None:
-            prefix = cache.max_len()
+            prefix = layout.prefix
             if prefix:
                 keys = torch.cat([cache.key[self.layer_idx][:, :, :prefix].to(k.dtype), k], dim=2)
                 values = torch.cat([cache.value[self.layer_idx][:, :, :prefix].to(v.dtype), v], dim=2)
