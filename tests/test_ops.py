@@ -71,13 +71,19 @@ def test_masked_attention_matches_naive(lq, lk):
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 37])
-def test_grouped_experts_match_naive(tokens):
-    experts, hidden, inter, topk = 6, 10, 7, 2
-    x = torch.randn(tokens, hidden)
+@pytest.mark.parametrize("hidden,inter", [(10, 7), (16, 8)])  # 16/8: aligned rows take torch's grouped GEMM
+@pytest.mark.parametrize("grad", [False, True])
+def test_grouped_experts_match_naive(tokens, hidden, inter, grad):
+    experts, topk = 6, 2
+    x = torch.randn(tokens, hidden, requires_grad=grad)
     gate_up, down = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
     top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
-    torch.testing.assert_close(grouped_experts(x, top_idx, top_w, gate_up, down), naive_experts(x, top_idx, top_w, gate_up, down),
-                               atol=1e-4, rtol=1e-4)
+    with torch.set_grad_enabled(grad):
+        fast = grouped_experts(x, top_idx, top_w, gate_up, down)
+    torch.testing.assert_close(fast, naive_experts(x.detach(), top_idx, top_w, gate_up, down), atol=1e-4, rtol=1e-4)
+    if grad:
+        fast.square().sum().backward()
+        assert x.grad is not None and x.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("length,block", [(1, 1), (9, 4), (13, 5), (6, 32)])
