@@ -97,13 +97,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=REPO / "clover/assets/default")
     ap.add_argument("--random", metavar="PRESET", help="benchmark random weights of this preset instead")
+    ap.add_argument("--data", type=Path, default=REPO / "runs/default/data",
+                    help="folder with heldout.jsonl and eval_tasks.jsonl (default: the default recipe's)")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calib-samples", type=int, default=32)
-    ap.add_argument("--eval-per-task", type=int, default=10, help="task-accuracy prompts per task (default 10)")
+    ap.add_argument("--eval-per-task", type=int, default=20, help="task-accuracy prompts per task (default 20)")
     ap.add_argument("--loss-rows", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -128,32 +130,39 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         from clover.data import tasks
+        from clover.quant.quantize import _records, calibration_tokens
 
-        src = args.model
-        if not (src / "config.json").is_file():
-            print(f"bench/quant.py: no model at {src} (pass --model DIR or --random clover-small)", file=sys.stderr)
+        if not (args.model / "config.json").is_file():
+            print(f"bench/quant.py: no model at {args.model} (pass --model DIR or --random clover-small)", file=sys.stderr)
             return 2
-        what = f"`{src.relative_to(REPO) if src.is_relative_to(REPO) else src}`"
+        what = f"`{args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model}`"
+        src = SCRATCH / "src"  # a bf16 copy: the baseline every ratio is taken against
+        CloverForBlockDiffusion.from_pretrained(args.model, dtype=torch.bfloat16).save_pretrained(src)
+        for f in args.model.iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".index.json")) and f.name != "config.json":
+                shutil.copy2(f, src / f.name)
         tok = AutoTokenizer.from_pretrained(src)
-        eos = tok.eos_token_id
-        n_eval = args.eval_per_task * len(tasks.TASKS)
-        # the held-out split of clover/data/build.py (seed 0 -> held-out seed 1): the first examples
-        # are the task-accuracy set, the next feed the loss, the rest calibrate GPTQ
-        held = tasks.generate_split(1, n_eval + 4000)
-        evals = held[:n_eval]
-
-        def rows_of(examples, n):
-            stream = []
-            for ex in examples:
-                stream += tok.encode(tasks.plain_text(ex), add_special_tokens=False) + [eos]
-                if len(stream) >= n * seq_len:
-                    break
-            return [stream[i * seq_len:(i + 1) * seq_len] for i in range(n)]
-
-        loss_rows = rows_of(held[n_eval:n_eval + 2000], args.loss_rows)
-        calib_rows = rows_of(held[n_eval + 2000:], args.calib_samples)
-        prompts = [tok.encode(tasks.plain_prompt(ex), add_special_tokens=False) for ex in evals]
+        cfg = CloverForBlockDiffusion.config_class.from_pretrained(src)
+        heldout, eval_file = args.data / "heldout.jsonl", args.data / "eval_tasks.jsonl"
+        if heldout.is_file() and eval_file.is_file():
+            # held-out records: the first half gives the loss, the second half calibrates GPTQ
+            records = _records(heldout)
+            loss_recs, calib_recs = records[: len(records) // 2], records[len(records) // 2 :]
+            evals = [json.loads(line) for line in eval_file.read_text().splitlines() if line.strip()]
+            data_note = f"held-out data and task prompts from `{args.data.relative_to(REPO) if args.data.is_relative_to(REPO) else args.data}`"
+        else:  # regenerate clover/data/build.py's held-out split (seed 1): eval prompts, then loss, then calibration
+            held = tasks.generate_split(1, 40 * len(tasks.TASKS) + 4000)
+            evals = held[: 40 * len(tasks.TASKS)]
+            loss_recs = [{"text": tasks.plain_text(ex)} for ex in held[len(evals) : len(evals) + 2000]]
+            calib_recs = [{"text": tasks.plain_text(ex)} for ex in held[len(evals) + 2000 :]]
+            data_note = "held-out split regenerated with clover.data.tasks (seed 1)"
+        per_task = {}
+        evals = [ex for ex in evals if per_task.setdefault(ex["task"], []).append(ex) or len(per_task[ex["task"]]) <= args.eval_per_task]
+        loss_rows = calibration_tokens(loss_recs, src, cfg, args.loss_rows, seq_len).tolist()
+        calib_rows = calibration_tokens(calib_recs, src, cfg, args.calib_samples, seq_len).tolist()
+        prompts = [tasks.plain_prompt(ex) for ex in evals]
         answers = [ex["answer"] for ex in evals]
+        what += f"; {data_note}"
     calib = SCRATCH / "calib.jsonl"
     calib.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in calib_rows))
 
@@ -173,7 +182,7 @@ def main() -> int:
 
     # ---- speed: alternate the models, medians ------------------------------------------------
     speed_models = {"bf16": models["bf16"], "int4 RTN": models["int4 RTN"], **models_fp32}
-    prompt = prompts[0]
+    prompt = prompts[0] if tok is None else tok(prompts[0]).input_ids
     for m in speed_models.values():
         decode_once(m, prompt, 8, args.block_size)  # warm up
     runs = {k: [] for k in speed_models}
@@ -189,21 +198,27 @@ def main() -> int:
         fw = statistics.median(x[1] for x in r)
         speed[name] = (args.new_tokens / dt, fw, 1000 * dt / fw)
 
-    # ---- quality ------------------------------------------------------------------------------
+    # ---- quality: weights as stored, everything else in fp32 (isolates the quantisation error) ------
     quality = {}
-    for name, m in models.items():
+    for name, folder in folders.items():
+        m = load(folder, torch.float32)
         diff, ar = heldout_loss(m, loss_rows, args.block_size)
-        if answers is not None:
-            eng = Engine(m, DecodeConfig(block_size=args.block_size, max_new_tokens=24, eos_token_ids=(tok.eos_token_id,)))
-            outs = eng.generate(prompts)
-            texts = [tok.decode(s.token_ids, skip_special_tokens=True).strip().split("\n")[0].strip() for s in outs]
+        if answers is not None:  # as recipes/default/evaluate.py: plain prompt, first generated line
+            import clover
+
+            outs = []
+            for i in range(0, len(prompts), 40):
+                outs += clover.generate(m, tok, prompts[i : i + 40], max_new_tokens=48, block_size=args.block_size,
+                                        threshold=0.95)
+            texts = [o.text.strip().split("\n")[0].strip() for o in outs]
             acc = sum(t == a for t, a in zip(texts, answers)) / len(answers)
-            gen_ids = [s.token_ids for s in outs]
+            gen_ids = [o.token_ids for o in outs]
         else:
             outs = Engine(m, DecodeConfig(block_size=args.block_size, max_new_tokens=args.new_tokens,
                                           eos_token_ids=())).generate(prompts)
             acc, gen_ids = None, [s.token_ids for s in outs]
         quality[name] = (diff, ar, acc, gen_ids)
+        del m
     ref_ids = quality["bf16"][3]
 
     def agreement(ids):
@@ -238,11 +253,13 @@ def main() -> int:
           f"{speed['int4 RTN'][0]:.1f} ({speed['int4 RTN'][0] / speed['bf16'][0]:.2f}x) | same kernels as RTN |")
     print(f"| ms per forward (TPF) | {speed['bf16'][2]:.1f} ({args.new_tokens / speed['bf16'][1]:.2f}) | "
           f"{speed['int4 RTN'][2]:.1f} ({args.new_tokens / speed['int4 RTN'][1]:.2f}) | |")
-    print(f"| held-out block-diffusion loss (block {args.block_size}) | " + " | ".join(f"{quality[k][0]:.4f}" for k in models) + " |")
-    print("| held-out AR loss | " + " | ".join(f"{quality[k][1]:.4f}" for k in models) + " |")
+    print(f"| held-out block-diffusion loss (block {args.block_size}; fp32 compute) | " + " | ".join(f"{quality[k][0]:.4f}" for k in models) + " |")
+    print("| held-out AR loss (fp32 compute) | " + " | ".join(f"{quality[k][1]:.4f}" for k in models) + " |")
     if answers is not None:
         print(f"| task accuracy ({len(answers)} held-out prompts, greedy) | " +
               " | ".join(f"{100 * quality[k][2]:.1f}%" for k in models) + " |")
+    if args.random:
+        print("| (random weights: near-flat logits, so any perturbation flips the argmax; losses ~ ln(vocab)) | | | |")
     print("| generated tokens equal to bf16's | 100% | " +
           " | ".join(f"{100 * agreement(quality[k][3]):.1f}%" for k in ("int4 RTN", "int4 GPTQ")) + " |")
     print("\nDecode speed by model dtype (the dtype of everything but the int4 matmuls, whose activations are "
