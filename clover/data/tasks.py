@@ -187,3 +187,62 @@ def generate_split(seed: int, n: int, tasks=TASKS, exclude: set | None = None) -
         seen.add(ex["prompt"])
         out.append(ex)
     return out
+
+
+# ---- joint decision mode: answer specs and the decision benchmark --------------------------------
+# New functions only: the rendering above (`group_as_example`, `plain_text`) is what the default
+# model is trained on and stays as it is.
+def group_prompt(material: str, questions: list[str]) -> str:
+    """The prompt of a decision group exactly as training renders it ('<material> Q1: ... Q2: ...\\n');
+    the answers follow as 'A1: x A2: y' (`group_as_example`)."""
+    g = {"material": material, "questions": list(questions), "answers": [""] * len(questions)}
+    return plain_prompt(group_as_example(g))
+
+
+def question_spec(question: str, material: str) -> dict:
+    """The answer spec of one `decision_group` question: {"options": [...]}, {"type": "boolean"} or
+    {"type": "integer", "max_tokens": digits}. Names come from the material ('X is 34, ...')."""
+    import re
+
+    if question.startswith("Is "):
+        return {"type": "boolean"}
+    if question.startswith(("How old", "How many")):
+        return {"type": "integer", "max_tokens": 2}
+    if question.startswith("Who "):
+        return {"options": re.findall(r"(\w+) is \d+,", material)}
+    if question.startswith("Where "):
+        return {"options": list(CITIES[:4])}
+    if question.startswith("What pet"):
+        return {"options": list(PETS)}
+    raise ValueError(f"no answer spec for {question!r}")
+
+
+def decision_record(g: dict) -> dict:
+    """A `decision_group` with one answer spec per question (for `clover.decide` and its benchmark)."""
+    return {**g, "specs": [question_spec(q, g["material"]) for q in g["questions"]]}
+
+
+def decision_split(seed: int, n: int, exclude: set | None = None, min_q: int = 2, max_q: int = 8) -> list[dict]:
+    """`n` decision records (2-8 linked questions each) whose material is not in `exclude`."""
+    rng = random.Random(seed)
+    out, seen = [], set(exclude or ())
+    while len(out) < n:
+        g = decision_group(rng, min_q, max_q)
+        if g["material"] in seen:
+            continue
+        seen.add(g["material"])
+        out.append(decision_record(g))
+    return out
+
+
+def decision_benchmark(seed: int = 0, n_train: int = 5000, n_heldout: int = 500) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) splits of the decision benchmark; no held-out material appears in train.
+    Train records render for training with `group_as_example` (`decision_train_examples`)."""
+    train = decision_split(seed * 2 + 101, n_train)
+    heldout = decision_split(seed * 2 + 102, n_heldout, exclude={r["material"] for r in train})
+    return train, heldout
+
+
+def decision_train_examples(seed: int = 0, n_train: int = 5000) -> list[dict]:
+    """The benchmark's train split as prompt/answer examples (the training rendering)."""
+    return [group_as_example(r) for r in decision_benchmark(seed, n_train, 0)[0]]
