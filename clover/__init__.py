@@ -15,3 +15,7 @@ __all__ = ["CloverCache", "CloverConfig", "CloverForBlockDiffusion", "CloverMode
 from .api import Generation, generate, load  # noqa: E402
 
 __all__ += ["Generation", "generate", "load"]
+
+from .decide import decide  # noqa: E402
+
+__all__ += ["decide"]

@@ -1,0 +1,69 @@
+"""`clover decide`: answer up to 8 linked questions about one material in one denoising process
+(joint mode) or one by one (independent). Questions: a JSONL file, one per line:
+{"question": ..., "options": [...]} or {"question": ..., "type": "boolean"|"integer"|"text", "max_tokens": N}."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import UserError, print_json
+from .generate import add_model_args
+
+
+def register(sub) -> None:
+    from ..decide import MODES
+
+    p = sub.add_parser("decide", help="answer linked questions about a material (joint decision mode)")
+    add_model_args(p)
+    p.add_argument("--material", required=True, metavar="FILE", help="a text file: the material the questions are about")
+    p.add_argument("--questions", required=True, metavar="FILE.jsonl", help="one question per line (JSON)")
+    p.add_argument("--mode", default="joint", choices=MODES, help="joint (default) or independent")
+    p.add_argument("--threshold", type=float, default=0.9, metavar="T",
+                   help="commit every slot whose confidence is > T per forward (default 0.9)")
+    p.add_argument("--block-size", type=int, default=32, metavar="B", help="max tokens per answer window (default 32)")
+    p.add_argument("--split", action="store_true", help="more than 8 questions: answer them in groups of 8")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def read_questions(path: str) -> list[dict]:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{file}: no such questions file")
+    questions = []
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            questions.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise UserError(f"{file}:{n}: not JSON ({e.msg})") from None
+    return questions
+
+
+def run(args) -> int:
+    from ..api import load
+    from ..decide import decide, parse_questions
+
+    material_file = Path(args.material)
+    if not material_file.is_file():
+        raise UserError(f"{material_file}: no such material file")
+    material = material_file.read_text(encoding="utf-8")
+    if not material.strip():
+        raise UserError(f"{material_file}: material is empty")
+    questions = read_questions(args.questions)
+    parse_questions(questions, args.split)  # every mistake reported before the model loads
+    if not 0 <= args.threshold <= 1:
+        raise UserError(f"--threshold must be in [0, 1], got {args.threshold}")
+    model, tokenizer = load(args.model, args.device)
+    result = decide(model, tokenizer, material, questions, mode=args.mode, threshold=args.threshold,
+                    block_size=args.block_size, split=args.split)
+    if args.json:
+        print_json(result.to_dict())
+        return 0
+    for i, (q, a) in enumerate(zip(questions, result.answers), 1):
+        answer = ("yes" if a.answer else "no") if isinstance(a.answer, bool) else a.answer
+        print(f"A{i}: {answer}  ({a.confidence:.2f})  {q['question']}")
+    print(f"[{args.mode}: {result.forward_passes} forward passes, {result.seconds:.2f} s]")
+    return 0
