@@ -133,6 +133,79 @@ def run_decode(args) -> int:
     return 0
 
 
+# ---- decide -----------------------------------------------------------------------------------------
+def add_decide_flags(p) -> None:
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--groups", type=int, default=500, help="held-out groups (default 500)")
+    p.add_argument("--seed", type=int, default=0, help="benchmark seed (clover.data.tasks.decision_benchmark)")
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=32)
+
+
+def _spoken(value) -> str:
+    return ("yes" if value else "no") if isinstance(value, bool) else str(value)
+
+
+def run_decide(args) -> int:
+    """Joint vs independent decision mode on the held-out split of the decision benchmark."""
+    import torch
+    from tqdm import tqdm
+
+    from ..api import DEFAULT_MODEL, load
+    from ..data.tasks import decision_benchmark
+    from ..decide import decide
+
+    if args.groups < 1:
+        raise UserError("--groups must be >= 1")
+    if not args.model and not (DEFAULT_MODEL / "config.json").is_file():
+        raise UserError(f"no default model at {DEFAULT_MODEL} (build it with `make model`) and no --model given")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    model, tokenizer = load(args.model, args.device)
+    _, groups = decision_benchmark(args.seed, n_heldout=args.groups)
+    modes = ("joint", "independent")
+    totals = {m: dict(right=0, groups_right=0, forwards=0, calls=0, seconds=0.0) for m in modes}
+    questions = sum(len(g["questions"]) for g in groups)
+    for i, g in enumerate(tqdm(groups, desc="bench decide", file=sys.stderr, leave=False)):
+        asked = [{"question": q, **spec} for q, spec in zip(g["questions"], g["specs"])]
+        for mode in modes if i % 2 == 0 else modes[::-1]:  # alternate the order: equal share of any contention
+            with torch.inference_mode():
+                d = decide(model, tokenizer, g["material"], asked, mode=mode, threshold=args.threshold,
+                           block_size=args.block_size)
+            right = [_spoken(a.answer) == want for a, want in zip(d.answers, g["answers"])]
+            t = totals[mode]
+            t["right"] += sum(right)
+            t["groups_right"] += all(right)
+            t["forwards"] += d.forward_passes
+            t["calls"] += d.model_calls
+            t["seconds"] += d.seconds
+    n = len(groups)
+    rows, results = [], []
+    for mode in modes:
+        t = totals[mode]
+        r = dict(mode=mode, questions_right=100 * t["right"] / questions, groups_all_right=100 * t["groups_right"] / n,
+                 forward_passes_per_group=t["forwards"] / n, model_calls_per_group=t["calls"] / n,
+                 seconds_per_group=t["seconds"] / n)
+        results.append(r)
+        rows.append([mode, f"{r['questions_right']:.1f}%", f"{r['groups_all_right']:.1f}%",
+                     f"{r['forward_passes_per_group']:.2f}", f"{r['model_calls_per_group']:.2f}",
+                     f"{r['seconds_per_group']:.3f}"])
+    described = args.model or "default model"
+    print(f"Joint decision mode: {described}; held-out split of the decision benchmark (seed {args.seed}), {n} groups / "
+          f"{questions} questions (2-8 linked questions each); threshold {args.threshold}, block {args.block_size}, "
+          f"{model.device} {str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads.\n")
+    print("Forward passes = per-row decoding forwards summed over the group's rows (independent: one row per "
+          "question, batched; prefill not counted); model calls = batched forwards.\n")
+    print(markdown_table(["mode", "questions right", "groups all right", "forward passes / group",
+                          "model calls / group", "s / group"], rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=described, seed=args.seed, groups=n, questions=questions, threshold=args.threshold,
+                           block_size=args.block_size, threads=torch.get_num_threads(), results=results), f, indent=2)
+    return 0
+
+
 BENCHMARKS = {
     "decode": (add_decode_flags, run_decode, "tokens/s and tokens per forward of each decoding mode vs transformers"),
+    "decide": (add_decide_flags, run_decide, "joint vs independent decision mode: accuracy, forwards, seconds per group"),
 }
