@@ -2,24 +2,14 @@
 character-level tokenizer built in the test (no downloads)."""
 
 import json
-import string
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 import clover
 from clover.api import DEFAULT_MODEL, split_thinking
 from clover.cli import main
-from clover.models import CloverForBlockDiffusion, preset_config
-
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if not enable_thinking | default(false) %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
+from helpers import save_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,31 +20,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_tokenizer(vocab_size=128):
-    chars = list(string.ascii_letters + string.digits + " \n.,!?:;'-()+=")
-    tokens = SPECIAL + ["<think>", "</think>"] + chars
-    tokens += [f"<unused{i}>" for i in range(vocab_size - 1 - len(tokens))] + ["<|mask|>"]
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL[:2] + ["<|mask|>"])
-    fast.add_tokens(["<think>", "</think>"])
-    fast.chat_template = TEMPLATE
-    return fast
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = tiny_tokenizer()
-    torch.manual_seed(0)
-    config = preset_config("clover-tiny", eos_token_id=tokenizer.eos_token_id)
-    model = CloverForBlockDiffusion(config)
-    model.lm_head.weight.data *= 40  # peaked, so low_confidence fills several tokens per step
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 def cli(capsys, *argv):

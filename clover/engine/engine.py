@@ -78,22 +78,28 @@ class Engine:
 
     # ---- add requests ----------------------------------------------------------------------------
     @torch.no_grad()
-    def add(self, prompts: list[list[int]]) -> list[Sequence]:
+    def add(self, prompts: list[list[int]], max_new_tokens: list[int] | None = None) -> list[Sequence]:
         """Validate every prompt before any work, prefill them as a batch and join the running rows
-        (continuous batching: requests may be added between steps)."""
+        (continuous batching: requests may be added between steps). `max_new_tokens` gives each row
+        its own budget (default: the config's)."""
         if not prompts:
             raise ValueError("no prompts")
+        budgets = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
+        if len(budgets) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(budgets)} max_new_tokens")
         ctx = self.model.config.max_position_embeddings
-        for i, p in enumerate(prompts):
+        for i, (p, n) in enumerate(zip(prompts, budgets)):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            if len(p) + self.cfg.max_new_tokens > ctx:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({self.cfg.max_new_tokens}) "
+            if n < 1:
+                raise ValueError(f"max_new_tokens must be >= 1, got {n}")
+            if len(p) + n > ctx:
+                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({n}) "
                                  f"exceeds the model's context of {ctx} tokens")
-        seqs = [Sequence(self.added + i, list(p), self.cfg.max_new_tokens) for i, p in enumerate(prompts)]
+        seqs = [Sequence(self.added + i, list(p), n) for i, (p, n) in enumerate(zip(prompts, budgets))]
         self.added += len(seqs)
-        longest = max(map(len, prompts))
-        cache = self.model.new_cache(len(seqs), capacity=longest + self.cfg.max_new_tokens + self.width)
+        longest = max(len(p) + n for p, n in zip(prompts, budgets))
+        cache = self.model.new_cache(len(seqs), capacity=longest + self.width)
         pending = self._prefill(seqs, cache)
         window = torch.full((len(seqs), self.width), self.mask_id, dtype=torch.long, device=self.device)
         window[:, 0] = torch.tensor([p[-1] for p in prompts], device=self.device)
@@ -152,6 +158,14 @@ class Engine:
         n = int(self.eligible[row].sum())
         filled, tokens, steps = (t[row, :n].tolist() for t in (self.filled, self.targets, self.fill_step))
         return [(t if f else None, s) for f, t, s in zip(filled, tokens, steps)]
+
+    def finish(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """End a running row between steps (client gone, stop string matched): it leaves the batch
+        and its cache rows are freed."""
+        if seq.finished or not any(s is seq for s in self.seqs):
+            return
+        seq.finish(reason)
+        self._drop_finished()
 
     # ---- step ---------------------------------------------------------------------------------------
     @property
@@ -283,7 +297,7 @@ class Engine:
             return
         self.seqs = [self.seqs[r] for r in keep]
         if not keep:
-            self.pending = None
+            self.pending = self.cache = None  # nothing runs: free the cache
             return
         idx = torch.tensor(keep, device=self.device)
         self.cache.select_rows(idx)

@@ -1,0 +1,92 @@
+"""`clover serve`: an OpenAI-compatible server (FastAPI + uvicorn) with continuous batching,
+streaming and a live denoising playground at `/`. Binds loopback unless told otherwise."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from . import UserError
+
+
+def register(sub) -> None:
+    from ..engine import MODES
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, playground at /)")
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model id clients ask for (default: folder name)")
+    p.add_argument("--max-batch", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="rows waiting for a slot before requests get 503 (default 256)")
+    p.add_argument("--block-size", type=int, metavar="B", help="default block size (default: the model's)")
+    p.add_argument("--threshold", type=float, default=0.95, metavar="T", help="default low_confidence threshold")
+    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=f"default mode, one of {', '.join(MODES)}")
+    p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
+                   help="chat completion budget when a request gives none (default 512, capped by the context)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def check_args(args) -> None:
+    from ..engine import DecodeConfig
+
+    for name in ("max_batch", "max_queue", "default_max_tokens"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    DecodeConfig(mode=args.mode, block_size=args.block_size or 1, threshold=args.threshold).validate()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: {e.strerror}")
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}")
+    sock.listen(2048)
+    return sock
+
+
+def run(args) -> int:
+    check_args(args)
+    sock = bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
+    import torch
+    import uvicorn
+
+    from ..api import eos_ids, load
+    from ..server import Settings, create_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model, args.device)
+    block_size = args.block_size or model.config.block_size
+    if block_size > model.config.max_block_size:
+        raise UserError(f"--block-size must be in [1, {model.config.max_block_size}], got {block_size}")
+    name = args.served_model_name or (args.model.rstrip("/").split("/")[-1] if args.model else "clover-default")
+    settings = Settings(model_id=name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+                        block_size=block_size, threshold=args.threshold, mode=args.mode,
+                        default_max_tokens=args.default_max_tokens)
+    app = create_app(model, tokenizer, settings, eos_ids(model, tokenizer))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"clover serve: {name} on http://{shown}:{port} (playground at /, OpenAI API at /v1)", flush=True)
+    if host not in ("127.0.0.1", "::1", "localhost") and not args.api_key:
+        print("clover serve: warning: listening beyond this machine without --api-key", file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0

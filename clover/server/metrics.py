@@ -1,0 +1,86 @@
+"""Server metrics in the Prometheus text format (no client library: a few counters, gauges and
+histograms behind one lock)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Histogram:
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.buckets, self.counts, self.sum, self.count = tuple(buckets), [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, cum = [], 0
+        for bound, n in zip(self.buckets, self.counts):
+            cum += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {cum}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = defaultdict(int)  # (endpoint, status) -> count
+        self.prompt_tokens = self.generated_tokens = self.row_forwards = self.model_forwards = 0
+        self.finished_rows = self.cancelled_rows = self.rejected_queue_full = 0
+        self.queue_length = self.running_rows = 0
+        self.latency = Histogram()  # request arrival -> last token
+        self.first_token = Histogram()  # request arrival -> first block
+        self.step_seconds = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+    def row_done(self, tokens: int, forwards: int, cancelled: bool) -> None:
+        with self.lock:
+            self.row_forwards += forwards
+            self.finished_rows += 1
+            self.cancelled_rows += int(cancelled)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated_tokens / self.row_forwards if self.row_forwards else 0.0
+
+    def render(self) -> str:
+        with self.lock:
+            lines = ["# HELP clover_requests_total HTTP requests answered, by endpoint and status.",
+                     "# TYPE clover_requests_total counter"]
+            lines += [f'clover_requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                      for (e, s), n in sorted(self.requests.items())]
+            for name, kind, value, help_ in (
+                ("clover_prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens admitted."),
+                ("clover_generated_tokens_total", "counter", self.generated_tokens, "Tokens generated (committed blocks)."),
+                ("clover_row_forward_passes_total", "counter", self.row_forwards,
+                 "Model forwards summed over the rows of finished requests."),
+                ("clover_tokens_per_forward", "gauge", round(self.tokens_per_forward, 4),
+                 "Generated tokens per forward pass of a row (TPF), over finished rows."),
+                ("clover_model_forwards_total", "counter", self.model_forwards, "Batched engine steps."),
+                ("clover_finished_rows_total", "counter", self.finished_rows, "Rows (choices) that left the batch."),
+                ("clover_cancelled_rows_total", "counter", self.cancelled_rows,
+                 "Rows cancelled because their client went away."),
+                ("clover_rejected_queue_full_total", "counter", self.rejected_queue_full, "Requests answered 503."),
+                ("clover_queue_length", "gauge", self.queue_length, "Rows waiting for a batch slot."),
+                ("clover_running_rows", "gauge", self.running_rows, "Rows in the running batch."),
+            ):
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+            for name, hist, help_ in (
+                ("clover_request_latency_seconds", self.latency, "Arrival to last token, per row."),
+                ("clover_time_to_first_block_seconds", self.first_token, "Arrival to first committed block, per row."),
+                ("clover_step_seconds", self.step_seconds, "One engine step (one batched forward)."),
+            ):
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"] + hist.lines(name)
+        return "\n".join(lines) + "\n"

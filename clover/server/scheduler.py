@@ -1,0 +1,245 @@
+"""One background thread runs every decoding: continuous batching over the engine.
+
+* A request becomes one `Job` per choice (row). Jobs wait in a bounded FIFO (`max_queue` rows;
+  a full queue is refused up front, the HTTP layer answers 503 + Retry-After).
+* Jobs are grouped by `EngineKey` (mode, block size, threshold, steps, sampling, ignore_eos): rows
+  that decode the same way share one `Engine`, so one batched forward serves them all. Each row
+  has its own token budget (`Engine.add(..., max_new_tokens=[...])`).
+* Loop: apply cancellations -> admit waiting jobs while fewer than `max_batch` rows run (each
+  admitted group is prefilled as one batch and joins its engine's running rows; its first block
+  starts there) -> one `step()` of every engine -> hand committed blocks to their jobs. A row leaves
+  its engine when it finishes (EOS, budget) or is cancelled (client gone, stop string): its cache
+  rows are freed at once (`Engine.finish`), and an engine with no rows is dropped.
+* Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import DecodeConfig, Engine, SamplingParams, Sequence
+from .metrics import Metrics
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    mode: str = "low_confidence"
+    block_size: int = 32
+    threshold: float = 0.95
+    steps: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Ticket:
+    """One HTTP request's mailbox: the scheduler thread posts, the request's coroutine reads."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def post(self, item: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is gone (server shutting down)
+            pass
+
+
+@dataclass(eq=False)
+class Job:
+    ticket: Ticket
+    index: int  # choice index within the request
+    prompt_ids: list[int]
+    max_new_tokens: int
+    key: EngineKey
+    live: bool = False  # post the current block's view after every step (the playground)
+    arrived: float = field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    state: str = "waiting"  # waiting -> running -> done
+    first_block: bool = False
+
+
+class Scheduler:
+    def __init__(self, model, eos_token_ids: tuple[int, ...], max_batch: int = 32, max_queue: int = 256,
+                 metrics: Metrics | None = None):
+        self.model, self.eos = model, tuple(eos_token_ids)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.metrics = metrics or Metrics()
+        self.cv = threading.Condition()
+        self.waiting: deque[Job] = deque()
+        self.to_cancel: list[tuple[Job, str]] = []
+        self.engines: dict[EngineKey, Engine] = {}
+        self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+
+    # ---- called from request handlers ----------------------------------------------------------
+    def config(self, key: EngineKey, max_new_tokens: int = 1) -> DecodeConfig:
+        """The engine config for a key; raises ValueError (-> 400) for settings the model can't run."""
+        cfg = DecodeConfig(mode=key.mode, block_size=key.block_size, threshold=key.threshold, steps=key.steps,
+                           max_new_tokens=max_new_tokens, eos_token_ids=() if key.ignore_eos else self.eos,
+                           sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed))
+        cfg.validate()
+        if key.block_size > self.model.config.max_block_size:
+            raise ValueError(f"block_size must be in [1, {self.model.config.max_block_size}], got {key.block_size}")
+        return cfg
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self.cv:
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                self.metrics.rejected_queue_full += 1
+                raise QueueFull(f"the queue is full ({len(self.waiting)} of {self.max_queue} rows waiting)")
+            self.waiting.extend(jobs)
+            self.metrics.queue_length = len(self.waiting)
+            self.cv.notify()
+
+    def cancel(self, jobs: list[Job], reason: str = "cancelled") -> None:
+        """Stop jobs (client gone: "cancelled"; stop string matched: "stop"). Thread-safe."""
+        with self.cv:
+            for job in jobs:
+                if job.state == "waiting":
+                    job.state = "done"
+                    try:
+                        self.waiting.remove(job)
+                    except ValueError:
+                        pass
+                elif job.state == "running":
+                    self.to_cancel.append((job, reason))
+            self.metrics.queue_length = len(self.waiting)
+            self.cv.notify()
+
+    # ---- the thread --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    @property
+    def running_rows(self) -> int:
+        return sum(len(e.seqs) for e in self.engines.values())
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not (self.stopping or self.waiting or self.to_cancel or self.engines):
+                    self.cv.wait()
+                if self.stopping:
+                    return
+                cancels, self.to_cancel = self.to_cancel, []
+                admit, room = [], self.max_batch - self.running_rows + sum(j.state == "running" for j, _ in cancels)
+                while self.waiting and len(admit) < room:
+                    job = self.waiting.popleft()
+                    job.state = "running"
+                    admit.append(job)
+                self.metrics.queue_length = len(self.waiting)
+            try:
+                with torch.inference_mode():
+                    for job, reason in cancels:
+                        self._cancel(job, reason)
+                    self._admit(admit)
+                    for key in list(self.engines):
+                        self._step(key)
+            except Exception:  # never let the loop die: fail the rows involved, keep serving
+                traceback.print_exc()
+                self._fail_all("internal error in the decoding loop")
+            self.metrics.running_rows = self.running_rows
+
+    def _admit(self, jobs: list[Job]) -> None:
+        groups: dict[EngineKey, list[Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.key, []).append(job)
+        for key, group in groups.items():
+            engine = self.engines.get(key)
+            if engine is None:
+                engine = Engine(self.model, self.config(key, max(j.max_new_tokens for j in group)))
+            try:
+                seqs = engine.add([j.prompt_ids for j in group], [j.max_new_tokens for j in group])
+            except ValueError as e:  # checked before submit; kept as a guard
+                for job in group:
+                    job.state = "done"
+                    job.ticket.post(("error", job.index, str(e)))
+                continue
+            self.engines[key] = engine
+            for job, seq in zip(group, seqs):
+                job.seq = seq
+                self.jobs[id(seq)] = job
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += sum(len(j.prompt_ids) for j in group)
+
+    def _step(self, key: EngineKey) -> None:
+        engine = self.engines[key]
+        t0 = time.perf_counter()
+        events = engine.step()
+        now = time.perf_counter()
+        with self.metrics.lock:
+            self.metrics.model_forwards += 1
+            self.metrics.step_seconds.observe(now - t0)
+            self.metrics.generated_tokens += sum(len(t) for _, t in events)
+        for seq, tokens in events:
+            job = self.jobs.get(id(seq))
+            if job is None:
+                continue
+            if not job.first_block:
+                job.first_block = True
+                with self.metrics.lock:
+                    self.metrics.first_token.observe(now - job.arrived)
+            steps = [s for _, s in seq.trajectory[len(seq.trajectory) - len(tokens):]]
+            job.ticket.post(("tokens", job.index, list(seq.token_ids), tokens, steps, seq.finish_reason,
+                             _stats(seq)))
+            if seq.finished:
+                self._done(job, cancelled=False)
+        for row, seq in enumerate(engine.seqs):
+            job = self.jobs.get(id(seq))
+            if job is not None and job.live:
+                job.ticket.post(("live", job.index, engine.block_view(row), _stats(seq)))
+        if not engine.running:
+            del self.engines[key]
+
+    def _cancel(self, job: Job, reason: str) -> None:
+        engine = self.engines.get(job.key)
+        if job.state != "running" or engine is None or job.seq is None:
+            return
+        engine.finish(job.seq, reason)
+        self._done(job, cancelled=reason == "cancelled")
+        if not engine.running:
+            del self.engines[job.key]
+
+    def _done(self, job: Job, cancelled: bool) -> None:
+        job.state = "done"
+        self.jobs.pop(id(job.seq), None)
+        self.metrics.row_done(len(job.seq.token_ids), job.seq.forward_passes, cancelled)
+        if not cancelled:
+            with self.metrics.lock:
+                self.metrics.latency.observe(time.perf_counter() - job.arrived)
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(self.jobs.values()):
+            job.state = "done"
+            job.ticket.post(("error", job.index, message))
+        self.jobs.clear()
+        self.engines.clear()
+
+
+def _stats(seq: Sequence) -> dict:
+    n = len(seq.token_ids)
+    return {"tokens": n, "forwards": seq.forward_passes, "tpf": n / max(seq.forward_passes, 1),
+            "tokens_per_second": n / max(seq.seconds, 1e-9)}

@@ -1,0 +1,46 @@
+"""Shared test fixtures' builders: a character-level tokenizer with a chat template (thinking mode
+included) and a tiny random Clover model saved next to it, so tests need no downloads."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if not enable_thinking | default(false) %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size=128):
+    chars = list(string.ascii_letters + string.digits + " \n.,!?:;'-()+=")
+    tokens = SPECIAL + ["<think>", "</think>"] + chars
+    tokens += [f"<unused{i}>" for i in range(vocab_size - 1 - len(tokens))] + ["<|mask|>"]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIAL[:2] + ["<|mask|>"])
+    fast.add_tokens(["<think>", "</think>"])
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def save_tiny_model(folder, seed: int = 0, peak: float = 40.0) -> str:
+    """A random clover-tiny model + the char tokenizer in `folder`; the head is scaled by `peak` so
+    low_confidence fills several tokens per step."""
+    from clover.models import CloverForBlockDiffusion, preset_config
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    config = preset_config("clover-tiny", eos_token_id=tokenizer.eos_token_id)
+    model = CloverForBlockDiffusion(config)
+    model.lm_head.weight.data *= peak
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
