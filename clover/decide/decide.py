@@ -284,8 +284,11 @@ def _denoise(model, rows: list[_Row], threshold: float, block_size: int) -> int:
 
     mask, device = model.config.mask_token_id, model.device
     longest = max(sum(len(s.scaffold) + s.width for s in r.slots) for r in rows)
-    engine = Engine(model, DecodeConfig(block_size=block_size, max_new_tokens=longest + 1))
-    engine.add([r.prompt for r in rows])  # validates the context length, prefills prompt[:-1] (the engine's prefill)
+    # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
+    # windows of one size); the engine validates the context length and prefills prompt[:-1]
+    first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
+    engine = Engine(model, DecodeConfig(block_size=first, max_new_tokens=longest + 1))
+    engine.add([r.prompt for r in rows])
     cache, pending, clean_bs = engine.cache, engine.pending, engine.clean_bs
     anchors = [r.prompt[-1] for r in rows]
     calls = 0
