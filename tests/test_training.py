@@ -206,3 +206,25 @@ def test_cli_train_and_user_errors(corpus, tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert main(args + ["--block-schedule", "[[1.0, [0]]]"]) == 2
     assert "block_schedule" in capsys.readouterr().err
+
+
+def test_shipped_default_model_is_consistent():
+    from pathlib import Path
+
+    import clover
+
+    folder = Path(clover.__file__).parent / "assets" / "default"
+    if not (folder / "config.json").exists():
+        pytest.skip("no default model built yet (make model)")
+    weights = folder / "model.safetensors"
+    assert weights.stat().st_size <= 50 * 1024 * 1024
+    tensors = load_file(str(weights))
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    cfg = json.loads((folder / "config.json").read_text())
+    from clover.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    assert cfg["mask_token_id"] == tok.mask_token_id and cfg["vocab_size"] >= len(tok)
+    assert "enable_thinking" in tok.chat_template
+    recipe = json.loads((folder / "recipe.json").read_text())
+    assert recipe["command"] == "make model" and "ar_stage" in recipe

@@ -37,6 +37,28 @@ def score(examples, gens, chat: bool) -> dict:
             "per_task": {k: r / n for k, (r, n) in sorted(per.items())}}
 
 
+@torch.no_grad()
+def heldout_losses(model, tok, path, rows, block, seq_len=128, batch=8) -> dict:
+    """Per-token held-out losses of the (bf16) model in fp32: AR (block 1) and block diffusion at
+    `block` (masked-diffusion ELBO, fixed noise seed), over the first `rows` packed rows."""
+    from clover.data.dataset import encode_files, pack
+    from clover.training.objectives import block_diffusion_loss
+
+    ids, mask = encode_files([path], tok)
+    ids, mask = pack(ids, mask, seq_len)
+    ids, mask = ids[:rows], mask[:rows]
+    m = model.float()
+    gen = torch.Generator().manual_seed(1234)
+    out = {"rows": int(ids.shape[0]), "seq_len": seq_len, "file": str(path)}
+    for b in (1, block):
+        num, den = 0.0, 0
+        for i in range(0, ids.shape[0], batch):
+            loss, n = block_diffusion_loss(m, ids[i:i + batch], mask[i:i + batch], b, generator=gen)
+            num, den = num + float(loss) * n, den + n
+        out["ar" if b == 1 else f"bd{b}"] = num / max(den, 1)
+    return out
+
+
 def run(model, tok, examples, mode, chat=False, think=False, block_size=32, threshold=0.95, max_new_tokens=48,
         batch=40):
     import clover
@@ -60,6 +82,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--threshold", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--heldout", default=None, help="held-out JSONL for the losses (default: heldout.jsonl "
+                    "beside --tasks, if present)")
+    ap.add_argument("--heldout-rows", type=int, default=64)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import clover
@@ -76,6 +101,10 @@ def main(argv=None) -> int:
         examples = keep
     res = {"model": args.model or "clover/assets/default", "command": "python " + " ".join(sys.argv),
            "block_size": args.block_size, "threshold": args.threshold}
+    heldout = Path(args.heldout) if args.heldout else Path(args.tasks).with_name("heldout.jsonl")
+    if heldout.exists():
+        res["heldout_loss"] = heldout_losses(model, tok, heldout, args.heldout_rows, args.block_size)
+        print("heldout_loss", json.dumps(res["heldout_loss"]), flush=True)
     for mode in ("low_confidence", "ar"):
         t0 = time.time()
         gens = run(model, tok, examples, mode, block_size=args.block_size, threshold=args.threshold)
