@@ -240,3 +240,38 @@ def test_bench_decide_prints_both_modes(tiny, tmp_path, capsys):
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert [r["mode"] for r in results] == ["joint", "independent"]
     assert all(0 <= r["questions_right"] <= 100 for r in results)
+
+
+def test_server_decide_route(tiny):
+    import http.client
+
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+    from server_utils import RunningServer
+
+    model, tok = tiny
+    app = create_app(model, tok, Settings(model_id="tiny"), eos_ids(model, tok))
+
+    def post(server, body):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/decide", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+
+    with RunningServer(app) as server:
+        status, out = post(server, {"material": MATERIAL, "questions": MIXED, "mode": "joint"})
+        assert status == 200 and set(out) == {"answers", "forward_passes", "seconds"}
+        api = decide(model, tok, MATERIAL, MIXED)
+        assert [a["answer"] for a in out["answers"]] == [a.answer for a in api.answers]
+        assert out["forward_passes"] == api.forward_passes
+        status, out = post(server, {"material": MATERIAL, "questions": [{"question": "x?", "options": ["a", ""]}]})
+        assert status == 400 and "option 2 is an empty string" in out["error"]["message"]
+        assert out["error"]["type"] == "invalid_request_error" and out["error"]["param"] == "questions"
+        status, out = post(server, {"material": MATERIAL, "questions": [MIXED[2]] * 9})
+        assert status == 400 and "at most 8" in out["error"]["message"]
+        status, out = post(server, {"material": " ", "questions": MIXED})
+        assert status == 400 and out["error"]["message"] == "material is empty"
+        status, out = post(server, {"questions": MIXED})
+        assert status == 422 and out["error"]["param"] == "material"
+        status, out = post(server, {"material": MATERIAL, "questions": MIXED, "mode": "both"})
+        assert status == 422 and out["error"]["param"] == "mode"

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import MODES
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, error_body, new_id, now, usage
+from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, error_body, new_id, now, usage
 from .scheduler import EngineKey, Job, QueueFull, Scheduler, Ticket
 
 STATIC = Path(__file__).parent / "static"
@@ -398,5 +398,30 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         ids = tokenizer(text, add_special_tokens=False).input_ids
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await respond(request, req, [ids], max_tokens, chat=True, think=think)
+
+    # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
+    decide_lock = asyncio.Lock()  # one decision at a time, in a worker thread beside the scheduler's
+
+    @app.post("/v1/decide")
+    async def decide_route(req: DecideRequest):
+        from ..decide import decide, parse_questions
+
+        if req.model is not None and req.model != settings.model_id:
+            raise APIError(404, f"the model {req.model!r} does not exist (this server has {settings.model_id!r})",
+                           param="model", code="model_not_found")
+        questions = [q.model_dump(exclude_none=True) for q in req.questions]
+        if not req.material.strip():
+            raise APIError(400, "material is empty", param="material")
+        try:
+            parse_questions(questions, req.split)
+        except ValueError as e:
+            raise APIError(400, str(e), param="questions")
+        async with decide_lock:
+            try:
+                result = await asyncio.to_thread(decide, model, tokenizer, req.material, questions, req.mode,
+                                                 req.threshold, req.block_size, req.split)
+            except ValueError as e:
+                raise APIError(400, str(e))
+        return result.to_dict()
 
     return app

@@ -75,6 +75,29 @@ class ChatRequest(_Common):
     chat_template_kwargs: dict | None = None
 
 
+class DecideQuestion(BaseModel):
+    """One question of POST /v1/decide: {"question", "options"} or {"question", "type", "max_tokens"}."""
+    model_config = ConfigDict(extra="forbid")
+
+    question: str
+    options: list[str] | None = None
+    type: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+
+
+class DecideRequest(BaseModel):
+    """POST /v1/decide: the fields of `clover decide` (joint decision mode, docs/decide.md)."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    material: str
+    questions: list[DecideQuestion]
+    mode: Literal["joint", "independent"] = "joint"
+    threshold: float = Field(0.9, ge=0.0, le=1.0)
+    block_size: int = Field(32, ge=2)
+    split: bool = False
+
+
 # ---- responses -------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
