@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned first: pip then takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install demo test bench clean model
+.PHONY: install demo test e2e bench clean model
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,15 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q -x
+
+# The playground in headless Chromium against a real `clover serve` (screenshot: build/e2e/playground.png).
+# Installs Debian's chromium when missing (needs root) and the e2e extra.
+e2e: install
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  { echo "make e2e: needs chromium (as root: apt-get install -y chromium)"; exit 1; }
+	$(BIN)/pip install -q -e ".[e2e]"
+	CLOVER_E2E=1 $(BIN)/python -m pytest -q -x tests/test_server_playground.py
 
 bench: install
 	$(BIN)/python bench/forward.py
