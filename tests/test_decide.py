@@ -12,7 +12,7 @@ import clover
 from clover.cli import main
 from clover.data import tasks
 from clover.decide import decide, parse_question
-from clover.decide.decide import _rows, _Slot
+from clover.decide.decide import _pieces, _rows, _Slot
 from helpers import save_tiny_model
 
 MATERIAL = "Ann is 34, lives in Rome, has a cat. Bob is 51, lives in Oslo, has a dog."
@@ -76,7 +76,7 @@ def test_slot_layout_matches_training_rendering_and_masks(tiny):
     mask = model.config.mask_token_id
     qs = [parse_question(q, i) for i, q in enumerate(MIXED)]
     (row,) = _rows(model, tok, MATERIAL, qs, "joint", block_size=64)
-    assert row.prompt == tok(tasks.group_prompt(MATERIAL, [q["question"] for q in MIXED])).input_ids
+    assert row.prompt == tok(tasks.group_prompt(MATERIAL, [q["question"] for q in MIXED]), add_special_tokens=False).input_ids
     assert tasks.group_prompt(MATERIAL, ["a?"]) == tasks.plain_prompt(
         tasks.group_as_example({"material": MATERIAL, "questions": ["a?"], "answers": ["x"]}))
     tokens, offsets = row.region(0, mask)
@@ -96,7 +96,7 @@ def test_slot_layout_matches_training_rendering_and_masks(tiny):
     text = tok.decode(row.region(0, mask)[0])
     ex = tasks.group_as_example({"material": MATERIAL, "questions": [q.text for q in qs], "answers": answers})
     assert text == ex["answer"] == "A1: Bob A2: X A3: no A4: 51"
-    full = tok(tasks.plain_text(ex)).input_ids
+    full = tok(tasks.plain_text(ex), add_special_tokens=False).input_ids
     assert full == row.prompt + row.region(0, mask)[0]  # prompt + region tokenise exactly as the training text
 
 
@@ -124,7 +124,7 @@ def test_windows_fed_to_the_model(tiny):
         del model.forward
     decoding = [(ids, kw) for ids, kw in calls if kw.get("draft_len")]
     assert len(decoding) == d.model_calls == d.forward_passes == 3
-    prompt = tok(tasks.group_prompt(MATERIAL, [q["question"] for q in qs])).input_ids
+    prompt = tok(tasks.group_prompt(MATERIAL, [q["question"] for q in qs]), add_special_tokens=False).input_ids
     ids, kw = decoding[0]
     assert kw["block_size"] == kw["draft_len"] == 17 and ids.shape[1] > 17  # the last prefill chunk rides along
     window = ids[0, -17:].tolist()
@@ -275,3 +275,30 @@ def test_server_decide_route(tiny):
         assert status == 422 and out["error"]["param"] == "material"
         status, out = post(server, {"material": MATERIAL, "questions": MIXED, "mode": "both"})
         assert status == 422 and out["error"]["param"] == "mode"
+
+
+def test_layout_tokenises_as_training_text_with_the_default_tokenizer():
+    """With the default model's BPE tokenizer ("A1:" then " Paris", digits single), prompt + the
+    region with every answer committed tokenise exactly like the training text of the group."""
+    from clover.api import DEFAULT_MODEL
+
+    if not (DEFAULT_MODEL / "tokenizer.json").is_file():
+        pytest.skip("no default model")
+    from transformers import AutoTokenizer
+
+    from clover.models import CloverConfig
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+
+    class Stub:  # _rows needs the config (mask id, max block) and EOS only
+        config = CloverConfig.from_pretrained(DEFAULT_MODEL)
+        generation_config = None
+
+    _, held = tasks.decision_benchmark(seed=0, n_train=50, n_heldout=20)
+    for g in held:
+        qs = [parse_question({"question": q, **s}, i) for i, (q, s) in enumerate(zip(g["questions"], g["specs"]))]
+        (row,) = _rows(Stub, tok, g["material"], qs, "joint", block_size=64)
+        for s, a in zip(row.slots, g["answers"]):
+            s.commit(_pieces(tok, [a])[0], a, 1.0)  # the answer's tokens as decide lays them out
+        region = [t for w in range(len(row.windows)) for t in row.region(w, Stub.config.mask_token_id)[0]]
+        assert row.prompt + region == tok(tasks.plain_text(tasks.group_as_example(g)), add_special_tokens=False).input_ids

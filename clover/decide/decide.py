@@ -257,7 +257,7 @@ def _rows(model, tokenizer, material: str, questions: list[Question], mode: str,
               if mode == "joint" else [[q] for q in questions])
     rows = []
     for group in groups:
-        prompt = tokenizer(group_prompt(material, [q.text for q in group])).input_ids
+        prompt = _ids(tokenizer, group_prompt(material, [q.text for q in group]))  # as training encodes text
         slots = []
         for i, q in enumerate(group):
             end = _ids(tokenizer, f" A{i + 2}:")[0] if i + 1 < len(group) else eos[0]
