@@ -164,7 +164,7 @@ def run_decide(args) -> int:
     model, tokenizer = load(args.model, args.device)
     _, groups = decision_benchmark(args.seed, n_heldout=args.groups)
     modes = ("joint", "independent")
-    totals = {m: dict(right=0, groups_right=0, forwards=0, calls=0, seconds=0.0) for m in modes}
+    totals = {m: dict(right=0, groups_right=0, forwards=0, calls=0, prompt=0, seconds=0.0) for m in modes}
     questions = sum(len(g["questions"]) for g in groups)
     for i, g in enumerate(tqdm(groups, desc="bench decide", file=sys.stderr, leave=False)):
         asked = [{"question": q, **spec} for q, spec in zip(g["questions"], g["specs"])]
@@ -178,6 +178,7 @@ def run_decide(args) -> int:
             t["groups_right"] += all(right)
             t["forwards"] += d.forward_passes
             t["calls"] += d.model_calls
+            t["prompt"] += d.prompt_tokens
             t["seconds"] += d.seconds
     n = len(groups)
     rows, results = [], []
@@ -185,19 +186,20 @@ def run_decide(args) -> int:
         t = totals[mode]
         r = dict(mode=mode, questions_right=100 * t["right"] / questions, groups_all_right=100 * t["groups_right"] / n,
                  forward_passes_per_group=t["forwards"] / n, model_calls_per_group=t["calls"] / n,
-                 seconds_per_group=t["seconds"] / n)
+                 prompt_tokens_per_group=t["prompt"] / n, seconds_per_group=t["seconds"] / n)
         results.append(r)
         rows.append([mode, f"{r['questions_right']:.1f}%", f"{r['groups_all_right']:.1f}%",
                      f"{r['forward_passes_per_group']:.2f}", f"{r['model_calls_per_group']:.2f}",
-                     f"{r['seconds_per_group']:.3f}"])
+                     f"{r['prompt_tokens_per_group']:.0f}", f"{r['seconds_per_group']:.3f}"])
     described = args.model or "default model"
     print(f"Joint decision mode: {described}; held-out split of the decision benchmark (seed {args.seed}), {n} groups / "
           f"{questions} questions (2-8 linked questions each); threshold {args.threshold}, block {args.block_size}, "
           f"{model.device} {str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads.\n")
     print("Forward passes = per-row decoding forwards summed over the group's rows (independent: one row per "
-          "question, batched; prefill not counted); model calls = batched forwards.\n")
+          "question, batched; prefill not counted); model calls = batched forwards; prompt tokens = tokens prefilled "
+          "(independent reads the material once per question).\n")
     print(markdown_table(["mode", "questions right", "groups all right", "forward passes / group",
-                          "model calls / group", "s / group"], rows))
+                          "model calls / group", "prompt tokens / group", "s / group"], rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=described, seed=args.seed, groups=n, questions=questions, threshold=args.threshold,

@@ -125,6 +125,7 @@ class Decision:
     seconds: float
     mode: str = "joint"
     model_calls: int = 0  # batched model calls after prefill (rows share them)
+    prompt_tokens: int = 0  # prompt tokens prefilled, summed over rows (independent reads the material k times)
 
     def to_dict(self) -> dict:
         return {"answers": [asdict(a) for a in self.answers], "forward_passes": self.forward_passes,
@@ -349,4 +350,5 @@ def decide(model, tokenizer, material: str, questions, mode: str = "joint", thre
     rows = _rows(model, tokenizer, material.strip(), qs, mode, block_size)
     calls = _denoise(model, rows, threshold, block_size)
     answers = [Answer(s.value, s.confidence) for r in rows for s in r.slots]
-    return Decision(answers, sum(r.forwards for r in rows), time.perf_counter() - start, mode, calls)
+    return Decision(answers, sum(r.forwards for r in rows), time.perf_counter() - start, mode, calls,
+                    sum(len(r.prompt) for r in rows))
