@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-COMMANDS = ["info", "generate", "chat", "serve", "convert", "quantize", "train", "train_tokenizer", "bench", "decide"]
+COMMANDS = ["info", "generate", "chat", "serve", "convert", "quantize", "train", "train_tokenizer", "bench", "decide", "eval"]
 
 
 class UserError(Exception):

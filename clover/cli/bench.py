@@ -207,7 +207,74 @@ def run_decide(args) -> int:
     return 0
 
 
+# ---- pareto ------------------------------------------------------------------------------------------
+def add_pareto_flags(p) -> None:
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99", help="low_confidence thresholds (comma list)")
+    p.add_argument("--block-sizes", default="8,16,32,64", help="block sizes (comma list)")
+    p.add_argument("--per-task", type=int, default=8, metavar="N",
+                   help="first N prompts of each synthetic task (0 = all 40; default 8)")
+    p.add_argument("--batch", type=int, default=64, metavar="N", help="rows decoded together (default 64)")
+    p.add_argument("--plot", default="bench/pareto.png", metavar="PNG", help="where to write the plot")
+    p.add_argument("--no-ar", action="store_true", help="skip the ar reference point")
+
+
+def run_pareto(args) -> int:
+    import torch
+
+    from ..api import eos_ids, load
+    from ..eval import pareto
+
+    try:
+        thresholds = [float(x) for x in args.thresholds.split(",") if x]
+        blocks = [int(x) for x in args.block_sizes.split(",") if x]
+    except ValueError as e:
+        raise UserError(f"--thresholds / --block-sizes: {e}") from None
+    if not thresholds or not blocks or args.batch < 1 or args.per_task < 0:
+        raise UserError("need at least one threshold and block size, --batch >= 1, --per-task >= 0")
+    if not str(args.plot).endswith(".png"):
+        raise UserError(f"--plot must name a .png file, got {args.plot}")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    model, tokenizer = load(args.model, args.device)
+    if max(blocks) > model.config.max_block_size or min(blocks) < 2:
+        raise UserError(f"block sizes must be in [2, {model.config.max_block_size}]")
+    exs = pareto.examples(args.per_task)
+    eos = eos_ids(model, tokenizer)
+    settings = [("low_confidence", b, t) for b in blocks for t in thresholds] + ([] if args.no_ar else [("ar", 1, 0.0)])
+    rows = []
+    with torch.inference_mode():
+        pareto.evaluate(model, tokenizer, exs[:2], "low_confidence", blocks[0], thresholds[0], args.batch, eos)  # warm-up
+        for mode, b, t in tqdm_or_list(settings, "bench pareto"):
+            rows.append(pareto.evaluate(model, tokenizer, exs, mode, b, t, args.batch, eos))
+    described = args.model or "default model"
+    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    pareto.plot(rows, args.plot, f"Clover speed-quality curve: {described}, {len(exs)} held-out prompts")
+    front = pareto.pareto_front(rows)
+    names = list(rows[0]["per_task"])
+    print(f"Speed-quality curve: {described}; {len(exs)} held-out prompts ({args.per_task or 'all'} per synthetic task: "
+          f"{', '.join(names)}), exact match, greedy, batches of {args.batch}, {model.device} "
+          f"{str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads. TPF = generated tokens / "
+          f"forwards per row; tokens/s = batched wall-clock throughput. * = on the accuracy-TPF Pareto front.\n")
+    table = [[r["mode"], r["block_size"], "-" if r["threshold"] is None else f"{r['threshold']:g}",
+              f"{100 * r['accuracy']:.1f}" + (" *" if i in front else ""), f"{r['tpf']:.2f}", f"{r['tokens_per_second']:.1f}",
+              *(f"{100 * r['per_task'][n]:.0f}" for n in names)] for i, r in enumerate(rows)]
+    print(markdown_table(["mode", "block", "threshold", "accuracy %", "TPF", "tokens/s", *names], table))
+    print(f"\n![accuracy against tokens per forward and tokens/s]({args.plot})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=described, prompts=len(exs), per_task=args.per_task, batch=args.batch, results=rows), f, indent=2)
+    return 0
+
+
+def tqdm_or_list(items, desc):
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
+
+
 BENCHMARKS = {
     "decode": (add_decode_flags, run_decode, "tokens/s and tokens per forward of each decoding mode vs transformers"),
     "decide": (add_decide_flags, run_decide, "joint vs independent decision mode: accuracy, forwards, seconds per group"),
+    "pareto": (add_pareto_flags, run_pareto, "speed-quality curve: suite accuracy vs tokens per forward and tokens/s (PNG + table)"),
 }

@@ -35,6 +35,8 @@ def _bool(v) -> bool:
 
 @register_model("clover")
 class CloverLM(TemplateLM):
+    last = None  # the latest instance (so `clover eval` can report its generation statistics)
+
     def __init__(self, pretrained=None, block_size: int = 32, threshold: float = 0.95, mode: str = "low_confidence",
                  max_batch: int = 16, steps: int | None = None, likelihood: str = "ar", likelihood_block_size=None,
                  elbo_samples: int = 16, elbo_seed: int = 1234, elbo_eps: float = 1e-3, max_length=None,
@@ -48,13 +50,15 @@ class CloverLM(TemplateLM):
         if isinstance(pretrained, torch.nn.Module):  # (model, tokenizer) objects from Python
             self.model, self.tokenizer = pretrained, kwargs.pop("tokenizer")
         else:
+            device = None if device in (None, "", "auto") else device
             dt = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else None
             self.model, self.tokenizer = load(pretrained, device=device, dtype=dt)
         self.model.eval()
         self.block_size, self.threshold, self.mode = int(block_size), float(threshold), mode
         self.steps = int(steps) if steps not in (None, "", "None") else None
-        bs = batch_size if batch_size not in (None, "auto") and not str(batch_size).startswith("auto") else None
-        self.max_batch = int(bs or max_batch)
+        # lm-eval's --batch_size (default 1) raises the batch only when given above 1: `max_batch` rules
+        bs = int(batch_size) if str(batch_size or "").isdigit() else 1
+        self.max_batch = max(int(max_batch), bs)
         self.likelihood = likelihood
         self.lik_block = int(likelihood_block_size or block_size)
         self.elbo_samples, self.elbo_seed, self.elbo_eps = int(elbo_samples), int(elbo_seed), float(elbo_eps)
@@ -62,6 +66,7 @@ class CloverLM(TemplateLM):
         self._max_length = int(max_length) if max_length else self.model.config.max_position_embeddings
         self.eos = eos_ids(self.model, self.tokenizer)
         self.stats = {"generated_tokens": 0, "forward_passes": 0, "seconds": 0.0}
+        CloverLM.last = self
         # checks that need no forward, so a bad mode / threshold fails before any work
         DecodeConfig(mode=mode, block_size=self.block_size, threshold=self.threshold, steps=self.steps,
                      sampling=SamplingParams()).validate()
@@ -217,28 +222,11 @@ class CloverLM(TemplateLM):
         return out
 
     def _generate(self, contexts, budgets, until, temperature, top_p, top_k) -> list[str]:
-        from ..engine import DecodeConfig, Engine, SamplingParams
+        from .generation import generate_until
 
-        ids = [self.tok_encode(c) or [self.eot_token_id] for c in contexts]
-        ctx = self.model.config.max_position_embeddings
-        budgets = [max(1, min(b, ctx - min(len(p), ctx - 1))) for p, b in zip(ids, budgets)]
-        ids = [p[-(ctx - b):] for p, b in zip(ids, budgets)]
-        cfg = DecodeConfig(mode=self.mode, block_size=self.block_size, threshold=self.threshold, steps=self.steps,
-                           max_new_tokens=max(budgets), eos_token_ids=self.eos,
-                           sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                                   seed=self.elbo_seed if temperature > 0 else None))
-        engine = Engine(self.model, cfg)
-        seqs = engine.add(ids, budgets)
-        while engine.running:
-            for seq, _ in engine.step():
-                if until and not seq.finished and any(u in self.tok_decode(seq.token_ids) for u in until):
-                    engine.finish(seq, "stop")
-        texts = []
+        texts, seqs = generate_until(self.model, self.tokenizer, contexts, budgets, until, self.mode, self.block_size,
+                                     self.threshold, self.steps, temperature, top_p, top_k, self.elbo_seed, self.eos)
         for seq in seqs:
-            text = self.tok_decode(seq.token_ids)
-            for u in until:
-                text = text.split(u)[0] if u else text
-            texts.append(text)
             self.stats["generated_tokens"] += len(seq.token_ids)
             self.stats["forward_passes"] += seq.forward_passes
             self.stats["seconds"] += seq.seconds

@@ -27,6 +27,7 @@ SEED = 0  # the default recipe's seed (recipes/default/recipe.toml)
 PER_TASK = 40  # held-out prompts per synthetic task (the recipe's n_eval)
 N_WORD_PROBLEMS = 100
 FILES = ("arithmetic", "sorting", "copy", "lookup", "decisions", "arithmetic_mc", "word_problems")
+MAX_GEN_TOKS = {"arithmetic": 16, "sorting": 32, "copy": 48, "lookup": 8, "decisions": 64, "word_problems": 96}  # = YAMLs
 GROUPS = {"arithmetic": ("add", "sub"), "sorting": ("sort",), "copy": ("copy", "reverse"),
           "lookup": ("lookup",), "decisions": ("group",)}
 
