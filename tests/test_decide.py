@@ -302,3 +302,20 @@ def test_layout_tokenises_as_training_text_with_the_default_tokenizer():
             s.commit(_pieces(tok, [a])[0], a, 1.0)  # the answer's tokens as decide lays them out
         region = [t for w in range(len(row.windows)) for t in row.region(w, Stub.config.mask_token_id)[0]]
         assert row.prompt + region == tok(tasks.plain_text(tasks.group_as_example(g)), add_special_tokens=False).input_ids
+
+
+def test_batched_rows_equal_rows_alone(tiny):
+    """Rows share forwards (left-padded prompts, right-padded windows, lockstep windows): independent
+    mode equals each question alone, and split groups equal the groups decided one by one."""
+    model, tok = tiny
+    qs = MIXED + [{"question": "Who has the cat? And the dog?", "options": ["Ann", "Bob"]}]
+    batched = decide(model, tok, MATERIAL, qs, mode="independent")
+    for q, a in zip(qs, batched.answers):
+        alone = decide(model, tok, MATERIAL, [q], mode="joint").answers[0]
+        assert a.answer == alone.answer and a.confidence == pytest.approx(alone.confidence, abs=1e-4)
+    ten = (MIXED * 3)[:10]
+    split = decide(model, tok, MATERIAL, ten, split=True, block_size=16)
+    groups = decide(model, tok, MATERIAL, ten[:8], block_size=16).answers + \
+        decide(model, tok, MATERIAL, ten[8:], block_size=16).answers
+    assert [a.answer for a in split.answers] == [a.answer for a in groups]
+    assert [a.confidence for a in split.answers] == pytest.approx([a.confidence for a in groups], abs=1e-4)

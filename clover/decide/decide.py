@@ -27,7 +27,9 @@ Regions longer than `block_size` are cut between slots into several windows, den
 another (a finished window is committed to the cache in the next window's first forward, as the
 engine does); slots in later windows see earlier ones' answers.
 
-`independent` mode is the same machinery with one question per row (rows batched).
+`independent` mode is the same machinery with one question per row. Rows whose windows have the
+same sizes share forwards (left-padded prompts); as slots commit at different steps, windows of one
+batch may differ in length and the shorter ones are right-padded with masks.
 """
 
 from __future__ import annotations
@@ -279,7 +281,7 @@ def _forward(model, cache, pending, clean_bs: int, window: torch.Tensor) -> torc
 
 
 @torch.no_grad()
-def _denoise(model, rows: list[_Row], threshold: float, block_size: int) -> int:
+def _denoise(model, rows: list[_Row], threshold: float) -> int:
     """Fill every slot of every row; returns the number of batched model calls after prefill."""
     from ..engine import DecodeConfig, Engine
 
@@ -348,7 +350,13 @@ def decide(model, tokenizer, material: str, questions, mode: str = "joint", thre
         raise ValueError(f"block_size must be in [2, {model.config.max_block_size}], got {block_size}")
     qs = parse_questions(questions, split)
     rows = _rows(model, tokenizer, material.strip(), qs, mode, block_size)
-    calls = _denoise(model, rows, threshold, block_size)
+    # rows batch together when their windows have the same sizes (one block size per forward, no
+    # right padding to start with), so a batched row computes what it would alone
+    buckets: dict[tuple, list[_Row]] = {}
+    for r in rows:
+        sizes = tuple(len(r.region(w, model.config.mask_token_id)[0]) for w in range(len(r.windows)))
+        buckets.setdefault(sizes, []).append(r)
+    calls = sum(_denoise(model, bucket, threshold) for bucket in buckets.values())
     answers = [Answer(s.value, s.confidence) for r in rows for s in r.slots]
     return Decision(answers, sum(r.forwards for r in rows), time.perf_counter() - start, mode, calls,
                     sum(len(r.prompt) for r in rows))
