@@ -23,6 +23,7 @@ from .scheduler import EngineKey, Job, QueueFull, Scheduler, Ticket
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/decide")
 
 
 @dataclass
@@ -108,8 +109,7 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path in ("/", "/health", "/metrics", "/v1/models", "/v1/completions",
-                                    "/v1/chat/completions") else "other"
+        endpoint = path if path in ENDPOINTS else "other"
         status = [500]
 
         async def counted_send(message):
