@@ -149,7 +149,7 @@ def test_32_concurrent_streams_equal_single_requests(server, loaded):
     assert got == refs
     forwards = metric(server, "clover_model_forwards_total") - forwards0
     assert forwards < sum(budgets) / 2  # batched: far fewer forwards than one per row per step
-    assert metric(server, "clover_running_rows") == 0 and metric(server, "clover_queue_length") == 0
+    wait_for(lambda: metric(server, "clover_running_rows") == 0 and metric(server, "clover_queue_length") == 0)
 
 
 def _stream_and_hang_up(server, body):
@@ -192,6 +192,11 @@ def test_stop_strings_n_and_seed(server, loaded):
     assert streamed == cut
     three = c.completions.create(model="tiny", prompt="Hello there", max_tokens=12, n=3)
     assert [ch.index for ch in three.choices] == [0, 1, 2] and len({ch.text for ch in three.choices}) == 1
+    texts = {0: "", 1: ""}
+    for ch in c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yo"}], max_tokens=10, n=2,
+                                        stream=True):
+        texts[ch.choices[0].index] += ch.choices[0].delta.content or ""
+    assert texts[0] == texts[1] == reference(loaded, [{"role": "user", "content": "yo"}], 10).text
     a, b = (c.completions.create(model="tiny", prompt="Hi", max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
             for _ in range(2))
     assert a.choices[0].text == b.choices[0].text
