@@ -18,6 +18,7 @@ from clover.training.objectives import (
     block_diffusion_loss_naive,
     diffusion_loss_from_logits,
     sample_noise,
+    self_spec_loss,
 )
 from clover.training.trainer import block_sizes_at
 
@@ -94,6 +95,25 @@ def test_diffusion_extras_get_gradients():
         opt.step()
 
 
+def test_self_spec_samples_use_a_causal_prefix():
+    model = tiny_model()
+    ids = torch.randint(2, 120, (2, 20))
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        loss, n = self_spec_loss(model, ids, ones, 4, 1.0, 1.0, g)  # t = 1: the whole window is masked
+        s = int(torch.randint(1, 20 - 4, (1,), generator=torch.Generator().manual_seed(3)))
+        window = torch.cat([ids[:, s : s + 1], torch.full((2, 3), model.config.mask_token_id)], dim=1)
+        # reference: commit the prefix token by token with a cache, then draft the window
+        cache = model.new_cache(2)
+        for i in range(s):
+            model(ids[:, i : i + 1], cache=cache)
+        logits = model(window, cache=cache, block_size=4, draft_len=4).logits
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, s + 1 : s + 5].flatten())
+    assert n == 8
+    torch.testing.assert_close(loss, ce, atol=1e-5, rtol=1e-5)
+
+
 def test_schedules():
     cfg = TrainConfig(warmup_steps=10, schedule="cosine", min_lr_ratio=0.1, train_files=["x"], tokenizer="x")
     assert lr_factor(0, cfg, 100) == pytest.approx(0.1) and lr_factor(9, cfg, 100) == pytest.approx(1.0)
@@ -126,7 +146,7 @@ def tiny_cfg(corpus, out, **kw):
                 eval_files=[str(corpus / "eval.jsonl")], out_dir=str(out), seq_len=32, batch_size=4,
                 max_steps=6, warmup_steps=2, lr=3e-3, log_every=2, eval_every=0, eval_batches=1,
                 ckpt_every=3, progress=False, eval_block_size=8, complementary=True,
-                block_schedule=[[0.3, [1]], [1.0, [4, 8]]])
+                block_schedule=[[0.3, [1]], [1.0, [4, 8]]], self_spec_frac=0.3)
     base.update(kw)
     return TrainConfig(**base)
 

@@ -98,3 +98,25 @@ def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible
         s = e
     logits = torch.cat(parts, dim=1)
     return diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible), logits
+
+
+def self_spec_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None) -> tuple[torch.Tensor, int]:
+    """Self-speculation samples (design-notes section 3): a prefix committed causally (clean block
+    size 1, as `self_spec` decoding commits it) followed by ONE noisy window of `block` columns at a
+    random place, noised by the same rules as `sample_noise`. Costs a forward over the prefix for one
+    window's loss, so it is mixed in at a small rate (`self_spec_frac`)."""
+    batch, length = ids.shape
+    if length < block + 2:
+        return ar_loss(model, ids, loss_mask)
+    s = int(torch.randint(1, length - block, (1,), generator=generator, device=ids.device))
+    t = t_min + (t_max - t_min) * torch.rand(batch, 1, generator=generator, device=ids.device)
+    eligible = loss_mask[:, s + 1 : s + block + 1]
+    masked = (torch.rand(batch, block, generator=generator, device=ids.device) < t) & eligible
+    window = ids[:, s : s + block].clone()
+    window[:, 1:] = window[:, 1:].masked_fill(masked[:, :-1], model.config.mask_token_id)
+    logits = model(torch.cat([ids[:, :s], window], dim=1), block_size=block, draft_len=block,
+                   clean_block_size=1).logits[:, s:]
+    tgt = ids[:, s + 1 : s + block + 1]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
+    n = int(eligible.sum())
+    return (ce * masked / t).sum() / max(n, 1), n

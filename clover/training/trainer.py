@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..data.dataset import encode_files, pack
-from .objectives import ar_loss, block_diffusion_loss
+from .objectives import ar_loss, block_diffusion_loss, self_spec_loss
 
 OBJECTIVES = ("ar", "block_diffusion")
 
@@ -68,6 +68,7 @@ class TrainConfig:
                                                          [1.0, [4, 8, 16, 32]]])
     random_phase: bool = True
     eval_block_size: int = 32
+    self_spec_frac: float = 0.0  # share of steps on causal-prefix + one-noisy-window samples (self_spec_loss)
     # bookkeeping
     log_every: int = 10
     eval_every: int = 100
@@ -93,6 +94,8 @@ class TrainConfig:
             raise ValueError("no train_files given")
         if not self.tokenizer:
             raise ValueError("no tokenizer given")
+        if not 0 <= self.self_spec_frac <= 1:
+            raise ValueError(f"self_spec_frac must be in [0, 1], got {self.self_spec_frac}")
         if not 0 < self.t_min <= self.t_max <= 1:
             raise ValueError(f"need 0 < t_min <= t_max <= 1, got {self.t_min}, {self.t_max}")
         if self.device not in ("cpu", "cuda"):
@@ -259,8 +262,12 @@ class Trainer:
                 crop = int(torch.randint(block, (1,), generator=self.gen))
                 ids, mask = ids[:, crop:], mask[:, crop:]
             ids, mask = ids.to(self.device), mask.to(self.device)
+            spec = cfg.self_spec_frac > 0 and block > 1 and float(torch.rand(1, generator=self.gen)) < cfg.self_spec_frac
             with self._autocast():
-                loss, _ = self._loss(ids, mask, block, self.gen)
+                if spec:
+                    loss, _ = self_spec_loss(self.model, ids, mask, block, cfg.t_min, cfg.t_max, self.gen)
+                else:
+                    loss, _ = self._loss(ids, mask, block, self.gen)
             (loss / cfg.grad_accum).backward()
             total += float(loss.detach()) / cfg.grad_accum
             ntok += ids.numel()
