@@ -14,6 +14,7 @@ unreachable (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or no connection).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import sys
@@ -114,12 +115,16 @@ def run(args) -> int:
 
 def run_lm_eval(argv: list[str]) -> int:
     """lm-eval's own CLI (`lm-eval run ARGV`) in this process, so the `clover` model is registered."""
+    import lm_eval.tasks
     from lm_eval._cli.harness import HarnessCLI
     from lm_eval.utils import setup_logging
 
+    from ..eval import TASKS_DIR
     from ..eval.lm import CloverLM
 
     setup_logging()
+    tasks = argv[argv.index("--tasks") + 1].split(",")
+    ours = {f.stem for f in TASKS_DIR.glob("*.yaml")} | {"clover_suite_generation", "clover_suite_multiple_choice"}
     cli = HarnessCLI()
     parser = cli._subparsers.choices["run"]
 
@@ -127,14 +132,16 @@ def run_lm_eval(argv: list[str]) -> int:
         raise UserError(f"lm-eval: {message}")
 
     parser.error = error
-    saved = sys.argv
+    saved, manager = sys.argv, lm_eval.tasks.TaskManager
     sys.argv = ["lm-eval", "run", *argv]
+    if set(tasks) <= ours:  # only our tasks: skip indexing lm-eval's thousands of YAMLs (~30 s on a small CPU)
+        lm_eval.tasks.TaskManager = functools.partial(manager, include_defaults=False)
     try:
         cli.execute(cli.parse_args())
     except KeyError as e:
         raise UserError(f"lm-eval: {e.args[0] if e.args else e}") from None
     finally:
-        sys.argv = saved
+        sys.argv, lm_eval.tasks.TaskManager = saved, manager
     lm = CloverLM.last
     if lm is not None and lm.stats["forward_passes"]:
         s = lm.stats

@@ -47,6 +47,9 @@ class CloverLM(TemplateLM):
 
         if likelihood not in LIKELIHOODS:
             raise ValueError(f"likelihood must be one of {', '.join(LIKELIHOODS)}, got {likelihood!r}")
+        # checks that need no model first, so a bad mode / threshold fails before loading anything
+        DecodeConfig(mode=mode, block_size=int(block_size), threshold=float(threshold),
+                     steps=int(steps) if steps not in (None, "", "None") else None, sampling=SamplingParams()).validate()
         if isinstance(pretrained, torch.nn.Module):  # (model, tokenizer) objects from Python
             self.model, self.tokenizer = pretrained, kwargs.pop("tokenizer")
         else:
@@ -67,9 +70,6 @@ class CloverLM(TemplateLM):
         self.eos = eos_ids(self.model, self.tokenizer)
         self.stats = {"generated_tokens": 0, "forward_passes": 0, "seconds": 0.0}
         CloverLM.last = self
-        # checks that need no forward, so a bad mode / threshold fails before any work
-        DecodeConfig(mode=mode, block_size=self.block_size, threshold=self.threshold, steps=self.steps,
-                     sampling=SamplingParams()).validate()
         if not 1 <= self.block_size <= self.model.config.max_block_size:
             raise ValueError(f"block_size must be in [1, {self.model.config.max_block_size}], got {block_size}")
         if not 1 <= self.lik_block <= self.model.config.max_block_size:
