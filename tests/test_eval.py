@@ -160,6 +160,10 @@ def test_local_completions_against_a_test_server(loaded, model_dir):
         out = evaluate("local-completions", ["clover_lookup"], model_args=dict(
             model="tiny", base_url=server.url + "/v1/completions", tokenizer_backend="huggingface",
             tokenizer=model_dir, tokenized_requests=False, num_concurrent=1, max_retries=1))
+        chat = evaluate("local-chat-completions", ["clover_lookup"], apply_chat_template=True, model_args=dict(
+            model="tiny", base_url=server.url + "/v1/chat/completions", tokenizer_backend="none",
+            num_concurrent=1, max_retries=1))
+    assert len(chat["samples"]["clover_lookup"]) == LIMIT and "exact_match,strip" in chat["results"]["clover_lookup"]
     ours = evaluate(lm(loaded), ["clover_lookup"])
     assert "exact_match,strip" in out["results"]["clover_lookup"]
     remote = [s["resps"][0][0] for s in out["samples"]["clover_lookup"]]

@@ -6,7 +6,7 @@
 
 Everything after our own flags goes to `lm-eval run` unchanged, so the usual flags work
 (--limit, --num_fewshot, --output_path, --log_samples, --apply_chat_template, --gen_kwargs, ...).
-Defaults added when absent: `--model clover`, `--device auto` (cuda when available) and `--include_path <clover/eval/tasks>`. Tasks that
+Defaults added when absent: `--model clover`, `--device auto` for it (cuda when available) and `--include_path <clover/eval/tasks>`. Tasks that
 need the Hugging Face hub (clover_gsm8k, clover_math500) are skipped with one line when the hub is
 unreachable (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or no connection).
 """
@@ -72,6 +72,29 @@ def split_tasks(rest: list[str]) -> tuple[list[str], list[str]]:
     return tasks, other
 
 
+def check_model_args(argv: list[str]) -> None:
+    """Fail in one line, before lm-eval starts, on clover model_args that cannot work."""
+    from ..engine import DecodeConfig
+    from ..eval.lm import LIKELIHOODS
+
+    kv = {}
+    for i, a in enumerate(argv):
+        if a in ("--model_args", "-a"):
+            for tok in argv[i + 1:]:
+                if tok.startswith("-"):
+                    break
+                kv.update(p.split("=", 1) for p in tok.split(",") if "=" in p)
+    try:
+        cfg = DecodeConfig(mode=kv.get("mode", "low_confidence"), block_size=int(kv.get("block_size", 32)),
+                           threshold=float(kv.get("threshold", 0.95)),
+                           steps=int(kv["steps"]) if kv.get("steps") not in (None, "", "None") else None)
+    except ValueError as e:
+        raise UserError(f"--model_args: {e}") from None
+    cfg.validate()
+    if kv.get("likelihood", "ar") not in LIKELIHOODS:
+        raise UserError(f"--model_args: likelihood must be one of {', '.join(LIKELIHOODS)}, got {kv['likelihood']!r}")
+
+
 def run(args) -> int:
     from ..eval import HUB_TASKS, TASKS_DIR
 
@@ -102,7 +125,11 @@ def run(args) -> int:
                 return 0
     if not any(a in ("--model", "-M") or a.startswith("--model=") for a in other):
         other += ["--model", "clover"]
-    if not any(a == "--device" or a.startswith("--device=") for a in other):
+    ours = "clover" in [other[i + 1] for i, a in enumerate(other[:-1]) if a in ("--model", "-M")] + \
+        [a.split("=", 1)[1] for a in other if a.startswith("--model=")]
+    if ours:
+        check_model_args(other)
+    if ours and not any(a == "--device" or a.startswith("--device=") for a in other):
         other += ["--device", "auto"]  # lm-eval's default is cuda; ours is cuda when available
     if not any(a == "--include_path" or a.startswith("--include_path=") for a in other):
         other += ["--include_path", str(TASKS_DIR)]
@@ -123,6 +150,7 @@ def run_lm_eval(argv: list[str]) -> int:
     from ..eval.lm import CloverLM
 
     setup_logging()
+    CloverLM.last = None
     tasks = argv[argv.index("--tasks") + 1].split(",")
     ours = {f.stem for f in TASKS_DIR.glob("*.yaml")} | {"clover_suite_generation", "clover_suite_multiple_choice"}
     cli = HarnessCLI()
