@@ -31,11 +31,12 @@ class Int4Weight(nn.Module):
     def __init__(self, lead: tuple, out_features: int, in_features: int, group_size: int, device=None):
         super().__init__()
         check_group_size((out_features, in_features), group_size)
-        self.lead, self.out_features, self.in_features, self.group_size = tuple(lead), out_features, in_features, group_size
-        shape = (*self.lead, out_features)
+        self.lead, self.group_size = tuple(lead), group_size
+        self.out_features, self.in_features = out_features, in_features
+        shape, groups = (*self.lead, out_features), in_features // group_size
         self.register_buffer("qweight", torch.zeros(*shape, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.ones(*shape, in_features // group_size, dtype=torch.bfloat16, device=device))
-        self.register_buffer("qzeros", torch.full((*shape, in_features // group_size), 8, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(*shape, groups, dtype=torch.bfloat16, device=device))
+        self.register_buffer("qzeros", torch.full((*shape, groups), 8, dtype=torch.uint8, device=device))
         self.kernel = "auto"  # or "reference": dequantise then matmul
         self._packed: list[PackedInt4] | None = None
         self._released = False

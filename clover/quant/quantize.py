@@ -122,8 +122,9 @@ def _high_precision(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 def default_calibration_file(src: Path) -> Path | None:
     """The default model's held-out slice, wherever it was shipped."""
-    for p in (src / "heldout.jsonl", REPO / "clover/assets/default/heldout.jsonl", REPO / "runs/default/data/heldout.jsonl",
-              REPO / "clover/assets/default/data/heldout.jsonl", REPO / "data/default/heldout.jsonl"):
+    candidates = (src / "heldout.jsonl", REPO / "clover/assets/default/heldout.jsonl",
+                  REPO / "clover/assets/default/data/heldout.jsonl", REPO / "runs/default/data/heldout.jsonl")
+    for p in candidates:
         if p.is_file():
             return p
     return None
