@@ -27,8 +27,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (e.g. the 35B dims)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     cfg = preset_config(args.preset)
     torch.manual_seed(0)
@@ -63,7 +64,7 @@ def main() -> None:
         times = time_alternately(candidates, repeats=args.repeats, setup=lambda name: restore.get(name, lambda: None)())
     ref = times["clover 1 token (AR step)"]
     print(f"`python bench/forward.py --preset {args.preset} --context {args.context} --block {args.block} "
-          f"--repeats {args.repeats} --device {args.device} --dtype {args.dtype}`"
+          f"--repeats {args.repeats} --device {args.device} --dtype {args.dtype} --threads {args.threads}`"
           f" ({torch.get_num_threads()} threads, torch {torch.__version__})\n")
     print("| step (cached prefix of %d tokens) | median ms | vs clover 1-token |" % args.context)
     print("|---|---:|---:|")
