@@ -23,18 +23,27 @@ import torch
 
 def score(examples, gens, chat: bool) -> dict:
     per, tok, fwd = defaultdict(lambda: [0, 0]), 0, 0
+    q_right = q_total = 0
     for ex, g in zip(examples, gens):
         text = g.text.strip()
         pred = text.split("\n")[0].strip() if not chat else text.strip().split("\n")[-1].strip()
         per[ex["task"]][0] += int(pred == ex["answer"])
         per[ex["task"]][1] += 1
+        if ex["task"] == "group":  # per question: the "A<i>: <answer>" pieces
+            got = {}
+            for part in (" " + pred).split(" A")[1:]:
+                k, _, v = part.partition(": ")
+                got[k] = v.strip()
+            q_right += sum(got.get(str(i + 1)) == a for i, a in enumerate(ex["answers"]))
+            q_total += len(ex["answers"])
         tok += len(g.token_ids)
         fwd += g.forward_passes
     right = sum(r for r, _ in per.values())
     total = sum(n for _, n in per.values())
     return {"accuracy": right / max(total, 1), "n": total, "tokens_per_forward": tok / max(fwd, 1),
             "generated_tokens": tok, "forward_passes": fwd,
-            "per_task": {k: r / n for k, (r, n) in sorted(per.items())}}
+            "per_task": {k: r / n for k, (r, n) in sorted(per.items())},
+            **({"group_questions": q_right / q_total} if q_total else {})}
 
 
 @torch.no_grad()

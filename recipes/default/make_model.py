@@ -9,7 +9,8 @@
 5. block-diffusion stage (recipes/default/bd.toml) -> runs/default/bd
 6. export: bf16 safetensors + tokenizer (chat template with enable_thinking) + recipe.json
    -> clover/assets/default/
-7. eval: recipes/default/evaluate.py (held-out task accuracy, low_confidence vs ar, TPF)
+7. eval: recipes/default/evaluate.py (held-out task accuracy, low_confidence vs ar, TPF), then
+   recipes/default/report.py writes recipes/default/RESULTS.md and the model card
 
     python recipes/default/make_model.py [--resume] [--ar-time-budget S] [--bd-time-budget S] [--skip-eval]
 """
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
                "--tasks", str(data / "eval_tasks.jsonl"), "--out", str(run / "eval.json")]
         log("eval: " + " ".join(cmd))
         subprocess.run(cmd, check=True)
+        subprocess.run([sys.executable, str(HERE / "report.py"), "--run", str(run)], check=True)
     log(f"done in {(time.time() - t_start) / 60:.1f} min")
     return 0
 

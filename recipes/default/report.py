@@ -1,0 +1,89 @@
+"""Write the default model's results (recipes/default/RESULTS.md and the model card
+clover/assets/default/README.md) from runs/default/{ar,bd}/summary.json and runs/default/eval.json.
+
+    python recipes/default/report.py [--run runs/default] [--bench runs/bench_train.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pct(x) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", default=str(ROOT / "runs" / "default"))
+    ap.add_argument("--bench", default=str(ROOT / "runs" / "bench_train.md"))
+    args = ap.parse_args(argv)
+    run = Path(args.run)
+    ar = json.loads((run / "ar" / "summary.json").read_text())
+    bd = json.loads((run / "bd" / "summary.json").read_text())
+    ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
+    cfg = json.loads((ROOT / "clover" / "assets" / "default" / "config.json").read_text())
+    lines = ["# Default model: results", "",
+             "Produced by `make model` (recipes/default); every figure below names its command.", "",
+             "## Model", "",
+             f"Clover, hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers "
+             f"({', '.join(cfg['layer_types'])}), {cfg['num_experts']} experts top-{cfg['num_experts_per_tok']} "
+             f"+ shared expert, vocab {cfg['vocab_size']}, bf16 safetensors in `clover/assets/default/`.", "",
+             "## Training (`make model`)", "",
+             "| stage | steps | tokens | wall s | tokens/s | held-out AR loss | held-out BD loss (block 32) |",
+             "|---|---:|---:|---:|---:|---:|---:|",
+             f"| AR (`ar.toml`) | {ar['step']} | {ar['tokens']:,} | {ar['elapsed_s']:.0f} | {ar['tokens_per_s']:.0f} | "
+             f"{ar.get('eval_ar_loss', float('nan')):.3f} | - |",
+             f"| block diffusion (`bd.toml`) | {bd['step']} | {bd['tokens']:,} | {bd['elapsed_s']:.0f} | "
+             f"{bd['tokens_per_s']:.0f} | {bd.get('eval_ar_loss', float('nan')):.3f} | "
+             f"{bd.get('eval_bd32_loss', float('nan')):.3f} |", "",
+             "Held-out losses: per-token cross-entropy (nats) on the first rows of `heldout.jsonl` "
+             "(synthetic tasks, prompts excluded from the loss in chat records); the BD loss is the "
+             "masked-diffusion ELBO at block 32 with a fixed noise seed. Training tokens/s count each "
+             "clean token once (the [x_t ; x_0] pass is twice as long).", ""]
+    if ev:
+        hl = ev.get("heldout_loss")
+        lines += ["## Evaluation", "", f"Command: `{ev['command']}`", ""]
+        if hl:
+            bdkey = f"bd{ev['block_size']}"
+            lines += [f"Held-out loss of the shipped bf16 model ({hl['rows']} rows x {hl['seq_len']} tokens): "
+                      f"AR {hl['ar']:.3f}, block diffusion (block {ev['block_size']}) {hl[bdkey]:.3f}.", ""]
+        tasks = sorted(ev["ar"]["per_task"])
+        lines += ["| decoding | accuracy | tokens / forward | " + " | ".join(tasks) + " |",
+                  "|---|---:|---:|" + "---:|" * len(tasks)]
+        for key, name in (("low_confidence", f"low_confidence (threshold {ev['threshold']}, block {ev['block_size']})"),
+                          ("ar", "ar (same model, block size 1)")):
+            r = ev[key]
+            lines.append(f"| {name} | {pct(r['accuracy'])} | {r['tokens_per_forward']:.2f} | "
+                         + " | ".join(pct(r["per_task"].get(t, 0)) for t in tasks) + " |")
+        if "group_questions" in ev["ar"]:
+            lines += ["", f"Decision groups, share of single questions right: low_confidence "
+                      f"{pct(ev['low_confidence'].get('group_questions', 0))}, ar {pct(ev['ar']['group_questions'])}."]
+        lines += ["", f"Gap (ar - low_confidence): {ev['accuracy_gap_points']:.1f} points; "
+                  f"{ev['low_confidence']['n']} held-out prompts.", "",
+                  "Thinking (chat format, addition and subtraction, low_confidence):", "",
+                  "| enable_thinking | accuracy | generated tokens | tokens / forward |", "|---|---:|---:|---:|"]
+        for key, name in (("chat_no_think", "false"), ("chat_think", "true")):
+            r = ev[key]
+            lines.append(f"| {name} | {pct(r['accuracy'])} | {r['generated_tokens']} | {r['tokens_per_forward']:.2f} |")
+        lines.append("")
+    bench = Path(args.bench)
+    if bench.exists():
+        lines += ["## Training step speed (`bench/train.py`)", "", bench.read_text().strip(), ""]
+    text = "\n".join(lines)
+    (ROOT / "recipes" / "default" / "RESULTS.md").write_text(text)
+    card = ROOT / "clover" / "assets" / "default" / "README.md"
+    card.write_text("# Clover default model\n\nA tiny block-diffusion Clover model made by `make model` "
+                    "(recipes/default). It is a demo of the system, not a useful language model.\n\n"
+                    + text.split("\n", 2)[2])
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
