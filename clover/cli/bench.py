@@ -191,6 +191,17 @@ def run_decide(args) -> int:
         rows.append([mode, f"{r['questions_right']:.1f}%", f"{r['groups_all_right']:.1f}%",
                      f"{r['forward_passes_per_group']:.2f}", f"{r['model_calls_per_group']:.2f}",
                      f"{r['prompt_tokens_per_group']:.0f}", f"{r['seconds_per_group']:.3f}"])
+    # chance: a uniform pick among each question's allowed answers (options, yes/no, 0..99 for 2 digits)
+    from ..decide import parse_question
+
+    def allowed(q, spec) -> int:
+        parsed = parse_question({"question": q, **spec})
+        return len(parsed.options) if parsed.options else 10 ** parsed.max_tokens
+
+    odds = [[1 / allowed(q, s) for q, s in zip(g["questions"], g["specs"])] for g in groups]
+    chance_q = 100 * sum(map(sum, odds)) / questions
+    chance_g = 100 * sum(__import__("math").prod(o) for o in odds) / n
+    rows.append(["chance (uniform over allowed answers)", f"{chance_q:.1f}%", f"{chance_g:.1f}%", "-", "-", "-", "-"])
     described = args.model or "default model"
     print(f"Joint decision mode: {described}; held-out split of the decision benchmark (seed {args.seed}), {n} groups / "
           f"{questions} questions (2-8 linked questions each); threshold {args.threshold}, block {args.block_size}, "
@@ -203,6 +214,7 @@ def run_decide(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(model=described, seed=args.seed, groups=n, questions=questions, threshold=args.threshold,
+                           chance=dict(questions_right=chance_q, groups_all_right=chance_g),
                            block_size=args.block_size, threads=torch.get_num_threads(), results=results), f, indent=2)
     return 0
 
@@ -247,6 +259,17 @@ def run_pareto(args) -> int:
         pareto.evaluate(model, tokenizer, exs[:2], "low_confidence", blocks[0], thresholds[0], args.batch, eos)  # warm-up
         for mode, b, t in tqdm_or_list(settings, "bench pareto"):
             rows.append(pareto.evaluate(model, tokenizer, exs, mode, b, t, args.batch, eos))
+    # chance: a uniform pick among each question's allowed answers (options, yes/no, 0..99 for 2 digits)
+    from ..decide import parse_question
+
+    def allowed(q, spec) -> int:
+        parsed = parse_question({"question": q, **spec})
+        return len(parsed.options) if parsed.options else 10 ** parsed.max_tokens
+
+    odds = [[1 / allowed(q, s) for q, s in zip(g["questions"], g["specs"])] for g in groups]
+    chance_q = 100 * sum(map(sum, odds)) / questions
+    chance_g = 100 * sum(__import__("math").prod(o) for o in odds) / n
+    rows.append(["chance (uniform over allowed answers)", f"{chance_q:.1f}%", f"{chance_g:.1f}%", "-", "-", "-", "-"])
     described = args.model or "default model"
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     pareto.plot(rows, args.plot, f"Clover speed-quality curve: {described}, {len(exs)} held-out prompts")
