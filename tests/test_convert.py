@@ -30,15 +30,6 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hi
               temporal_patch_size=1, spatial_merge_size=1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads, and on a shared 2-core box 2 threads run ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _random(model):
     """transformers leaves RMSNorm weights at zero and more at constants: randomise all so parity can fail."""
     with torch.no_grad():
@@ -158,8 +149,8 @@ def test_streams_layer_by_layer(tmp_path, monkeypatch):
 
     _build("qwen3_next", tmp_path / "src", shard="100KB")
     reads = []
-    get = conv._Source.get
-    monkeypatch.setattr(conv._Source, "get", lambda self, key: reads.append(key) or get(self, key))
+    get = conv.SafetensorsSource.get
+    monkeypatch.setattr(conv.SafetensorsSource, "get", lambda self, key: reads.append(key) or get(self, key))
     conv.convert_checkpoint(tmp_path / "src", tmp_path / "dst", progress=False)
     assert len(reads) == len(set(reads))
     layers = [int(k.split(".")[2]) for k in reads if k.startswith("model.layers.")]

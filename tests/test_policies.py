@@ -12,14 +12,6 @@ from clover.engine.policies import margin, neg_entropy, select_count, select_thr
 V, MASK, EOS = 16, 15, 14
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def probs_for(best, conf):
     """[1, len(best), V] distributions: `conf[j]` on token best[j], the rest spread over the others."""
     p = torch.full((1, len(best), V), 0.0)

@@ -24,14 +24,6 @@ from clover.quant.quantize import quantize_checkpoint
 G = 32  # clover-tiny's smallest input dimension is 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A random clover-tiny checkpoint with a word-level tokenizer, and a calibration file."""

@@ -17,12 +17,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 from tqdm import tqdm
 
 from ..models import CloverForBlockDiffusion
+from ..utils.checkpoint_io import SafetensorsSource, ShardWriter
 from .mapping import (
     SourceShapeError, clover_config_from_hf, convert_layer, diffusion_additions, disk_name, layer_of, skipped_group,
     text_name, text_prefix,
@@ -43,77 +42,6 @@ class ConversionError(ValueError):
 
 def _notice(msg: str) -> None:
     print(msg, file=sys.stderr)
-
-
-class _Source:
-    """The safetensors of SRC: where each tensor lives, read lazily one tensor at a time."""
-
-    def __init__(self, src: Path):
-        index = src / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
-        elif (src / "model.safetensors").is_file():
-            with safe_open(src / "model.safetensors", "pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise ConversionError(f"{src}: no model.safetensors or model.safetensors.index.json")
-        self.src = src
-        self._open = {}
-
-    def _file(self, key: str):
-        file = self.weight_map[key]
-        if file not in self._open:
-            path = self.src / file
-            if not path.is_file():
-                raise ConversionError(f"shard {file} (holding {key}) is missing from {self.src}")
-            self._open[file] = safe_open(path, "pt")
-        return self._open[file]
-
-    def get(self, key: str) -> torch.Tensor:
-        return self._file(key).get_tensor(key)
-
-    def shape(self, key: str) -> tuple:
-        return tuple(self._file(key).get_slice(key).get_shape())
-
-
-class _ShardWriter:
-    """Writes tensors into shards of at most `max_bytes` (one tensor may exceed it alone)."""
-
-    def __init__(self, folder: Path, max_bytes: int, dtype: torch.dtype | None):
-        self.folder, self.max_bytes, self.dtype = folder, max_bytes, dtype
-        self.buffer, self.size, self.files, self.num_params = {}, 0, [], 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        tensor = tensor.to(self.dtype) if self.dtype else tensor
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.buffer and self.size + nbytes > self.max_bytes:
-            self._flush()
-        self.buffer[name] = tensor.contiguous()
-        self.size += nbytes
-        self.num_params += tensor.numel()
-
-    def _flush(self) -> None:
-        file = f"part-{len(self.files):05d}.safetensors"
-        save_file(self.buffer, self.folder / file, metadata={"format": "pt"})
-        self.files.append((file, list(self.buffer), self.size))
-        self.buffer, self.size = {}, 0
-
-    def close(self) -> list[str]:
-        """Name the shards as transformers does and write the index when there is more than one."""
-        if self.buffer:
-            self._flush()
-        if len(self.files) == 1:
-            os.replace(self.folder / self.files[0][0], self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        n, weight_map, names = len(self.files), {}, []
-        for k, (file, keys, _) in enumerate(self.files):
-            name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.folder / file, self.folder / name)
-            weight_map.update(dict.fromkeys(keys, name))
-            names.append(name)
-        index = {"metadata": {"total_size": sum(s for _, _, s in self.files)}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names
 
 
 def _mask_token(src: Path, tmp: Path, rows: int, requested: int | None, notice) -> int:
@@ -173,7 +101,7 @@ def _layout(keys, prefix: str, num_layers: int):
     return layers, top, dict(skipped)
 
 
-def _read(source: _Source, names: dict) -> dict:
+def _read(source: SafetensorsSource, names: dict) -> dict:
     return {name: source.get(key) for name, key in names.items()}
 
 
@@ -234,7 +162,7 @@ def convert_checkpoint(
 
 
 def _convert_into(src, tmp, hf, dtype, max_shard_bytes, mask_token_id, progress, notice) -> dict:
-    source = _Source(src)
+    source = SafetensorsSource(src, ConversionError)
     prefix = text_prefix(source.weight_map)
     layers, top, skipped = _layout(source.weight_map, prefix, clover_config_from_hf(hf).num_hidden_layers)
     for group, n in skipped.items():
@@ -255,7 +183,7 @@ def _convert_into(src, tmp, hf, dtype, max_shard_bytes, mask_token_id, progress,
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
 
-    writer = _ShardWriter(tmp, max_shard_bytes, dtype)
+    writer = ShardWriter(tmp, max_shard_bytes, dtype)
 
     def emit(out: dict) -> None:
         _check(out, expected, prefix)

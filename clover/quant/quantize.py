@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from ..utils.checkpoint_io import SafetensorsSource, ShardWriter
 from .gptq import Hessian, gptq_quantize
 from .int4 import GROUP_SIZES, check_group_size, dequantize, quantize_rtn
 from .modules import DEFAULT_NOT_QUANTIZED, QUANT_METHOD, quantized_targets
@@ -49,70 +48,6 @@ def _notice(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # Reading and writing checkpoints
 # ------------------------------------------------------------------------------------------------
-class Source:
-    """The safetensors of a checkpoint folder, read one tensor at a time."""
-
-    def __init__(self, src: Path):
-        index = src / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
-        elif (src / "model.safetensors").is_file():
-            with safe_open(src / "model.safetensors", "pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise QuantizationError(f"{src}: no model.safetensors or model.safetensors.index.json")
-        self.src, self._open = src, {}
-
-    def get(self, key: str) -> torch.Tensor:
-        file = self.weight_map.get(key)
-        if file is None:
-            raise QuantizationError(f"{self.src}: missing tensor {key}")
-        if file not in self._open:
-            if not (self.src / file).is_file():
-                raise QuantizationError(f"{self.src}: shard {file} (holding {key}) is missing")
-            self._open[file] = safe_open(self.src / file, "pt")
-        return self._open[file].get_tensor(key)
-
-
-class ShardWriter:
-    """Appends tensors to safetensors shards of at most `max_bytes`; `close` names them as
-    transformers does and writes the index when there is more than one."""
-
-    def __init__(self, folder: Path, max_bytes: int):
-        self.folder, self.max_bytes = folder, max_bytes
-        self.buffer, self.size, self.files, self.total = {}, 0, [], 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.buffer and self.size + nbytes > self.max_bytes:
-            self._flush()
-        self.buffer[name] = tensor.contiguous()
-        self.size += nbytes
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        file = f"part-{len(self.files):05d}.safetensors"
-        save_file(self.buffer, self.folder / file, metadata={"format": "pt"})
-        self.files.append((file, list(self.buffer)))
-        self.buffer, self.size = {}, 0
-
-    def close(self) -> list[str]:
-        if self.buffer or not self.files:
-            self._flush()
-        if len(self.files) == 1:
-            os.replace(self.folder / self.files[0][0], self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        n, weight_map, names = len(self.files), {}, []
-        for k, (file, keys) in enumerate(self.files):
-            name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.folder / file, self.folder / name)
-            weight_map.update(dict.fromkeys(keys, name))
-            names.append(name)
-        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names
-
-
 def _high_precision(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16) if t.is_floating_point() else t
 
@@ -281,7 +216,7 @@ def quantize_checkpoint(
         if config.mask_token_id is None:
             raise QuantizationError("gptq calibration needs config.mask_token_id")
         calib_ids = calibration_tokens(records, src, config, calib_samples, calib_seq_len)
-    source = Source(src)
+    source = SafetensorsSource(src, QuantizationError)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.quantizing-{os.getpid()}"
