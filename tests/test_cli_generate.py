@@ -4,7 +4,6 @@ character-level tokenizer built in the test (no downloads)."""
 import json
 
 import pytest
-import torch
 
 import clover
 from clover.api import DEFAULT_MODEL, split_thinking

@@ -3,7 +3,6 @@ scripted stand-in model (so every expected count is exact)."""
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from clover.engine import DecodeConfig, Engine, SamplingParams, make_policy, sample
