@@ -259,17 +259,6 @@ def run_pareto(args) -> int:
         pareto.evaluate(model, tokenizer, exs[:2], "low_confidence", blocks[0], thresholds[0], args.batch, eos)  # warm-up
         for mode, b, t in tqdm_or_list(settings, "bench pareto"):
             rows.append(pareto.evaluate(model, tokenizer, exs, mode, b, t, args.batch, eos))
-    # chance: a uniform pick among each question's allowed answers (options, yes/no, 0..99 for 2 digits)
-    from ..decide import parse_question
-
-    def allowed(q, spec) -> int:
-        parsed = parse_question({"question": q, **spec})
-        return len(parsed.options) if parsed.options else 10 ** parsed.max_tokens
-
-    odds = [[1 / allowed(q, s) for q, s in zip(g["questions"], g["specs"])] for g in groups]
-    chance_q = 100 * sum(map(sum, odds)) / questions
-    chance_g = 100 * sum(__import__("math").prod(o) for o in odds) / n
-    rows.append(["chance (uniform over allowed answers)", f"{chance_q:.1f}%", f"{chance_g:.1f}%", "-", "-", "-", "-"])
     described = args.model or "default model"
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     pareto.plot(rows, args.plot, f"Clover speed-quality curve: {described}, {len(exs)} held-out prompts")
