@@ -13,7 +13,7 @@ import copy
 import os
 
 import torch
-from clover.convert.mapping import qwen3next_twin as hf_twin
+from clover.convert.mapping import qwen3next_twin
 from clover.models import CloverForBlockDiffusion, preset_config
 from clover.utils.timing import time_alternately
 
@@ -48,7 +48,7 @@ def main() -> None:
     restore = {"clover 1 token (AR step)": lambda: cache.restore(snap)}
     if not args.no_hf:
         torch.manual_seed(0)
-        hf = hf_twin(cfg).to(args.device, dtype).eval()
+        hf = qwen3next_twin(cfg).to(args.device, dtype).eval()
         with torch.inference_mode():
             base = hf(prompt, use_cache=True).past_key_values
         live = {}

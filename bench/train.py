@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forward import hf_twin  # noqa: E402
-
-from clover.models import CloverForBlockDiffusion, preset_config  # noqa: E402
-from clover.training.objectives import ar_loss, block_diffusion_loss  # noqa: E402
-from clover.utils.timing import time_alternately  # noqa: E402
+from clover.convert.mapping import qwen3next_twin
+from clover.models import CloverForBlockDiffusion, preset_config
+from clover.training.objectives import ar_loss, block_diffusion_loss
+from clover.utils.timing import time_alternately
 
 
 def step_fn(model, opt, loss_fn):
@@ -56,7 +52,7 @@ def main() -> None:
     torch.manual_seed(0)
     ours = CloverForBlockDiffusion(cfg).to(dev).train()
     torch.manual_seed(0)
-    hf = hf_twin(cfg).to(dev).train()
+    hf = qwen3next_twin(cfg).to(dev).train()
     ids = torch.randint(0, cfg.vocab_size - 1, (args.batch, args.seq), device=dev)
     ones = torch.ones_like(ids, dtype=torch.bool)
     gen = torch.Generator(device=dev).manual_seed(0)
