@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .tokenizer import EOS, IM_END, IM_START, render_chat
+from .tokenizer import EOS, IM_END, IM_START
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -60,8 +60,7 @@ class Layout:
     num_clean: int  # stream: committed columns (the rest is the draft window)
     pad: torch.Tensor | None  # [B, L] left padding of the clean segment (stream only)
     training: bool = False  # [x_t ; x_0] layout: first half noisy, second half clean
-    clean_block_size: int = 1
-    draft_block_size: int = 1
+    clean_block_size: int = 1  # window size of the clean columns (the chunk size of the training layout)
     prefix: int = 0  # cache slots the attention layers read (the longest row's committed length)
     rope: tuple | None = None  # (cos, sin), computed by the first attention layer, shared by the rest
 
@@ -106,7 +105,7 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
         new = torch.cat([old, new], dim=-1)
     calib = _calibration_rows(cfg, [(num_clean, clean_bs), (draft_len, draft_bs)], device)
     return Layout(wid, positions, new[:, None], same[:, None] if calib is not None else None, calib,
-                  num_clean, pad, False, clean_bs, draft_bs, prefix)
+                  num_clean, pad, clean_block_size=clean_bs, prefix=prefix)
 
 
 def training_layout(cfg, batch, length, block, device) -> Layout:
@@ -120,7 +119,7 @@ def training_layout(cfg, batch, length, block, device) -> Layout:
     mask = torch.cat([top, bottom])[None, None].expand(batch, -1, -1, -1)
     calib = _calibration_rows(cfg, [(2 * length, block)], device)
     bidir = torch.block_diag(same, same)[None, None].expand(batch, -1, -1, -1) if calib is not None else None
-    return Layout(wid, positions, mask, bidir, calib, length, None, True, block, block)
+    return Layout(wid, positions, mask, bidir, calib, length, None, training=True, clean_block_size=block)
 
 
 # ------------------------------------------------------------------------------------------------
