@@ -1,5 +1,5 @@
-"""Shared test fixtures' builders: a character-level tokenizer with a chat template (thinking mode
-included) and a tiny random Clover model saved next to it, so tests need no downloads."""
+"""Shared test fixtures' builders: a character-level tokenizer (JSON punctuation and the tool-call
+tokens included) with Clover's chat template and a tiny random Clover model saved next to it, so tests need no downloads."""
 
 from __future__ import annotations
 
@@ -9,25 +9,23 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from clover.data.tokenizer import CHAT_TEMPLATE
+
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if not enable_thinking | default(false) %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
+PLAIN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
 def tiny_tokenizer(vocab_size=128):
-    chars = list(string.ascii_letters + string.digits + " \n.,!?:;'-()+=")
-    tokens = SPECIAL + ["<think>", "</think>"] + chars
+    chars = list(string.ascii_letters + string.digits + " \n.,!?:;'-()+=" + '{}[]"_<>/|')
+    tokens = SPECIAL + PLAIN_ADDED + chars
     tokens += [f"<unused{i}>" for i in range(vocab_size - 1 - len(tokens))] + ["<|mask|>"]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=SPECIAL[:2] + ["<|mask|>"])
-    fast.add_tokens(["<think>", "</think>"])
-    fast.chat_template = TEMPLATE
+    fast.add_tokens(PLAIN_ADDED)
+    fast.chat_template = CHAT_TEMPLATE  # Clover's own (tools, tool calls, enable_thinking)
     return fast
 
 

@@ -120,3 +120,16 @@ def test_shakespeare_passages():
     assert "**" not in text and "  \n" not in text
     ps = shakespeare.passages(text, 600)
     assert ps and max(len(p) for p in ps) < 3000
+
+
+def test_build_mixes_decision_groups_and_tool_dialogues(tmp_path):
+    from clover.data.build import build
+
+    build(tmp_path, n_train=70, n_heldout=20, n_eval=1, n_decision=30, n_single_questions=10, n_tool=40)
+    recs = read_records(tmp_path / "train.jsonl")
+    assert sum("tools" in r for r in recs) == 40
+    texts = [r.get("text") or r["messages"][0]["content"] for r in recs if "tools" not in r]
+    n_questions = [t.count(" Q") for t in texts if " Q1: " in t]
+    assert len(n_questions) == 40 and min(n_questions) == 1 and max(n_questions) >= 5
+    assert any("tools" in r for r in read_records(tmp_path / "heldout.jsonl"))
+    assert "<tool_call>" in (tmp_path / "tokenizer_corpus.txt").read_text()

@@ -1,6 +1,6 @@
-"""Build the default model's data set: Shakespeare passages + seeded synthetic tasks, split into
-train / held-out, written as JSONL (`text` and chat `messages` records) plus the held-out task set
-for accuracy evaluation."""
+"""Build the default model's data set: Shakespeare passages + seeded synthetic tasks + the decision
+benchmark's train split + tool-use dialogues, split into train / held-out, written as JSONL (`text`
+and chat `messages` records) plus the held-out task set for accuracy evaluation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import json
 import random
 from pathlib import Path
 
+from clover.agent import toolbox
+
 from . import shakespeare, tasks
+from .tokenizer import render_chat
 
 
 def _write(path: Path, recs) -> int:
@@ -30,16 +33,25 @@ def task_records(examples, rng: random.Random, chat_frac: float, think_frac: flo
 
 
 def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n_eval: int = 40,
-          shakespeare_frac: float = 0.06, chat_frac: float = 0.4, think_frac: float = 0.5) -> dict:
+          shakespeare_frac: float = 0.06, chat_frac: float = 0.4, think_frac: float = 0.5,
+          n_decision: int = 0, n_single_questions: int = 0, n_tool: int = 0) -> dict:
     """Writes train.jsonl, heldout.jsonl (loss), eval_tasks.jsonl (prompts + answers per task),
-    tokenizer_corpus.txt. `shakespeare_frac`: share of training records that are play passages."""
+    tokenizer_corpus.txt. `shakespeare_frac`: share of training records that are play passages.
+    With `n_decision`, decision groups come from the decision benchmark's train split (2-8 questions,
+    `tasks.decision_train_examples`) plus `n_single_questions` one-question groups (so answering one
+    question alone, the independent mode, is in distribution too) instead of the generic `group`
+    task; `n_tool` adds tool-use dialogues (`clover.agent.toolbox`)."""
     out = Path(out_dir)
     rng = random.Random(seed)
     # held-out tasks first; the training set never repeats one of their prompts
     heldout = tasks.generate_split(seed + 1, n_heldout + n_eval * len(tasks.TASKS))
     eval_set = heldout[:n_eval * len(tasks.TASKS)]
     held = heldout[n_eval * len(tasks.TASKS):]
-    train = tasks.generate_split(seed + 2, n_train, exclude={e["prompt"] for e in heldout})
+    train_tasks = tuple(t for t in tasks.TASKS if t != "group") if n_decision else tasks.TASKS
+    train = tasks.generate_split(seed + 2, n_train, train_tasks, exclude={e["prompt"] for e in heldout})
+    if n_decision:
+        train += tasks.decision_train_examples(seed, n_decision)
+        train += [tasks.group_as_example(tasks.decision_group(rng, 1, 1)) for _ in range(n_single_questions)]
     plays = shakespeare.plays()
     names = sorted(plays)
     held_plays = {names[i] for i in range(0, len(names), 10)}  # every 10th play is held out
@@ -48,8 +60,11 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
     rng.shuffle(train_pass)
     n_sh = int(n_train * shakespeare_frac / (1 - shakespeare_frac))
     train_recs = list(task_records(train, rng, chat_frac, think_frac)) + [{"text": p} for p in train_pass[:n_sh]]
+    tool_held = toolbox.training_dialogues(seed + 3, n_tool // 20) if n_tool else []
+    train_recs += toolbox.training_dialogues(seed + 4, n_tool)
     rng.shuffle(train_recs)
     held_recs = list(task_records(held, rng, chat_frac, think_frac)) + [{"text": p} for p in held_pass[:len(held) // 5]]
+    held_recs += tool_held
     stats = {
         "train_records": _write(out / "train.jsonl", train_recs),
         "heldout_records": _write(out / "heldout.jsonl", held_recs),
@@ -62,5 +77,7 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
             f.write(plays[n] + "\n\n\n")
         for ex in train[:20000]:
             f.write(tasks.plain_text(ex) + "\n\n\n")
+        for rec in tool_held:
+            f.write(render_chat(rec["messages"], tools=rec["tools"]) + "\n\n\n")
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     return stats

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from clover.agent.tool_format import EMPTY_THINK, normalize_messages
+
 from .tokenizer import EOS, IM_END, IM_START
 
 
@@ -40,15 +42,15 @@ def encode_record(rec: dict, tok) -> tuple[list[int], list[int]]:
     eos = tok.convert_tokens_to_ids(EOS)
     if "messages" in rec:
         ids, mask = [], []
-        for m in rec["messages"]:
+        for m in normalize_messages(rec["messages"], rec.get("tools")):
             head = tok.encode(f"{IM_START}{m['role']}\n", add_special_tokens=False)
             body = tok.encode(f"{m['content']}{IM_END}", add_special_tokens=False)
             tail = tok.encode("\n", add_special_tokens=False)
             train = m["role"] == "assistant"
-            if train and m["content"].startswith("<think>\n\n</think>\n\n"):
+            if train and m["content"].startswith(EMPTY_THINK):
                 # the empty think block is part of the non-thinking generation prompt: not a target
-                pre = tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
-                rest = tok.encode(m["content"][len("<think>\n\n</think>\n\n"):] + IM_END, add_special_tokens=False)
+                pre = tok.encode(EMPTY_THINK, add_special_tokens=False)
+                rest = tok.encode(m["content"][len(EMPTY_THINK):] + IM_END, add_special_tokens=False)
                 ids += head + pre + rest + tail
                 mask += [0] * (len(head) + len(pre)) + [1] * len(rest) + [0] * len(tail)
                 continue
