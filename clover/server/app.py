@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP layer (FastAPI): request validation, prompt encoding, OpenAI response /
-SSE chunk shapes, stop strings and thinking-mode splitting, errors in OpenAI's shape, API-key gate,
-Prometheus metrics and the playground page. All decoding happens in `Scheduler`'s thread."""
+SSE chunk shapes, stop strings, thinking-mode splitting and tool calls, errors in OpenAI's shape,
+API-key gate, Prometheus metrics and the playground page. All decoding happens in `Scheduler`'s thread."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import MODES
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, error_body, new_id, now, usage
+from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, error_body, new_id, now, usage
 from .scheduler import EngineKey, Job, QueueFull, Scheduler, Ticket
 
 STATIC = Path(__file__).parent / "static"
@@ -38,14 +38,16 @@ class Settings:
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
 
 
-# ---- text of one choice: decoding, thinking split, stop strings, what may be sent yet -----------------
+# ---- text of one choice: decoding, thinking split, stop strings, tool calls, what may be sent yet -------
 class Choice:
-    def __init__(self, tokenizer, stops: list[str], think: bool):
+    def __init__(self, tokenizer, stops: list[str], think: bool, tools: ToolPlan | None = None):
         self.tokenizer, self.stops, self.think = tokenizer, stops, think
+        self.tools = tools if tools is not None and tools.parses else None  # parse the reply's tool calls
         self.token_ids: list[int] = []
         self.reasoning = self.content = ""
         self.sent_reasoning = self.sent_content = 0
         self.finish_reason: str | None = None
+        self.tool_calls: list[dict] = []  # OpenAI tool_calls, once done
         self.stats: dict = {}
 
     @property
@@ -60,10 +62,21 @@ class Choice:
         hits = [i for i in (self.content.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.content, self.finish_reason = self.content[: min(hits)], "stop"
-            return True
-        if finish_reason:
+        elif finish_reason:
             self.finish_reason = "stop" if finish_reason == "stop" else "length"
-        return False
+        if self.done and self.tools:
+            content, self.tool_calls, self.finish_reason = self.tools.reply(self.content, self.finish_reason)
+            self.content = content or ""
+        return bool(hits)
+
+    def message(self) -> dict:
+        """The finished choice as a chat.completion message."""
+        message = {"role": "assistant", "content": (self.content or None) if self.tool_calls else self.content}
+        if self.think:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
 
     def _split(self, text: str) -> tuple[str, str]:
         if not self.think:
@@ -80,6 +93,8 @@ class Choice:
             hold = max((len(s) for s in self.stops), default=1) - 1
             content = content[: len(content) - hold] if hold else content
             reasoning, content = reasoning.rstrip("\ufffd"), content.rstrip("\ufffd")
+            if self.tools:  # tool calls are sent whole when the choice ends (app's stream)
+                content = self.tools.streamable(content)
         r, c = reasoning[self.sent_reasoning:], content[self.sent_content:]
         self.sent_reasoning, self.sent_content = max(self.sent_reasoning, len(reasoning)), max(self.sent_content, len(content))
         return r, c
@@ -281,10 +296,11 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         new_tokens, steps = event[4]
         return {"committed": [[p, s] for p, s in zip(pieces(new_tokens), steps)]}
 
-    async def respond(request: Request, req, prompts: list[list[int]], max_tokens, chat: bool, think: bool):
+    async def respond(request: Request, req, prompts: list[list[int]], max_tokens, chat: bool, think: bool,
+                      tools: ToolPlan | None = None):
         key = check_common(req)
         ticket, jobs = submit(request, req, prompts, max_tokens, key)
-        choices = [Choice(tokenizer, req.stop_list(), think) for _ in jobs]
+        choices = [Choice(tokenizer, req.stop_list(), think, tools) for _ in jobs]
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_prompt = sum(len(prompts[j.index // req.n]) for j in jobs[:: req.n]) if jobs else 0
@@ -302,10 +318,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
             for i, c in enumerate(choices):
                 c.deltas()
                 if chat:
-                    message = {"role": "assistant", "content": c.content}
-                    if think:
-                        message["reasoning_content"] = c.reasoning
-                    out.append({"index": i, "message": message, "logprobs": None, "finish_reason": c.finish_reason})
+                    out.append({"index": i, "message": c.message(), "logprobs": None, "finish_reason": c.finish_reason})
                 else:
                     out.append({"index": i, "text": c.content, "logprobs": None, "finish_reason": c.finish_reason})
             return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -332,6 +345,12 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                 async for ev in drive(request, ticket, jobs, choices):
                     i = ev[1]
                     if ev[0] == "finish":
+                        for k, call in enumerate(choices[i].tool_calls):  # each call: its head, then its arguments
+                            head = {"name": call["function"]["name"], "arguments": ""}
+                            yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                            "function": head}]})
+                            yield chunk(i, {"tool_calls": [{"index": k, "function": {
+                                "arguments": call["function"]["arguments"]}}]})
                         yield chunk(i, finish=choices[i].finish_reason, clover=choices[i].stats if req.clover_live else None)
                         continue
                     extra = live_fields(ev) if req.clover_live else None
@@ -387,17 +406,22 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
             raise APIError(400, "messages must not be empty", param="messages")
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        plan = req.tool_plan()
         kwargs = dict(req.chat_template_kwargs or {})
-        think = bool(kwargs.get("enable_thinking", False))
+        kwargs.pop("tools", None)
+        # a forced tool call (tool_choice "required" / named) starts the reply: no reasoning block before it
+        think = bool(kwargs.get("enable_thinking", False)) and not (plan and plan.forced)
         kwargs["enable_thinking"] = think
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+            text = tokenizer.apply_chat_template(messages, tools=plan.tools if plan else None,
+                                                 add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
+        text += plan.prefix if plan else ""  # the prefilled start of a forced tool call
         ids = tokenizer(text, add_special_tokens=False).input_ids
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await respond(request, req, [ids], max_tokens, chat=True, think=think)
+        return await respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
 
     # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
     decide_lock = asyncio.Lock()  # one decision at a time, in a worker thread beside the scheduler's

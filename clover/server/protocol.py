@@ -2,15 +2,21 @@
 
 Unknown fields are accepted and ignored (clients send many); Clover's own decoding parameters
 (`block_size`, `threshold`, `mode`, `steps`) and vLLM's `ignore_eos` are extra body fields
-(`extra_body=` in the openai client)."""
+(`extra_body=` in the openai client). Function calling (`tools`, `tool_choice`, `parallel_tool_calls`)
+is checked by `ChatRequest.tool_plan`; `ToolPlan` forces and parses the reply (docs/serving.md)."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..agent.tool_format import ToolSpecError, parse_tool_calls, validate_tools
 
 
 class StreamOptions(BaseModel):
@@ -57,15 +63,42 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict = "{}"  # OpenAI clients send back the JSON string they were given
+
+
+class ToolCall(BaseModel):
+    """An assistant message's `tool_calls` entry sent back in the history."""
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns (content may then be null)
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as the chat template reads it ({role, content} + tool_calls / tool_call_id)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(_Common):
@@ -73,6 +106,42 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     chat_template_kwargs: dict | None = None
+    # function calling: checked by tool_plan (400 in OpenAI's shape), not by the schema
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's function calling, checked: None without tools; APIError(400) for bad `tools`,
+        a bad or unknown `tool_choice`, `tool_choice` without tools, a tool message without its id."""
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id",
+                               param=f"messages.{i}.tool_call_id")
+        if self.tools is None or self.tools == []:
+            if self.tool_choice is not None:
+                raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+            return None
+        try:
+            functions = validate_tools(self.tools)
+        except ToolSpecError as e:
+            raise APIError(400, str(e), param="tools")
+        names = [f["name"] for f in functions]
+        choice = "auto" if self.tool_choice is None else self.tool_choice
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type", "function") != "function" or not isinstance(name, str):
+                raise APIError(400, 'tool_choice must be "auto", "none", "required" or '
+                               '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+            if name not in names:
+                raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools "
+                               f"({', '.join(names)})", param="tool_choice")
+            choice = {"type": "function", "function": {"name": name}}
+        elif choice not in ("auto", "none", "required"):
+            raise APIError(400, f'tool_choice must be "auto", "none", "required" or a named function '
+                           f"(got {choice!r})", param="tool_choice")
+        return ToolPlan(self.tools, functions, choice, self.parallel_tool_calls)
 
 
 class DecideQuestion(BaseModel):
@@ -128,3 +197,107 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+# ---- function calling: forcing and parsing the reply ---------------------------------------------------
+CALL_OPEN = "<tool_call>"
+_FORCED_RE = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:(.*)\Z', re.S)
+
+
+def forced_name(tool_choice, tools: list[dict]) -> str | None:
+    """The function a reply must call: the named one, or the only tool under "required"."""
+    if isinstance(tool_choice, dict):
+        return tool_choice["function"]["name"]
+    if tool_choice == "required" and len(tools) == 1:
+        return tools[0].get("function", tools[0])["name"]
+    return None
+
+
+def forced_prefix(tool_choice, tools: list[dict]) -> str:
+    """The start of the assistant turn that makes the reply a tool call, prefilled after the generation
+    prompt: nothing for "auto" / "none"; the call up to its arguments for a named function (and for
+    "required" with one tool); the call up to the function's name for "required"."""
+    name = forced_name(tool_choice, tools)
+    if name is not None:
+        return CALL_OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments":'
+    return CALL_OPEN + '\n{"name": "' if tool_choice == "required" else ""
+
+
+def _salvage(text: str, names: list[str], finish: str | None) -> tuple[dict, str, bool] | None:
+    """A forced call that does not parse whole (the model went on past its arguments, or ran out of
+    budget): (the call, the text after it, arguments cut by the budget), when the name is known. Arguments that
+    are no JSON object are returned as generated (OpenAI: "the model does not always generate valid JSON")."""
+    m = _FORCED_RE.match(text)
+    if not m or m.group(1) not in names:
+        return None
+    head, sep, tail = m.group(2).partition("</tool_call>")
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(head.lstrip())
+    except ValueError:
+        obj = None
+    whole = isinstance(obj, dict)
+    if whole:
+        arguments = json.dumps(obj, ensure_ascii=False)
+    else:
+        arguments = head.strip()
+        if arguments.endswith("}") and arguments.count("}") > arguments.count("{"):
+            arguments = arguments[:-1].rstrip()  # the call object's own closing brace
+    call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": m.group(1), "arguments": arguments}}
+    return call, tail.strip(), not whole and not sep and finish == "length"
+
+
+@dataclass
+class ToolPlan:
+    """One request's function calling: the tools as sent (for the chat template), their function
+    specs, tool_choice ("auto", "none", "required" or {"type": "function", "function": {"name"}}) and
+    parallel_tool_calls."""
+    tools: list
+    functions: list[dict]
+    choice: str | dict = "auto"
+    parallel: bool = True
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"  # "none": tools are rendered, the reply is never parsed (as vLLM)
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("auto", "none")
+
+    @property
+    def prefix(self) -> str:
+        return forced_prefix(self.choice, self.functions)
+
+    def reply(self, generated: str, finish: str | None) -> tuple[str | None, list[dict], str | None]:
+        """(content, tool_calls, finish_reason) of a finished reply (`generated` follows the prefix).
+        Calls found: content is the text around them or None, finish_reason "tool_calls" ("length"
+        when the budget cut a forced call's arguments). Malformed calls stay in the content."""
+        if not self.parses:
+            return generated, [], finish
+        text = self.prefix + generated
+        content, calls, _ = parse_tool_calls(text, self.functions)
+        name = forced_name(self.choice, self.functions)
+        if name is not None:
+            calls = [c for c in calls if c["function"]["name"] == name][:1]
+        cut = False
+        if self.forced and not calls:
+            salvaged = _salvage(text, [f["name"] for f in self.functions], finish)
+            if salvaged:
+                call, content, cut = salvaged
+                calls = [call]
+        if not self.parallel:
+            calls = calls[:1]
+        if not calls:
+            return content, [], finish
+        return content or None, calls, "length" if cut else "tool_calls"
+
+    def streamable(self, generated: str) -> str:
+        """The content that may be streamed while the reply is still running: the text before the first
+        <tool_call> (held back from there on, and a possible start of one at the end), stripped as the
+        final content is."""
+        text = self.prefix + generated
+        end = text.find(CALL_OPEN)
+        if end < 0:
+            end = len(text) - max((k for k in range(1, len(CALL_OPEN)) if text.endswith(CALL_OPEN[:k])), default=0)
+        return text[:end].strip()

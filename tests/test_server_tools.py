@@ -1,0 +1,274 @@
+"""OpenAI function calling in `clover serve`: `tools` / `tool_choice` / `parallel_tool_calls` in,
+`tool_calls` out (streamed and not), driven by the official `openai` client against a tiny random model
+with a real Clover tokenizer (byte-level BPE, atomic <tool_call> tokens, the chat template that renders
+tools); plus the reply assembly on given generated text (parsing, forcing, malformed calls)."""
+
+import json
+
+import openai
+import pytest
+import torch
+
+import clover
+from clover.api import eos_ids
+from clover.data.tokenizer import EOS, IM_END, MASK, build_bpe, render_chat, save_tokenizer
+from clover.server import Settings, create_app
+from clover.server.app import Choice
+from clover.server.protocol import ToolPlan, forced_prefix
+from server_utils import RunningServer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """A tiny random model on a Clover BPE tokenizer trained on a few tool-call dialogues."""
+    from clover.models import CloverForBlockDiffusion, preset_config
+
+    folder = tmp_path_factory.mktemp("tools-model")
+    corpus = [render_chat(ASK + [{"role": "assistant", "content": CALL}], tools=[WEATHER])] * 8
+    save_tokenizer(build_bpe(corpus, 300), folder, model_max_length=1024)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer.convert_tokens_to_ids
+    config = preset_config("clover-tiny", vocab_size=len(tokenizer), mask_token_id=ids(MASK),
+                           eos_token_id=[ids(EOS), ids(IM_END)])
+    torch.manual_seed(0)
+    model = CloverForBlockDiffusion(config)
+    model.lm_head.weight.data *= 40.0  # peaked: several tokens per step
+    model.save_pretrained(folder)
+    return clover.load(folder)
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    model, tokenizer = loaded
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=8, max_queue=16)
+    with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def plan(choice="auto", tools=(WEATHER, TIME), parallel=True) -> ToolPlan:
+    tools = list(tools)
+    return ToolPlan(tools, [t["function"] for t in tools], choice, parallel)
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+# ---- the reply assembly on given generated text --------------------------------------------------------
+def test_auto_reply_parses_calls_and_keeps_the_rest():
+    text = "Let me look.\n" + CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    content, calls, finish = plan().reply(text, "stop")
+    assert content == "Let me look." and finish == "tool_calls"
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    content, calls, finish = plan(parallel=False).reply(text, "stop")
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and content == "Let me look."
+    assert plan().reply(CALL, "stop")[0] is None  # nothing but calls: content null
+
+
+@pytest.mark.parametrize("bad", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',  # not JSON
+    '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',  # not among the tools
+    '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>',  # arguments not an object
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}',  # never closed
+])
+def test_malformed_calls_are_content(bad):
+    content, calls, finish = plan().reply("Hmm. " + bad, "stop")
+    assert calls == [] and finish == "stop" and content == ("Hmm. " + bad).strip()
+    assert plan("none").reply(CALL, "stop") == (CALL, [], "stop")  # none: never parsed
+
+
+def test_forced_prefixes_and_salvage():
+    assert forced_prefix("auto", [WEATHER]) == forced_prefix("none", [WEATHER]) == ""
+    assert forced_prefix("required", [WEATHER["function"], TIME["function"]]) == '<tool_call>\n{"name": "'
+    named = '<tool_call>\n{"name": "get_weather", "arguments":'
+    assert forced_prefix(NAMED, [WEATHER["function"], TIME["function"]]) == named
+    assert forced_prefix("required", [WEATHER["function"]]) == named  # one tool: required = that one
+    # named: the model wrote the call whole / went on past its arguments / ran out of budget inside them
+    assert plan(NAMED).reply(' {"city": "Rome"}}\n</tool_call>', "stop")[1][0]["function"]["arguments"] == \
+        '{"city": "Rome"}'
+    content, calls, finish = plan(NAMED).reply(' {"city": "Rome"} zzz', "length")
+    assert (content, calls[0]["function"]["arguments"], finish) == (None, '{"city": "Rome"}', "tool_calls")
+    content, calls, finish = plan(NAMED).reply(' {"city": "Ro', "length")
+    assert (calls[0]["function"]["name"], calls[0]["function"]["arguments"], finish) == \
+        ("get_weather", '{"city": "Ro', "length")
+    # required: a known name is a call; anything else is returned as the model wrote it
+    content, calls, finish = plan("required").reply('get_time", "arguments": {}}\n</tool_call>\nDone.', "stop")
+    assert (content, calls[0]["function"]["name"], finish) == ("Done.", "get_time", "tool_calls")
+    content, calls, finish = plan("required").reply("qq xx", "stop")
+    assert (content, calls, finish) == ('<tool_call>\n{"name": "qq xx', [], "stop")
+
+
+def test_streamed_content_stops_at_the_call_and_matches_the_reply(loaded):
+    _, tokenizer = loaded
+    text = "  Let me look.\n" + CALL + "\nbye <tool_call> broken"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    choice = Choice(tokenizer, [], False, plan())
+    sent = ""
+    for n in range(1, len(ids) + 1):
+        choice.update(ids[:n], "stop" if n == len(ids) else None)
+        sent += choice.deltas()[1]
+        if not choice.done:
+            assert "<" not in sent  # the call (or a possible start of one) is never streamed as content
+    assert sent == choice.content == "Let me look.\n\nbye <tool_call> broken"
+    assert [c["function"]["name"] for c in choice.tool_calls] == ["get_weather"]
+    assert choice.finish_reason == "tool_calls" and choice.message()["tool_calls"] == choice.tool_calls
+
+
+# ---- the live server with the openai client --------------------------------------------------------------
+def calls_of(message):
+    return [(c.type, c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("tools,choice", [([WEATHER, TIME], NAMED), ([WEATHER], "required")],
+                         ids=["named", "required-one-tool"])
+def test_forced_call_non_stream_and_stream(client, tools, choice):
+    kw = dict(model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=24)
+    one = client.chat.completions.create(**kw)
+    msg, finish = one.choices[0].message, one.choices[0].finish_reason
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0].function.name == "get_weather"
+    assert msg.tool_calls[0].id.startswith("call_") and finish in ("tool_calls", "length")
+    # the stream helpers of the official client reassemble the same call (get_final_completion would
+    # refuse a "length" finish, the random model's usual one: read the events and the snapshot instead)
+    with client.chat.completions.stream(**kw) as stream:
+        done = [(e.index, e.name, e.arguments) for e in stream if e.type == "tool_calls.function.arguments.done"]
+        snapshot = stream.current_completion_snapshot
+    assert calls_of(snapshot.choices[0].message) == calls_of(msg) and snapshot.choices[0].finish_reason == finish
+    assert done == [(0, "get_weather", msg.tool_calls[0].function.arguments)]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    heads = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or [] if tc.id]
+    assert [(h.index, h.type, h.function.name) for h in heads] == [(0, "function", "get_weather")]
+    assert chunks[-1].choices[0].finish_reason == finish
+
+
+def test_required_with_several_tools_is_a_call_or_the_raw_text(client):
+    one = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                         max_tokens=16)
+    msg = one.choices[0].message
+    if msg.tool_calls:
+        assert msg.tool_calls[0].function.name in ("get_weather", "get_time")
+        assert one.choices[0].finish_reason in ("tool_calls", "length")
+    else:  # the random model named no tool: what it wrote, forced start included
+        assert msg.content.startswith('<tool_call>\n{"name": "')
+
+
+def test_auto_and_none_stream_like_non_stream(client, loaded):
+    _, tokenizer = loaded
+    for choice in ("auto", "none"):
+        kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=24)
+        one = client.chat.completions.create(**kw)
+        text = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(**kw, stream=True))
+        assert text == (one.choices[0].message.content or "")
+        if choice == "none":
+            assert one.choices[0].message.tool_calls is None and one.choices[0].finish_reason in ("stop", "length")
+    # the tools are rendered into the prompt (also under "none")
+    prompt = render_chat(ASK, add_generation_prompt=True, enable_thinking=False, tools=[WEATHER])
+    assert one.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False).input_ids)
+
+
+class ScriptedText:
+    """The tokenizer, except that a reply of n tokens decodes to the first n/N of SCRIPT: the live server
+    path (blocks, stream chunks, the official client's helpers) with a reply a random model never writes."""
+    SCRIPT = "Checking.\n" + CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    N = 24
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, *args, **kw):
+        return self.tokenizer(*args, **kw)
+
+    def decode(self, ids, **kw):
+        return self.SCRIPT[: len(self.SCRIPT) * min(len(ids), self.N) // self.N]
+
+
+def test_auto_calls_through_the_live_stream(loaded):
+    model, tokenizer = loaded
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5)
+    with RunningServer(create_app(model, ScriptedText(tokenizer), settings, eos_ids(model, tokenizer))) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=ScriptedText.N,
+                  extra_body={"ignore_eos": True})
+        one = c.chat.completions.create(**kw)
+        msg = one.choices[0].message
+        assert msg.content == "Checking." and one.choices[0].finish_reason == "tool_calls"
+        assert [(n, json.loads(a)) for _, n, a in calls_of(msg)] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+        with c.chat.completions.stream(**kw) as stream:
+            final = stream.get_final_completion()
+        assert final.choices[0].message.content == "Checking." and calls_of(final.choices[0].message) == calls_of(msg)
+        chunks = [ch.choices[0] for ch in c.chat.completions.create(**kw, stream=True)]
+        text = "".join(ch.delta.content or "" for ch in chunks)
+        parts = [(tc.index, tc.id is not None, tc.function.name, tc.function.arguments)
+                 for ch in chunks for tc in ch.delta.tool_calls or []]
+        assert text == "Checking." and chunks[-1].finish_reason == "tool_calls"
+        assert [(i, head, name) for i, head, name, _ in parts] == [
+            (0, True, "get_weather"), (0, False, None), (1, True, "get_time"), (1, False, None)]
+        only = c.chat.completions.create(**kw, parallel_tool_calls=False).choices[0].message
+        assert [n for _, n, _ in calls_of(only)] == ["get_weather"]
+        none = c.chat.completions.create(**kw | {"tool_choice": "none"}).choices[0]
+        assert none.message.content == ScriptedText.SCRIPT and none.message.tool_calls is None
+        assert none.finish_reason == "length"
+
+
+def test_round_trip_with_a_tool_result(client, loaded):
+    _, tokenizer = loaded
+    first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=24)
+    msg = first.choices[0].message
+    result = {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp_c": 21}'}
+    written = {"role": "assistant", "content": None, "tool_calls": [  # as a client writes it by hand
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    for history in (ASK + [msg.model_dump(exclude_none=True), result], ASK + [written, result | {"tool_call_id": "call_1"}]):
+        second = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=8)
+        assert second.choices[0].message.role == "assistant"
+        prompt = render_chat(history, add_generation_prompt=True, enable_thinking=False, tools=[WEATHER])
+        assert "<tool_response>\n{\"temp_c\": 21}\n</tool_response>" in prompt
+        assert second.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False).input_ids)
+
+
+def _fn(name="f", params=None):
+    fn = {"name": name}
+    if params is not None:
+        fn["parameters"] = params
+    return {"type": "function", "function": fn}
+
+
+BAD = [
+    # (what, extra request fields, param named by the error)
+    ("not a function tool", {"tools": [{"type": "retrieval"}]}, "tools"),
+    ("tools not a list", {"tools": "get_weather"}, "tools"),
+    ("bad function name", {"tools": [_fn("get weather!")]}, "tools"),
+    ("missing function name", {"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools"),
+    ("duplicate names", {"tools": [_fn("f"), _fn("f")]}, "tools"),
+    ("parameters not an object schema", {"tools": [_fn("f", {"type": "array"})]}, "tools"),
+    ("unknown tool_choice name", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ("bad tool_choice", {"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ("tool_choice without tools", {"tool_choice": "auto"}, "tool_choice"),
+    ("tool message without its id", {"messages": ASK + [{"role": "tool", "content": "21"}]}, "messages.1.tool_call_id"),
+]
+
+
+@pytest.mark.parametrize("what,fields,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_tools_are_400(client, what, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**{"model": "tiny", "messages": ASK, "max_tokens": 4, **fields})
+    body = err.value.body
+    assert err.value.status_code == 400 and body["param"] == param and body["message"], body
