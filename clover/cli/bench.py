@@ -1,12 +1,14 @@
 """`clover bench NAME`: benchmarks that print a markdown table (and can write JSON).
 
 Each benchmark is a pair in BENCHMARKS: `register(parser)` adding its flags and `run(args)`.
-Add one (e.g. `pareto`) by writing those two functions and one line in BENCHMARKS. Timings follow
+Add one (e.g. `pareto`) by writing those two functions and one line in BENCHMARKS; `--json FILE`
+writes the results there, a bare `--json` prints them as one object on stdout (`write_json`). Timings follow
 design-notes section 5: warm up, run candidates alternately in one process, report medians.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,17 +21,46 @@ def register(sub) -> None:
     benches = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name, (add_flags, run, help_text) in BENCHMARKS.items():
         q = benches.add_parser(name, help=help_text)
-        q.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+        q.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                       help="also write the results as JSON to FILE; bare --json prints one JSON object on stdout "
+                            "(the table then goes to stderr)")
         q.add_argument("--threads", type=int, help="torch threads (default: all cores)")
         add_flags(q)
-        q.set_defaults(func=run)
+        q.set_defaults(func=_json_on_stdout(run))
     p.set_defaults(func=lambda args: (_ for _ in ()).throw(UserError(f"name a benchmark: {', '.join(BENCHMARKS)}")))
+
+
+def _json_on_stdout(run):
+    """With bare --json the run's prints go to stderr and stdout gets only the JSON object."""
+    def go(args) -> int:
+        if args.json != "-":
+            return run(args)
+        args.json_stream = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return run(args)
+    return go
+
+
+def write_json(args, obj) -> None:
+    """The results as JSON: to --json FILE, or to stdout for a bare --json; nothing without --json."""
+    if not args.json:
+        return
+    if args.json == "-":
+        args.json_stream.write(json.dumps(obj, indent=2, default=float) + "\n")
+        return
+    with open(args.json, "w") as f:
+        json.dump(obj, f, indent=2, default=float)
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def add_model_flags(p) -> None:
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--device", default=None)
 
 
 # ---- decode -----------------------------------------------------------------------------------------
@@ -126,17 +157,14 @@ def run_decode(args) -> int:
         print("Note: random weights (no trained default model yet): confidences are low, so low_confidence fills "
               "about one token per step and self_spec drafts are rarely accepted; TPF targets need the trained model.\n")
     print(markdown_table(["mode", "tokens", "forwards", "TPF", "median s", "tokens/s", "vs ar", "vs transformers"], rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(model=described, random_weights=random_weights, prompt_tokens=len(prompt), max_new_tokens=n,
-                           block_size=args.block_size, threads=torch.get_num_threads(), results=results), f, indent=2)
+    write_json(args, dict(model=described, random_weights=random_weights, prompt_tokens=len(prompt), max_new_tokens=n,
+                          block_size=args.block_size, threads=torch.get_num_threads(), results=results))
     return 0
 
 
 # ---- decide -----------------------------------------------------------------------------------------
 def add_decide_flags(p) -> None:
-    p.add_argument("--model", help="model folder (default: the shipped default model)")
-    p.add_argument("--device", default=None)
+    add_model_flags(p)
     p.add_argument("--groups", type=int, default=500, help="held-out groups (default 500)")
     p.add_argument("--seed", type=int, default=0, help="benchmark seed (clover.data.tasks.decision_benchmark)")
     p.add_argument("--threshold", type=float, default=0.9)
@@ -211,18 +239,15 @@ def run_decide(args) -> int:
           "(independent reads the material once per question).\n")
     print(markdown_table(["mode", "questions right", "groups all right", "forward passes / group",
                           "model calls / group", "prompt tokens / group", "s / group"], rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(model=described, seed=args.seed, groups=n, questions=questions, threshold=args.threshold,
-                           chance=dict(questions_right=chance_q, groups_all_right=chance_g),
-                           block_size=args.block_size, threads=torch.get_num_threads(), results=results), f, indent=2)
+    write_json(args, dict(model=described, seed=args.seed, groups=n, questions=questions, threshold=args.threshold,
+                          chance=dict(questions_right=chance_q, groups_all_right=chance_g),
+                          block_size=args.block_size, threads=torch.get_num_threads(), results=results))
     return 0
 
 
 # ---- pareto ------------------------------------------------------------------------------------------
 def add_pareto_flags(p) -> None:
-    p.add_argument("--model", help="model folder (default: the shipped default model)")
-    p.add_argument("--device", default=None)
+    add_model_flags(p)
     p.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99", help="low_confidence thresholds (comma list)")
     p.add_argument("--block-sizes", default="8,16,32,64", help="block sizes (comma list)")
     p.add_argument("--per-task", type=int, default=8, metavar="N",
@@ -273,9 +298,89 @@ def run_pareto(args) -> int:
               *(f"{100 * r['per_task'][n]:.0f}" for n in names)] for i, r in enumerate(rows)]
     print(markdown_table(["mode", "block", "threshold", "accuracy %", "TPF", "tokens/s", *names], table))
     print(f"\n![accuracy against tokens per forward and tokens/s]({args.plot})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(model=described, prompts=len(exs), per_task=args.per_task, batch=args.batch, results=rows), f, indent=2)
+    write_json(args, dict(model=described, prompts=len(exs), per_task=args.per_task, batch=args.batch, results=rows))
+    return 0
+
+
+# ---- agent -------------------------------------------------------------------------------------------
+def add_agent_flags(p) -> None:
+    add_model_flags(p)
+    p.add_argument("--n", type=int, default=70, help="held-out cases, cycling over the 7 kinds (default 70)")
+    p.add_argument("--seed", type=int, default=1000, help="benchmark seed (default 1000; training uses 3 and 4)")
+    p.add_argument("--mode", default="low_confidence",
+                   help="decoding mode, or a comma list to compare (e.g. low_confidence,ar; default low_confidence)")
+    p.add_argument("--threshold", type=float, default=0.95)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="budget of each assistant turn (default 128)")
+    p.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="episodes advanced together (default 1: seconds per case are per-case latency)")
+    p.add_argument("--records", metavar="JSONL", help="write every case's record (transcript included) as JSONL")
+
+
+def _pct_cell(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def run_agent(args) -> int:
+    """Tool-call accuracy (AST), irrelevance, and real multi-turn episodes on the seeded toolbox."""
+    import torch
+
+    from ..agent.bench import MAX_ROUNDS, run_benchmark
+    from ..api import load
+    from ..engine import MODES, DecodeConfig
+
+    modes = [m for m in args.mode.split(",") if m]
+    if not modes:
+        raise UserError("--mode: name at least one decoding mode")
+    for m in modes:
+        if m not in MODES:
+            raise UserError(f"--mode: unknown mode {m!r} (known: {', '.join(MODES)})")
+        DecodeConfig(mode=m, block_size=args.block_size, threshold=args.threshold,
+                     max_new_tokens=args.max_new_tokens).validate()
+    if args.n < 1 or args.batch < 1:
+        raise UserError("--n and --batch must be >= 1")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    model, tokenizer = load(args.model, args.device)
+    if not 1 <= args.block_size <= model.config.max_block_size:
+        raise UserError(f"--block-size must be in [1, {model.config.max_block_size}]")
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.n * len(modes), desc="bench agent", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())
+    runs = []
+    for m in modes:
+        bar.set_postfix_str(m)
+        runs.append(run_benchmark(model, tokenizer, args.n, args.seed, m, args.threshold, args.block_size,
+                                  args.max_new_tokens, args.batch, progress=bar.update))
+    bar.close()
+    described = args.model or "default model"
+    print(f"Agent benchmark: {described}; {args.n} held-out toolbox cases (seed {args.seed}, 7 kinds, requests unseen "
+          f"in training except weather/weather2/age), greedy, max {args.max_new_tokens} tokens a turn, up to "
+          f"{MAX_ROUNDS} tool rounds, {model.device} {str(model.dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads. Call accuracy = first turn's calls AST-match the expected ones "
+          f"(BFCL-style); irrelevance = no call where no tool helps; episode = final reply after real tool results "
+          f"(exact / contains every value); valid = parsable calls to offered tools / call attempts; forwards and "
+          f"seconds summed over an episode's turns (prefill not counted in forwards). docs/agent.md.\n")
+    if not runs[0]["template_renders_tools"]:
+        print("Note: this model's chat template does not render tools (it predates tool-use training); tools were "
+              "rendered by clover.agent.tool_format.normalize_messages, as the tool-aware template writes them.\n")
+    rows = []
+    for r in runs:
+        setting = r["mode"] if r["mode"] == "ar" else f"{r['mode']} b={r['block_size']} t={r['threshold']:g}"
+        for kind, g in [*r["per_kind"].items(), ("overall", r["overall"])]:
+            rows.append([setting, f"**{kind}**" if kind == "overall" else kind, g["cases"], _pct_cell(g["call_accuracy"]),
+                         _pct_cell(g["irrelevance_accuracy"]), _pct_cell(g["episode_exact"]),
+                         _pct_cell(g["episode_values"]), _pct_cell(g["call_validity"]),
+                         f"{g['forward_passes_per_case']:.1f}", f"{g['seconds_per_case']:.3f}"])
+    print(markdown_table(["decoding", "kind", "cases", "call acc %", "irrelevance %", "episode exact %",
+                          "episode values %", "valid calls %", "forwards / case", "s / case"], rows))
+    if args.records:
+        with open(args.records, "w") as f:
+            for r in runs:
+                for rec in r["records"]:
+                    f.write(json.dumps(dict(mode=r["mode"], **rec)) + "\n")
+    write_json(args, dict(model=described, n=args.n, seed=args.seed, threads=torch.get_num_threads(),
+                          runs=[{k: v for k, v in r.items() if k != "records"} for r in runs]))
     return 0
 
 
@@ -289,4 +394,5 @@ BENCHMARKS = {
     "decode": (add_decode_flags, run_decode, "tokens/s and tokens per forward of each decoding mode vs transformers"),
     "decide": (add_decide_flags, run_decide, "joint vs independent decision mode: accuracy, forwards, seconds per group"),
     "pareto": (add_pareto_flags, run_pareto, "speed-quality curve: suite accuracy vs tokens per forward and tokens/s (PNG + table)"),
+    "agent": (add_agent_flags, run_agent, "tool use on the seeded toolbox: call accuracy (AST), irrelevance, real episodes"),
 }
