@@ -19,3 +19,7 @@ __all__ += ["Generation", "generate", "load"]
 from .decide import decide  # noqa: E402
 
 __all__ += ["decide"]
+
+from .structured import generate_json  # noqa: E402
+
+__all__ += ["generate_json"]

@@ -7,25 +7,16 @@ data, `clover.data.tasks.group_prompt` / `group_as_example`):
     region  = "A1:" [slot 1] " A2:" [slot 2] ... " Ak:" [slot k]     (draft window(s))
 
 Scaffold tokens ("A1:", " A2:", ...) are known tokens inside the draft window; a slot is `width`
-masked positions, width = the longest allowed answer in tokens. Token shift: the window is
-[x_{n-1}, region[0..m-2]] and column j predicts region[j].
-
-Every forward scores every open slot from the same logits:
-* options (and boolean = ["yes", "no"], integer = every number of <= max_tokens digits): option o
-  with tokens o_1..o_L scores  sum_i log p(o_i at slot position i) + [L < width] log p(end at L),
-  where `end` is the first token of the next scaffold (EOS after the last slot). The slot's
-  confidence is the softmax of these scores over the options (the probability of the answer when
-  the slot can only hold one of them), so the slot can never hold anything else.
-* text: the argmax token at each slot position, cut at the first end marker / EOS; confidence =
-  the product of those token probabilities.
-Then, like `low_confidence`, every open slot whose confidence is above the threshold is committed,
-or the single most confident one if none is: a group of k slots takes at most k forwards per window.
-A committed slot is re-laid out at its answer's own length (the scaffold after it moves left), so
-the next forward sees exactly the training rendering of the answers decided so far.
-
-Regions longer than `block_size` are cut between slots into several windows, denoised one after
-another (a finished window is committed to the cache in the next window's first forward, as the
-engine does); slots in later windows see earlier ones' answers.
+masked positions, width = the longest allowed answer in tokens. The slots, their scoring and the
+denoising loop are `clover.engine.infill`'s:
+* options (and boolean = ["yes", "no"], integer = every number of <= max_tokens digits) are scored
+  per option, with the end marker = the first token of the next scaffold (EOS after the last slot);
+  the slot's confidence is the softmax over its options, so it can never hold anything else;
+* text: the argmax token at each position, cut at the first end marker / EOS.
+Every slot above the threshold commits per forward, or the most confident one: a group of k slots
+takes at most k forwards per window. A committed slot is re-laid out at its answer's own length, so
+the next forward sees exactly the training rendering of the answers decided so far. Regions longer
+than `block_size` are cut between slots into several windows, denoised one after another.
 
 `independent` mode is the same machinery with one question per row. Rows whose windows have the
 same sizes share forwards (left-padded prompts); as slots commit at different steps, windows of one
@@ -37,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-import torch
+from ..engine.infill import Row, Slot, TextRule, denoise, pieces, token_ids
 
 MAX_QUESTIONS = 8
 MODES = ("joint", "independent")
@@ -134,115 +125,34 @@ class Decision:
                 "seconds": self.seconds}
 
 
-# ---- tokens -----------------------------------------------------------------------------------------
-_PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {answer text: token ids})
-
-
-def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
+# ---- slots (clover.engine.infill lays them out and denoises them) ------------------------------------
 def _pieces(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each answer as it tokenizes after a scaffold ('A1: Paris' -> ids of ' Paris')."""
-    entry = _PIECES.get(id(tokenizer))
-    if entry is None or entry[0] is not tokenizer:
-        entry = _PIECES[id(tokenizer)] = (tokenizer, {})
-    cache = entry[1]
-    todo = [t for t in dict.fromkeys(texts) if t not in cache]
-    if todo:
-        head = _ids(tokenizer, "A1:")
-        for t, ids in zip(todo, tokenizer(["A1: " + t for t in todo], add_special_tokens=False).input_ids):
-            cache[t] = ids[len(head):] if ids[: len(head)] == head and len(ids) > len(head) else _ids(tokenizer, " " + t)
-    return [cache[t] for t in texts]
+    return pieces(tokenizer, [" " + t for t in texts], before="A1:")
 
 
-class _Slot:
+class _Slot(Slot):
     """One answer slot: its scaffold ("A2:"), allowed answers or free text, and, once committed, its tokens."""
 
     def __init__(self, question: Question, number: int, end: int, tokenizer, eos: set[int]):
-        self.q, self.end, self.eos = question, end, eos
-        self.scaffold = _ids(tokenizer, f"A{number}:" if number == 1 else f" A{number}:")
-        self.tokens: list[int] | None = None
-        self.value, self.confidence = None, 0.0
+        self.q, self.end = question, end
+        scaffold = token_ids(tokenizer, f"A{number}:" if number == 1 else f" A{number}:")
         if question.type == "text":
-            self.choices, self.width = None, question.max_tokens
-            self.tokenizer = tokenizer
+            def finish(tokens):
+                return tokens, tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            super().__init__(scaffold, [end], text=TextRule(finish), width=question.max_tokens, eos=eos,
+                             name=repr(question.text))
             return
         if question.type == "integer":
-            texts = [str(v) for v in range(10 ** question.max_tokens)]
-            self.values = list(range(10 ** question.max_tokens))
+            values = list(range(10 ** question.max_tokens))
+            texts = [str(v) for v in values]
         else:
             texts = list(question.options)
-            self.values = [t == "yes" for t in texts] if question.type == "boolean" else texts
-        pieces = _pieces(tokenizer, texts)
-        self.choices = pieces
-        self.width = max(map(len, pieces))
-        lengths = torch.tensor([len(p) for p in pieces])
-        grid = torch.full((len(pieces), self.width), end, dtype=torch.long)  # option tokens, end marker after
-        for i, p in enumerate(pieces):
-            grid[i, : len(p)] = torch.tensor(p)
-        cols = torch.arange(self.width)[None, :]
-        self.grid, self.lengths = grid, lengths
-        self.weight = (cols < lengths[:, None]) | (cols == lengths[:, None])  # the tokens + the end marker if it fits
-
-    @property
-    def open(self) -> bool:
-        return self.tokens is None
-
-    @property
-    def length(self) -> int:
-        return self.width if self.tokens is None else len(self.tokens)
-
-    def propose(self, logp: torch.Tensor, offset: int):
-        """(tokens, value, confidence) from the log-probs [m, V] of the region's positions."""
-        lp = logp[offset: offset + self.width]  # [width, V]
-        if self.choices is None:
-            best = lp.argmax(-1).tolist()
-            tokens, total = [], 0.0
-            for i, t in enumerate(best):
-                total += float(lp[i, t])
-                if t == self.end or t in self.eos:
-                    break
-                tokens.append(t)
-            return tokens, self.tokenizer.decode(tokens, skip_special_tokens=True).strip(), float(torch.tensor(total).exp())
-        picked = lp.gather(1, self.grid.to(lp.device).T).T  # [options, width]: log p(option token i at i)
-        scores = (picked * self.weight.to(lp.device)).sum(1)
-        probs = torch.softmax(scores, 0)
-        i = int(probs.argmax())
-        return self.choices[i], self.values[i], float(probs[i])
-
-    def commit(self, tokens, value, confidence) -> None:
-        self.tokens, self.value, self.confidence = list(tokens), value, confidence
+            values = [t == "yes" for t in texts] if question.type == "boolean" else texts
+        super().__init__(scaffold, [end], choices=_pieces(tokenizer, texts), values=values, eos=eos,
+                         name=repr(question.text))
 
 
-class _Row:
-    def __init__(self, prompt: list[int], slots: list[_Slot], block_size: int, max_block: int):
-        self.prompt, self.slots, self.forwards = prompt, slots, 0
-        self.windows: list[list[_Slot]] = []  # slots packed into windows of <= block_size tokens
-        size = 0
-        for s in slots:
-            unit = len(s.scaffold) + s.width
-            if unit > max_block:
-                raise ValueError(f"the answer slot of {s.q.text!r} needs {unit} tokens, more than the model's "
-                                 f"largest block ({max_block}): lower max_tokens or use shorter options")
-            if self.windows and size + unit <= block_size:
-                self.windows[-1].append(s)
-                size += unit
-            else:
-                self.windows.append([s])
-                size = unit
-
-    def region(self, w: int, mask: int) -> tuple[list[int], list[int]]:
-        """Tokens of window w (masks in open slots) and the offset of each of its slots."""
-        tokens, offsets = [], []
-        for s in self.windows[w] if w < len(self.windows) else []:
-            tokens += s.scaffold
-            offsets.append(len(tokens))
-            tokens += s.tokens if s.tokens is not None else [mask] * s.width
-        return tokens, offsets
-
-
-# ---- decoding ---------------------------------------------------------------------------------------
 def _eos(model, tokenizer) -> list[int]:
     from ..api import eos_ids
 
@@ -252,7 +162,7 @@ def _eos(model, tokenizer) -> list[int]:
     return ids
 
 
-def _rows(model, tokenizer, material: str, questions: list[Question], mode: str, block_size: int) -> list[_Row]:
+def _rows(model, tokenizer, material: str, questions: list[Question], mode: str, block_size: int) -> list[Row]:
     from ..data.tasks import group_prompt
 
     eos = _eos(model, tokenizer)
@@ -260,76 +170,13 @@ def _rows(model, tokenizer, material: str, questions: list[Question], mode: str,
               if mode == "joint" else [[q] for q in questions])
     rows = []
     for group in groups:
-        prompt = _ids(tokenizer, group_prompt(material, [q.text for q in group]))  # as training encodes text
+        prompt = token_ids(tokenizer, group_prompt(material, [q.text for q in group]))  # as training encodes text
         slots = []
         for i, q in enumerate(group):
-            end = _ids(tokenizer, f" A{i + 2}:")[0] if i + 1 < len(group) else eos[0]
+            end = token_ids(tokenizer, f" A{i + 2}:")[0] if i + 1 < len(group) else eos[0]
             slots.append(_Slot(q, i + 1, end, tokenizer, set(eos)))
-        rows.append(_Row(prompt, slots, block_size, model.config.max_block_size))
+        rows.append(Row(prompt, slots, block_size, model.config.max_block_size))
     return rows
-
-
-def _forward(model, cache, pending, clean_bs: int, window: torch.Tensor) -> torch.Tensor:
-    ids, pad, width = window, None, window.shape[1]
-    if pending is not None:
-        clean, clean_pad = pending
-        ids = torch.cat([clean, window], dim=1)
-        if clean_pad is not None:
-            pad = torch.cat([clean_pad, torch.zeros_like(window, dtype=torch.bool)], dim=1)
-    return model(ids, cache=cache, block_size=width, draft_len=width, clean_block_size=clean_bs,
-                 pad_mask=pad, logits_to_keep=width).logits
-
-
-@torch.no_grad()
-def _denoise(model, rows: list[_Row], threshold: float) -> int:
-    """Fill every slot of every row; returns the number of batched model calls after prefill."""
-    from ..engine import DecodeConfig, Engine
-
-    mask, device = model.config.mask_token_id, model.device
-    longest = max(sum(len(s.scaffold) + s.width for s in r.slots) for r in rows)
-    # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
-    # windows of one size); the engine validates the context length and prefills prompt[:-1]
-    first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
-    engine = Engine(model, DecodeConfig(block_size=first, max_new_tokens=longest + 1))
-    engine.add([r.prompt for r in rows])
-    cache, pending, clean_bs = engine.cache, engine.pending, engine.clean_bs
-    anchors = [r.prompt[-1] for r in rows]
-    calls = 0
-    for w in range(max(len(r.windows) for r in rows)):
-        while True:
-            regions = [r.region(w, mask) for r in rows]
-            work = [any(s.open for s in r.windows[w]) if w < len(r.windows) else False for r in rows]
-            if not any(work):
-                break
-            width = max(max(len(t) for t, _ in regions), 2)
-            window = torch.full((len(rows), width), mask, dtype=torch.long)
-            for i, ((tokens, _), a) in enumerate(zip(regions, anchors)):
-                window[i, : len(tokens)] = torch.tensor([a] + tokens[:-1]) if tokens else torch.tensor([a])
-            logits = _forward(model, cache, pending, clean_bs, window.to(device)).float()
-            pending, calls = None, calls + 1
-            logits[..., mask] = float("-inf")
-            logp = torch.log_softmax(logits, -1).cpu()  # column j predicts region position j
-            for i, (row, (_, offsets)) in enumerate(zip(rows, regions)):
-                if not work[i]:
-                    continue
-                row.forwards += 1
-                proposals = [(s, s.propose(logp[i], off)) for s, off in zip(row.windows[w], offsets) if s.open]
-                sure = [(s, p) for s, p in proposals if p[2] > threshold]
-                for s, p in sure or [max(proposals, key=lambda sp: sp[1][2])]:
-                    s.commit(*p)
-        # the finished window [anchor, region[:-1]] is committed with the next forward, left-padded
-        regions = [r.region(w, mask)[0] for r in rows]
-        width = max(max(map(len, regions)), 1)
-        clean = torch.zeros(len(rows), width, dtype=torch.long)
-        pad = torch.ones(len(rows), width, dtype=torch.bool)
-        for i, tokens in enumerate(regions):
-            if tokens:
-                clean[i, width - len(tokens):] = torch.tensor([anchors[i]] + tokens[:-1])
-                pad[i, width - len(tokens):] = False
-                anchors[i] = tokens[-1]
-        pending = (clean.to(device), pad.to(device) if bool(pad.any()) else None)
-        clean_bs = width
-    return calls
 
 
 def decide(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float = 0.9,
@@ -352,11 +199,11 @@ def decide(model, tokenizer, material: str, questions, mode: str = "joint", thre
     rows = _rows(model, tokenizer, material.strip(), qs, mode, block_size)
     # rows batch together when their windows have the same sizes (one block size per forward, no
     # right padding to start with), so a batched row computes what it would alone
-    buckets: dict[tuple, list[_Row]] = {}
+    buckets: dict[tuple, list[Row]] = {}
     for r in rows:
         sizes = tuple(len(r.region(w, model.config.mask_token_id)[0]) for w in range(len(r.windows)))
         buckets.setdefault(sizes, []).append(r)
-    calls = sum(_denoise(model, bucket, threshold) for bucket in buckets.values())
+    calls = sum(denoise(model, bucket, threshold) for bucket in buckets.values())
     answers = [Answer(s.value, s.confidence) for r in rows for s in r.slots]
     return Decision(answers, sum(r.forwards for r in rows), time.perf_counter() - start, mode, calls,
                     sum(len(r.prompt) for r in rows))

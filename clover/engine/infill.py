@@ -1,0 +1,363 @@
+"""Infilling: known tokens (scaffold) and typed slots laid out in draft windows, denoised together.
+
+A diffusion model need not generate text it already knows. `clover.decide` lays out answer slots
+after "A1:", "A2:", ...; `clover.structured` lays out the value slots of a JSON document whose keys
+and punctuation are scaffold. Both use this module:
+
+* a **Unit** is scaffold tokens, and a **Slot** is a unit followed by `width` masked positions;
+* a **Row** is a prompt (prefilled, committed) then units packed into windows of <= block_size
+  tokens; windows are denoised one after another, a finished window committed to the cache in the
+  first forward of the next (the engine's fused commit);
+* `denoise` runs rows in lockstep: every forward each open slot proposes (tokens, value, confidence)
+  from the same logits; every slot above the threshold commits, or the single most confident one if
+  none is (like `low_confidence`), so a window with k slots takes at most k forwards.
+
+Token shift (docs/architecture.md section 2): the draft window is [last known token, region[:-1]]
+and column j predicts region[j]. A committed slot is re-laid out at its own length, so every
+forward sees the text decided so far as it would be written.
+
+Slots:
+* options: option o with tokens o_1..o_L scores sum_i log p(o_i at i) + [L < width] log p(end at L),
+  where `end` is any token that may follow the slot (`ends`: the next scaffold's first token, EOS,
+  the separator or closing token of an array); the confidence is the softmax over the options, and
+  the slot can never hold anything else;
+* text: the best allowed token at each position, cut at the first stop (an end or EOS); a `TextRule`
+  restricts the tokens and turns them into the value (and may re-tokenize it);
+* gate (`Gate`): before an optional item, continue (lay out a separator) or stop (drop the units of
+  the groups that follow). Scored as p(stop token) against the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .engine import DecodeConfig, Engine
+
+_PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
+_MASKS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(name, size): bool mask})
+
+
+def token_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _cache(store: dict, tokenizer) -> dict:
+    entry = store.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = store[id(tokenizer)] = (tokenizer, {})
+    return entry[1]
+
+
+def pieces(tokenizer, texts: list[str], before: str = "", after: str = "") -> list[list[int]]:
+    """`in_context`, cached per tokenizer (for the texts a slot offers: options, answers)."""
+    cache = _cache(_PIECES, tokenizer)
+    todo = [t for t in dict.fromkeys(texts) if (before, t, after) not in cache]
+    for t, ids in zip(todo, in_context(tokenizer, todo, before, after) if todo else []):
+        cache[before, t, after] = ids
+    return [cache[before, t, after] for t in texts]
+
+
+def in_context(tokenizer, texts: list[str], before: str = "", after: str = "") -> list[list[int]]:
+    """Token ids of each text as it tokenizes between `before` and `after` (the tokens the whole
+    text has there: "A1:" + " Paris" -> ids of " Paris"). A text that merges with a neighbour
+    across the boundary gets the tokens it has after `before` alone, or its tokens alone."""
+    head, tail = token_ids(tokenizer, before), token_ids(tokenizer, after)
+    both = tokenizer([before + t + after for t in texts], add_special_tokens=False).input_ids
+    left = tokenizer([before + t for t in texts], add_special_tokens=False).input_ids if after else both
+    out = []
+    for t, ids, ids_left in zip(texts, both, left):
+        cut = len(ids) - len(tail)
+        if ids[: len(head)] == head and ids[cut:] == tail and cut > len(head):
+            out.append(ids[len(head): cut])
+        elif ids_left[: len(head)] == head and len(ids_left) > len(head):
+            out.append(ids_left[len(head):])
+        else:
+            out.append(token_ids(tokenizer, t))
+    return out
+
+
+def vocab_mask(tokenizer, size: int, name: str, keep: Callable[[str], bool]) -> torch.Tensor:
+    """[size] bool: the tokens whose own text `keep` accepts. Special and added tokens, tokens that
+    decode to nothing or to part of a character, and ids past the tokenizer are never kept."""
+    cache = _cache(_MASKS, tokenizer)
+    if (name, size) not in cache:
+        n = min(len(tokenizer), size)
+        texts = tokenizer.batch_decode([[i] for i in range(n)], clean_up_tokenization_spaces=False)
+        added = set(getattr(tokenizer, "added_tokens_decoder", {})) | set(tokenizer.all_special_ids)
+        mask = torch.zeros(size, dtype=torch.bool)
+        mask[:n] = torch.tensor([i not in added and bool(t) and "\ufffd" not in t and keep(t)
+                                 for i, t in enumerate(texts)])
+        cache[name, size] = mask
+    return cache[name, size]
+
+
+# ---- units and slots ------------------------------------------------------------------------------
+class Unit:
+    """Scaffold tokens laid out in a window. `groups` name the optional parts the unit belongs to
+    (a gate that stops drops every unit of the groups after it)."""
+
+    width = 0
+
+    def __init__(self, scaffold: list[int], groups=frozenset()):
+        self.scaffold, self.groups = list(scaffold), frozenset(groups)
+        self.tokens: list[int] | None = []
+        self.dropped = False
+
+    @property
+    def open(self) -> bool:
+        return self.tokens is None and not self.dropped
+
+    @property
+    def length(self) -> int:
+        return self.width if self.tokens is None else len(self.tokens)
+
+
+@dataclass
+class TextRule:
+    """How a text slot reads its positions: only `allowed` tokens (bool [vocab]; None = any), no
+    stop before `min_tokens`; `finish(tokens) -> (tokens, value)` makes the value (and may replace
+    the tokens by those of a repaired value)."""
+
+    finish: Callable[[list[int]], tuple[list[int], object]]
+    allowed: torch.Tensor | None = None
+    min_tokens: int = 0
+
+
+class Slot(Unit):
+    """Scaffold then `width` masked positions holding one of `choices` (token lists, with their
+    `values`) or, with a `text` rule, free text of at most `width` tokens. `ends`: the tokens that may
+    follow the slot (scored after a short option, stopping text); `eos`: ids that also stop text."""
+
+    def __init__(self, scaffold: list[int], ends: list[int], choices: list[list[int]] | None = None,
+                 values: list | None = None, text: TextRule | None = None, width: int | None = None,
+                 eos=(), name: str = "", groups=frozenset()):
+        super().__init__(scaffold, groups)
+        self.ends, self.eos, self.name, self.text = list(ends), set(eos), name, text
+        self.tokens, self.value, self.confidence = None, None, 0.0
+        self.choices, self.values = choices, values
+        if choices is None:
+            self.width = width
+            return
+        self.width = max(map(len, choices))
+        lengths = torch.tensor([len(c) for c in choices])
+        # option tokens, then the end marker (column V of the log-probs, appended in propose)
+        self.grid = torch.full((len(choices), self.width), -1, dtype=torch.long)
+        for i, c in enumerate(choices):
+            self.grid[i, : len(c)] = torch.tensor(c)
+        cols = torch.arange(self.width)[None, :]
+        self.weight = (cols < lengths[:, None]) | (cols == lengths[:, None])  # the tokens + the end marker if it fits
+
+    def propose(self, logp: torch.Tensor, offset: int):
+        """(tokens, value, confidence) from the log-probs [m, V] of the region's positions."""
+        lp = logp[offset: offset + self.width]  # [width, V]
+        if self.choices is None:
+            return self._read_text(lp)
+        end = torch.logsumexp(lp[:, self.ends], -1, keepdim=True)  # log p(any end token)
+        grid = self.grid.to(lp.device)
+        grid = torch.where(grid < 0, lp.shape[1], grid)
+        picked = torch.cat([lp, end], 1).gather(1, grid.T).T  # [options, width]: log p(option token i at i)
+        scores = (picked * self.weight.to(lp.device)).sum(1)
+        probs = torch.softmax(scores, 0)
+        i = int(probs.argmax())
+        return self.choices[i], self.values[i], float(probs[i])
+
+    def _read_text(self, lp: torch.Tensor):
+        stops = set(self.ends) | self.eos
+        pick = lp
+        if self.text.allowed is not None or self.text.min_tokens:
+            stop = torch.zeros(lp.shape[1], dtype=torch.bool)
+            stop[sorted(stops)] = True
+            ok = (self.text.allowed if self.text.allowed is not None else ~stop) | stop
+            ok = ok[None, :].expand(lp.shape[0], -1).clone()
+            ok[: self.text.min_tokens] &= ~stop
+            pick = lp.masked_fill(~ok.to(lp.device), float("-inf"))
+        tokens, total = [], 0.0
+        for i, t in enumerate(pick.argmax(-1).tolist()):
+            total += float(lp[i, t])
+            if t in stops:
+                break
+            tokens.append(t)
+        tokens, value = self.text.finish(tokens)
+        return tokens, value, float(torch.tensor(total).exp())
+
+    def commit(self, tokens, value, confidence) -> None:
+        self.tokens, self.value, self.confidence = list(tokens), value, confidence
+
+    def drops(self) -> frozenset:
+        """Groups whose units leave the row once this slot is committed."""
+        return frozenset()
+
+
+class Gate(Slot):
+    """Before optional item k of a list: continue (lay out `separator`, keep the item) or stop (the
+    list ends: the groups in `stop_groups`, item k and every later one, are dropped). Its position is
+    where the list's closing token would stand, so it is scored as p(stop) against 1 - p(stop)."""
+
+    def __init__(self, separator: list[int], stop: int, stop_groups, name: str = "", groups=frozenset()):
+        super().__init__([], [], width=max(len(separator), 1), name=name, groups=groups)
+        self.separator, self.stop, self.stop_groups = list(separator), stop, frozenset(stop_groups)
+
+    def propose(self, logp: torch.Tensor, offset: int):
+        p = float(logp[offset, self.stop].exp())
+        return (self.separator, True, 1.0 - p) if p < 0.5 else ([], False, p)
+
+    def drops(self) -> frozenset:
+        return self.stop_groups if self.value is False else frozenset()
+
+
+def ends_after(units: list[Unit], i: int, final: list[int]) -> list[int]:
+    """The tokens that may follow unit i: the next scaffold's first token, a gate's separator or
+    stop token, or `final` (EOS) after the last unit."""
+    if i + 1 >= len(units):
+        return list(final)
+    nxt = units[i + 1]
+    if isinstance(nxt, Gate):
+        return nxt.separator[:1] + [nxt.stop]
+    return nxt.scaffold[:1] or list(final)
+
+
+# ---- rows ---------------------------------------------------------------------------------------------
+class Row:
+    """A prompt and its units packed into windows of <= block_size tokens (a unit that does not fit
+    the current window starts the next one; a unit longer than the model's largest block has the
+    head of its scaffold cut into scaffold-only units of block_size)."""
+
+    def __init__(self, prompt: list[int], units: list[Unit], block_size: int, max_block: int):
+        self.prompt, self.forwards, self.max_block = list(prompt), 0, max_block
+        self.units: list[Unit] = []
+        for u in units:
+            if u.width > max_block:
+                raise ValueError(f"the slot {u.name} needs {u.width} tokens, more than the model's largest "
+                                 f"block ({max_block}): lower max_tokens or use shorter options")
+            extra = len(u.scaffold) + u.width - max_block
+            if extra > 0:
+                head, u.scaffold = u.scaffold[:extra], u.scaffold[extra:]
+                self.units += [Unit(head[i: i + block_size], u.groups) for i in range(0, extra, block_size)]
+            self.units.append(u)
+        self.windows: list[list[Unit]] = []
+        size = 0
+        for u in self.units:
+            n = len(u.scaffold) + u.width
+            if self.windows and size + n <= block_size:
+                self.windows[-1].append(u)
+                size += n
+            else:
+                self.windows.append([u])
+                size = n
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [u for u in self.units if isinstance(u, Slot)]
+
+    def region(self, w: int, mask: int) -> tuple[list[int], list[int]]:
+        """Tokens of window w (masks in open slots) and the offset of each unit's slot positions."""
+        tokens, offsets = [], []
+        for u in self.windows[w] if w < len(self.windows) else []:
+            if not u.dropped:
+                tokens += u.scaffold
+            offsets.append(len(tokens))
+            if not u.dropped:
+                tokens += u.tokens if u.tokens is not None else [mask] * u.width
+        return tokens, offsets
+
+    def absorb(self, w: int) -> None:
+        """Merge window w into the next while it has nothing to denoise (scaffold only, or its slots
+        dropped by a gate) and both fit in the largest block: its tokens ride in the next draft
+        window instead of taking a forward of their own."""
+        def size(window):
+            return sum(len(u.scaffold) + u.length for u in window if not u.dropped)
+        while (w + 1 < len(self.windows) and not any(u.open for u in self.windows[w])
+               and size(self.windows[w]) + size(self.windows[w + 1]) <= self.max_block):
+            self.windows[w: w + 2] = [self.windows[w] + self.windows[w + 1]]
+
+    def tokens(self, mask: int) -> list[int]:
+        return [t for w in range(len(self.windows)) for t in self.region(w, mask)[0]]
+
+    def commit(self, slot: Slot, proposal) -> None:
+        slot.commit(*proposal)
+        gone = slot.drops()
+        for u in self.units if gone else ():
+            if u.groups & gone:
+                u.dropped = True
+
+
+# ---- denoising ------------------------------------------------------------------------------------------
+def _forward(model, cache, pending, clean_bs: int, window: torch.Tensor | None) -> torch.Tensor:
+    """One model call on [pending clean segment ; draft window] (no window: commit the segment only)."""
+    clean, clean_pad = pending if pending is not None else (None, None)
+    if window is None:
+        return model(clean, cache=cache, clean_block_size=clean_bs, pad_mask=clean_pad, logits_to_keep=1).logits
+    ids, pad, width = window, None, window.shape[1]
+    if clean is not None:
+        ids = torch.cat([clean, window], dim=1)
+        if clean_pad is not None:
+            pad = torch.cat([clean_pad, torch.zeros_like(window, dtype=torch.bool)], dim=1)
+    return model(ids, cache=cache, block_size=width, draft_len=width, clean_block_size=clean_bs,
+                 pad_mask=pad, logits_to_keep=width).logits
+
+
+@torch.no_grad()
+def denoise(model, rows: list[Row], threshold: float) -> int:
+    """Fill every slot of every row; returns the number of batched model calls after prefill.
+    `row.forwards` counts the calls each row took part in."""
+    if not any(u.open for r in rows for u in r.units):
+        return 0  # all scaffold: nothing to ask the model
+    mask, device = model.config.mask_token_id, model.device
+    longest = max(sum(len(u.scaffold) + u.width for u in r.units) for r in rows)
+    # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
+    # windows of one size); the engine validates the context length and prefills prompt[:-1]
+    first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
+    engine = Engine(model, DecodeConfig(block_size=first, max_new_tokens=longest + 1))
+    engine.add([r.prompt for r in rows])
+    cache, pending, clean_bs = engine.cache, engine.pending, engine.clean_bs
+    anchors = [r.prompt[-1] for r in rows]
+    calls, w = 0, -1
+    while (w := w + 1) < max(len(r.windows) for r in rows):
+        if not any(u.open for r in rows for later in r.windows[w:] for u in later):
+            break  # the rest is scaffold: nothing left to denoise or to commit for
+        for r in rows:
+            r.absorb(w)
+        if not any(r.region(w, mask)[0] for r in rows):
+            continue  # every unit of this window was dropped
+        while True:
+            regions = [r.region(w, mask) for r in rows]
+            work = [any(u.open for u in r.windows[w]) if w < len(r.windows) else False for r in rows]
+            if not any(work):
+                break
+            width = max(max(len(t) for t, _ in regions), 2)
+            window = torch.full((len(rows), width), mask, dtype=torch.long)
+            for i, ((tokens, _), a) in enumerate(zip(regions, anchors)):
+                window[i, : len(tokens)] = torch.tensor([a] + tokens[:-1]) if tokens else torch.tensor([a])
+            logits = _forward(model, cache, pending, clean_bs, window.to(device)).float()
+            pending, calls = None, calls + 1
+            logits[..., mask] = float("-inf")
+            logp = torch.log_softmax(logits, -1).cpu()  # column j predicts region position j
+            for i, (row, (_, offsets)) in enumerate(zip(rows, regions)):
+                if not work[i]:
+                    continue
+                row.forwards += 1
+                proposals = [(s, s.propose(logp[i], off)) for s, off in zip(row.windows[w], offsets) if s.open]
+                sure = [(s, p) for s, p in proposals if p[2] > threshold]
+                for s, p in sure or [max(proposals, key=lambda sp: sp[1][2])]:
+                    row.commit(s, p)
+        if pending is not None:  # nothing to denoise here and too long to absorb: commit the previous window alone
+            _forward(model, cache, pending, clean_bs, None)
+            calls += 1
+            for r in rows:
+                r.forwards += 1
+        # the finished window [anchor, region[:-1]] is committed with the next forward, left-padded
+        regions = [r.region(w, mask)[0] for r in rows]
+        width = max(map(len, regions))
+        clean = torch.zeros(len(rows), width, dtype=torch.long)
+        pad = torch.ones(len(rows), width, dtype=torch.bool)
+        for i, tokens in enumerate(regions):
+            if tokens:
+                clean[i, width - len(tokens):] = torch.tensor([anchors[i]] + tokens[:-1])
+                pad[i, width - len(tokens):] = False
+                anchors[i] = tokens[-1]
+        pending = (clean.to(device), pad.to(device) if bool(pad.any()) else None)
+        clean_bs = width
+    return calls

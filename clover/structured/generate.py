@@ -1,0 +1,269 @@
+"""Schema-guided JSON: the skeleton's scaffold laid out as known tokens, its slots denoised by
+`clover.engine.infill`; schemas outside the subset fall back to free generation + validation.
+
+    out = clover.generate_json(model, tokenizer, "Describe Ann as JSON.", schema)
+    out.value, out.valid, out.method, out.forward_passes
+
+`infill_json` is the entry point for callers that hold the prompt as token ids and want fixed text
+around the JSON (a forced tool call: prefix '<tool_call>\\n{"name": "add", "arguments": ', suffix
+'}\\n</tool_call>'); it raises `Unsupported` instead of falling back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+from decimal import ROUND_HALF_EVEN, Decimal
+
+from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise, ends_after, in_context, pieces, token_ids,
+                             vocab_mask)
+from . import schema as sk
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?")
+
+
+@dataclass
+class JsonResult:
+    text: str  # the JSON text (without prefix / suffix)
+    value: object  # the parsed value; None when the text is not JSON
+    valid: bool  # the value validates against the schema
+    method: str  # "infill" or "fallback"
+    forward_passes: int  # model forwards after the prompt prefill
+    seconds: float
+    fallback_reason: str | None = None  # why the schema was not infilled
+    error: str | None = None  # why the value is not valid
+    token_ids: list[int] = field(default_factory=list)  # infill: prefix + JSON + suffix; fallback: generated
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "token_ids"}
+
+
+def is_json_object(schema) -> bool:
+    """OpenAI's `response_format: {"type": "json_object"}`: any JSON object (not a JSON schema)."""
+    return isinstance(schema, dict) and schema.get("type") == "json_object"
+
+
+def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float = 0.9,
+                  block_size: int = 32, max_string_tokens: int = 16, max_new_tokens: int = 256) -> JsonResult:
+    """A JSON value for `prompt` (a string, or chat messages) that follows `schema`: by infilling
+    when the schema is in the supported subset (clover.structured.schema), else (and for
+    {"type": "json_object"}) by free generation of up to `max_new_tokens`, parsed and validated.
+    A string slot holds at most `max_string_tokens` tokens (and maxLength characters)."""
+    from ..api import encode
+
+    start = time.perf_counter()
+    if is_json_object(schema):
+        return _fallback(model, tokenizer, prompt, schema, "json_object: any JSON object", chat, threshold,
+                         block_size, max_new_tokens, start)
+    try:
+        skel = sk.skeleton(schema)
+    except sk.Unsupported as e:
+        return _fallback(model, tokenizer, prompt, schema, str(e), chat, threshold, block_size, max_new_tokens, start)
+    ids = encode(tokenizer, prompt, chat)
+    try:
+        out = infill_json(model, tokenizer, ids, skel, threshold=threshold, block_size=block_size,
+                          max_string_tokens=max_string_tokens)
+    except sk.Unsupported as e:
+        return _fallback(model, tokenizer, prompt, schema, str(e), chat, threshold, block_size, max_new_tokens, start)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
+                threshold: float = 0.9, block_size: int = 32, max_string_tokens: int = 16) -> JsonResult:
+    """Infill the JSON of `schema` (a dict, or a `Skeleton`) after `prompt_ids`, between the fixed
+    texts `prefix` and `suffix` (tokenized together with the JSON's scaffold). ValueError for a bad
+    schema or argument, `Unsupported` for a schema outside the subset (no fallback here)."""
+    start = time.perf_counter()
+    skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(schema)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    if not 2 <= block_size <= model.config.max_block_size:
+        raise ValueError(f"block_size must be in [2, {model.config.max_block_size}], got {block_size}")
+    if max_string_tokens < 1:
+        raise ValueError(f"max_string_tokens must be >= 1, got {max_string_tokens}")
+    parts = _framed(skel.parts, prefix, suffix)
+    units, slots = _Layout(model, tokenizer, parts, min(max_string_tokens, block_size)).build()
+    row = Row(prompt_ids, units, block_size, model.config.max_block_size)
+    denoise(model, [row], threshold)
+    full = _render(parts, slots)
+    text = full[len(prefix): len(full) - len(suffix)]
+    value = json.loads(text)
+    valid, error = _validate(skel.schema, value)
+    return JsonResult(text, value, valid, "infill", row.forwards, time.perf_counter() - start, None, error,
+                      row.tokens(model.config.mask_token_id))
+
+
+# ---- skeleton -> infill units ----------------------------------------------------------------------
+def _framed(parts: list, prefix: str, suffix: str) -> list:
+    """The parts with `prefix` and `suffix` merged into the document's first and last scaffold texts
+    (so they tokenize together with it)."""
+    parts = list(parts)
+    if prefix and isinstance(parts[0], sk.Text):
+        parts[0] = replace(parts[0], text=prefix + parts[0].text)
+    elif prefix:
+        parts.insert(0, sk.Text(prefix))
+    if suffix and isinstance(parts[-1], sk.Text):
+        parts[-1] = replace(parts[-1], text=parts[-1].text + suffix)
+    elif suffix:
+        parts.append(sk.Text(suffix))
+    return parts
+
+
+class _Layout:
+    """Infill units of skeleton parts: a scaffold text rides with the slot after it (same groups),
+    else it is a unit of its own; slot tokens are those the whole text has there (infill.pieces)."""
+
+    def __init__(self, model, tokenizer, parts: list, string_tokens: int):
+        from ..api import eos_ids
+
+        self.model, self.tok, self.parts, self.string_tokens = model, tokenizer, parts, string_tokens
+        self.eos = list(eos_ids(model, tokenizer))
+        if not self.eos:
+            raise ValueError("the tokenizer and model define no EOS token (needed after the JSON)")
+        self.text_ids = {i: token_ids(tokenizer, p.text) for i, p in enumerate(parts) if isinstance(p, sk.Text)}
+
+    def build(self) -> tuple[list[Unit], dict[int, Slot]]:
+        """The units in order and the infill slot of each slot part (by part index)."""
+        units, slots, held = [], {}, None
+        for i, p in enumerate(self.parts):
+            if isinstance(p, sk.Text):
+                nxt = self.parts[i + 1] if i + 1 < len(self.parts) else None
+                if isinstance(nxt, (sk.Options, sk.String, sk.Number)) and nxt.groups == p.groups:
+                    held = i
+                else:
+                    units.append(Unit(self.text_ids[i], p.groups))
+                continue
+            scaffold = self.text_ids[held] if held is not None else []
+            slots[i] = self.slot(i, p, scaffold)
+            units.append(slots[i])
+            held = None
+        for i, u in enumerate(units):
+            if isinstance(u, Slot) and not isinstance(u, Gate):
+                u.ends = ends_after(units, i, self.eos)
+        return units, slots
+
+    def context(self, i: int) -> tuple[str, str]:
+        """The scaffold texts right before and after part i (what its tokens are cut from)."""
+        before = self.parts[i - 1] if i else None
+        after = self.parts[i + 1] if i + 1 < len(self.parts) else None
+        return (before.text if isinstance(before, sk.Text) else "", after.text if isinstance(after, sk.Text) else "")
+
+    def slot(self, i: int, p, scaffold: list[int]) -> Slot:
+        before, after = self.context(i)
+        if isinstance(p, sk.Gate):
+            close = next(j for j, q in enumerate(self.parts) if isinstance(q, sk.Text) and p.list_id in q.closes)
+            separator = token_ids(self.tok, p.separator) if p.separator else []
+            return Gate(separator, self.text_ids[close][0], p.stop_groups, p.path, p.groups)
+        if isinstance(p, sk.Options):
+            choices = pieces(self.tok, list(p.options), before, after)
+            width = max(map(len, choices))
+            if width > self.model.config.max_block_size:
+                raise sk.Unsupported(f"{p.path}: an option of {width} tokens is longer than the model's largest block")
+            return Slot(scaffold, [], choices=choices, values=list(p.options), eos=self.eos, name=p.path, groups=p.groups)
+        vocab = self.model.config.vocab_size
+
+        def encode(text: str) -> list[int]:  # the whole text's tokens, whatever tokens the model chose
+            return in_context(self.tok, [text], before, after)[0]
+
+        def decode(tokens: list[int]) -> str:
+            return self.tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+        if isinstance(p, sk.String):
+            width = min(p.max_length or self.string_tokens, self.string_tokens)
+            if p.min_length > width:
+                raise sk.Unsupported(f"{p.path}: minLength {p.min_length} is more than the slot's {width} tokens")
+
+            def finish(tokens):
+                value = json.dumps(decode(tokens)[: p.max_length], ensure_ascii=False)[1:-1]  # a valid string body
+                return encode(value), value
+
+            allowed = vocab_mask(self.tok, vocab, "json string", _string_safe)
+            rule = TextRule(finish, allowed, p.min_length)
+        else:
+            def finish(tokens):
+                value = _number(decode(tokens), p)
+                return encode(value), value
+
+            chars = set(" -0123456789" + ("." if p.decimals else ""))
+            allowed = vocab_mask(self.tok, vocab, f"json number {p.decimals > 0}", lambda t: set(t) <= chars)
+            rule, width = TextRule(finish, allowed, 1), p.width
+        return Slot(scaffold, [], text=rule, width=width, eos=self.eos, name=p.path, groups=p.groups)
+
+
+def _string_safe(text: str) -> bool:
+    """Text a JSON string may hold as it is: no quote, backslash or control character."""
+    return not any(c in '"\\' or ord(c) < 0x20 for c in text)
+
+
+def _number(text: str, p: sk.Number) -> str:
+    """The number the slot wrote, kept as written when it is a JSON number within the bounds, else
+    rounded to p.decimals and clamped (0 when it wrote no digit); always after p.sep."""
+    m = _NUMBER.search(text)
+    written = Decimal(m.group()) if m else Decimal(0)
+    value = min(max(written.quantize(Decimal(1).scaleb(-p.decimals), ROUND_HALF_EVEN), p.low), p.high)
+    if m and value == written and _JSON_NUMBER.fullmatch(m.group()):
+        return p.sep + m.group()
+    return p.sep + format(value.normalize(), "f")
+
+
+def _render(parts: list, slots: dict[int, Slot]) -> str:
+    """The document: scaffold and slot texts of every part no stopped gate dropped."""
+    gone = frozenset().union(*(s.drops() for s in slots.values()))
+    out = []
+    for i, p in enumerate(parts):
+        if p.groups & gone:
+            continue
+        if isinstance(p, sk.Text):
+            out.append(p.text)
+        elif isinstance(p, sk.Gate):
+            out.append(p.separator if slots[i].value else "")
+        else:
+            out.append(slots[i].value)
+    return "".join(out)
+
+
+# ---- fallback ---------------------------------------------------------------------------------------
+def _validate(schema: dict, value) -> tuple[bool, str | None]:
+    from jsonschema import validators
+
+    if is_json_object(schema):
+        return (True, None) if isinstance(value, dict) else (False, "not a JSON object")
+    error = next(validators.validator_for(schema)(schema).iter_errors(value), None)
+    return (True, None) if error is None else (False, error.message)
+
+
+def _parse(text: str) -> tuple[str, object, str | None]:
+    """(JSON text, value, error): the whole text, or the first object / array found in it."""
+    text = text.strip()
+    try:
+        return text, json.loads(text), None
+    except json.JSONDecodeError:
+        pass
+    decoder = json.JSONDecoder()
+    for i, c in enumerate(text):
+        if c in "{[":
+            try:
+                value, end = decoder.raw_decode(text, i)
+                return text[i:end], value, None
+            except json.JSONDecodeError:
+                continue
+    return text, None, "the output is not JSON"
+
+
+def _fallback(model, tokenizer, prompt, schema, reason, chat, threshold, block_size, max_new_tokens, start):
+    from ..api import generate
+
+    g = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
+                 threshold=threshold, chat=chat)
+    text, value, error = _parse(g.text)
+    valid = False
+    if error is None:
+        valid, error = _validate(schema, value)
+    return JsonResult(text, value, valid, "fallback", g.forward_passes, time.perf_counter() - start, reason, error,
+                      g.token_ids)

@@ -1,0 +1,334 @@
+"""Schema-guided JSON by infilling (`clover.generate_json`, `clover generate --json-schema`) on a tiny
+random model and a small byte-level BPE trained here on JSON text (digits single, GPT-2 style
+pre-tokenizer, as Clover's own tokenizer): whatever the model, an infilled document is valid JSON for
+its schema, takes at most one forward per slot, and tokenizes as the whole text would."""
+
+import json
+import math
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from jsonschema import validate
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import clover
+from clover.cli import main
+from clover.engine import DecodeConfig, Engine
+from clover.structured import Unsupported, generate_json, infill_json, skeleton
+from clover.structured.generate import _number
+from helpers import tiny_tokenizer
+
+SCHEMAS = {
+    "flat": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"}}, "required": ["name", "age"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "person": {"type": "object", "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 6},
+            "home": {"type": "object", "properties": {
+                "city": {"enum": ["Rome", "Oslo", "Paris"]}, "zip": {"type": "integer"}}}}},
+        "kind": {"const": "person"}}},
+    "enums": {"type": "object", "properties": {
+        "colour": {"enum": ["red", "green", "blue", "dark red"]}, "size": {"enum": [1, 2, 3, "big", None, True]},
+        "level": {"type": "string", "enum": ["low", "high", 3]}}},
+    "booleans": {"type": "object", "properties": {
+        "a": {"type": "boolean"}, "b": {"type": "boolean"}, "c": {"type": "null"}}},
+    "integers": {"type": "object", "properties": {
+        "small": {"type": "integer", "minimum": -5, "exclusiveMaximum": 5},
+        "big": {"type": "integer", "minimum": 1000, "maximum": 99999},
+        "free": {"type": "integer"}, "positive": {"type": "integer", "exclusiveMinimum": 0}}},
+    "numbers": {"type": "object", "properties": {
+        "price": {"type": "number", "minimum": 0, "maximum": 100},
+        "delta": {"type": "number", "exclusiveMinimum": -1.5},
+        "any": {"type": "number"}}},
+    "strings": {"type": "object", "properties": {
+        "short": {"type": "string", "maxLength": 3}, "text": {"type": "string"},
+        "word": {"type": "string", "minLength": 2, "maxLength": 8}}},
+    "fixed_array": {"type": "object", "properties": {
+        "rgb": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255},
+                "minItems": 3, "maxItems": 3},
+        "names": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 2, "maxItems": 2}}},
+    "bounded_array": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "minItems": 1, "maxItems": 4},
+        "points": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+            "x": {"type": "number"}, "ok": {"type": "boolean"}}}}}},
+    "top_level_array": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+}
+UNSUPPORTED = {
+    "anyOf": ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "'anyOf' not supported"),
+    "ref": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "$defs": {"x": {"type": "string"}}},
+            "$.a: '$ref'"),
+    "patternProperties": ({"type": "object", "patternProperties": {"^a": {"type": "string"}}}, "'patternProperties'"),
+    "additionalProperties": ({"type": "object", "additionalProperties": {"type": "string"}},
+                             "additionalProperties as a schema"),
+    "unbounded": ({"type": "array", "items": {"type": "integer"}}, "without maxItems"),
+    "pattern": ({"type": "string", "pattern": "^a+$"}, "'pattern'"),
+    "type_list": ({"type": ["string", "null"]}, "a list of types"),
+    "any": ({}, "without a type"),
+    "required_unknown": ({"type": "object", "properties": {}, "required": ["a"]},
+                         "required 'a' is not in properties"),
+}
+BAD = [
+    ([1, 2], "a JSON schema must be an object"),
+    ({"type": "strin"}, "not a valid JSON schema"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "maximum": "9"}}},
+     "not a valid JSON schema at properties/a/maximum"),
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "no integer within the bounds"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 1}, "minItems 3 > maxItems 1"),
+    ({"type": "string", "minLength": 4, "maxLength": 2}, "minLength 4 > maxLength 2"),
+    ({"type": "integer", "enum": ["a", "b"]}, "no enum value satisfies the schema"),
+]
+PROMPT = "Describe the record as JSON."
+
+
+def json_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with single digits, trained on JSON documents like the ones above (so it has
+    merges such as '":' or '",' that could cross a scaffold / slot boundary)."""
+    rng = random.Random(0)
+    words = ["red", "green", "blue", "Rome", "Oslo", "Paris", "name", "age", "person", "home", "city", "tags",
+             "hello", "world", "true", "false", "null", "big", "low", "high", "the", "record", "as", "JSON"]
+    corpus = []
+    for _ in range(400):
+        doc = {rng.choice(words): rng.choice([rng.randint(-999, 9999), rng.choice(words), rng.random() < 0.5, None,
+                                              [rng.choice(words) for _ in range(rng.randint(0, 3))],
+                                              {rng.choice(words): round(rng.uniform(-9, 99), 2)}])
+               for _ in range(rng.randint(1, 4))}
+        corpus.append(f"{' '.join(rng.sample(words, 5))}. {json.dumps(doc)}")
+    special = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=special)
+    fast.chat_template = tiny_tokenizer().chat_template  # Clover's template, as the shared test tokenizer
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from clover.models import CloverForBlockDiffusion, preset_config
+
+    tok = json_tokenizer()
+    torch.manual_seed(0)
+    config = preset_config("clover-tiny", vocab_size=512, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+                           eos_token_id=tok.eos_token_id)
+    model = CloverForBlockDiffusion(config)
+    model.lm_head.weight.data *= 40.0  # peaked, as tests/helpers.py: confident enough to commit several slots
+    folder = tmp_path_factory.mktemp("structured-model")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return clover.load(str(folder), device="cpu")
+
+
+def _bias(model, token_ids, amount: float = 60.0):
+    """A hook making `token_ids` the model's favourites everywhere."""
+    def hook(module, inputs, output):
+        output = output.clone()
+        output[..., token_ids] += amount
+        return output
+    return model.lm_head.register_forward_hook(hook)
+
+
+def _free_forwards(model, tokenizer, prompt: str, n: int, threshold: float, block_size: int) -> int:
+    """Forwards of free generation (low_confidence, no EOS) of n tokens."""
+    ids = clover.api.encode(tokenizer, prompt)
+    cfg = DecodeConfig(block_size=block_size, threshold=threshold, max_new_tokens=n)
+    return Engine(model, cfg).generate([ids])[0].forward_passes
+
+
+def _has_gates(schema) -> bool:
+    return any(type(p).__name__ == "Gate" for p in skeleton(schema).parts)
+
+
+def _assert_tokens_as_whole_text(tok, out, schema) -> None:
+    """The region is the whole text's tokenization; around the gates of optional list items the
+    separator is its own token (a tokenizer may merge it with the quote or bracket beside it)."""
+    if _has_gates(schema):
+        assert tok.decode(out.token_ids) == out.text
+    else:
+        assert out.token_ids == tok(out.text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_infilled_document_is_valid(tiny, name):
+    model, tok = tiny
+    schema = SCHEMAS[name]
+    slots = len(skeleton(schema).slots)
+    for threshold, block_size, chat in ((0.9, 32, False), (0.0, 16, True), (1.0, 8, False)):
+        out = generate_json(model, tok, PROMPT, schema, chat=chat, threshold=threshold, block_size=block_size)
+        assert out.method == "infill" and out.fallback_reason is None, out
+        validate(out.value, schema)
+        assert out.valid and out.error is None and json.loads(out.text) == out.value
+        assert 1 <= out.forward_passes <= slots
+        _assert_tokens_as_whole_text(tok, out, schema)
+
+
+def test_constraints_hold_when_the_model_wants_to_break_them(tiny):
+    """Biased towards a quote, a backslash, a newline and digits beyond the bounds, the model still
+    writes valid documents: string slots never choose those tokens, numbers are clamped."""
+    model, tok = tiny
+    bad = sorted({i for i in range(len(tok)) if any(c in tok.decode([i]) for c in '"\\\n')} |
+                 {tok.convert_tokens_to_ids("9")})
+    handle = _bias(model, bad)
+    try:
+        for name in ("strings", "integers", "numbers", "bounded_array", "nested"):
+            out = generate_json(model, tok, PROMPT, SCHEMAS[name], threshold=0.5)
+            validate(out.value, SCHEMAS[name])
+            assert out.method == "infill" and out.valid
+    finally:
+        handle.remove()
+
+
+def test_bounded_arrays_stop_or_fill(tiny):
+    """A gate stops when the closing bracket is the model's favourite, else the list runs to maxItems."""
+    model, tok = tiny
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4}
+    close = tok("]", add_special_tokens=False).input_ids[0]
+    handle = _bias(model, [close])
+    try:
+        short = generate_json(model, tok, PROMPT, schema)
+    finally:
+        handle.remove()
+    assert short.valid and len(short.value) == 1
+    handle = _bias(model, [tok(",", add_special_tokens=False).input_ids[0]])
+    try:
+        long = generate_json(model, tok, PROMPT, schema)
+    finally:
+        handle.remove()
+    assert long.valid and len(long.value) == 4 and long.text.count(",") == 3
+
+
+def test_fewer_forwards_than_free_generation(tiny):
+    """Infilling takes at most one forward per slot; free generation of the same number of tokens
+    takes at least one per block, and on this model more than infilling in total."""
+    model, tok = tiny
+    infill = free = 0
+    for name, schema in SCHEMAS.items():
+        out = generate_json(model, tok, PROMPT, schema, threshold=0.9)
+        n = len(out.token_ids)
+        assert out.forward_passes <= len(skeleton(schema).slots)
+        forwards = _free_forwards(model, tok, PROMPT, n, 0.9, 32)
+        assert forwards >= math.ceil(n / 32)
+        infill, free = infill + out.forward_passes, free + forwards
+    assert infill < free
+
+
+def test_edge_layouts(tiny):
+    """A key longer than the model's largest block (its scaffold is cut into scaffold-only units), a
+    top-level scalar (its end marker is EOS), lists of optional lists, documents without slots."""
+    model, tok = tiny
+    long_key = {"type": "object", "properties": {"k" * 90: {"type": "boolean"}, "q" * 200: {"const": 1},
+                                                 "b": {"type": "string", "maxLength": 4}}}
+    nested = {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}, "maxItems": 2}
+    for schema in (long_key, {"type": "boolean"}, {"type": "number", "maximum": -3}, nested):
+        for threshold in (0.0, 1.0):
+            out = generate_json(model, tok, PROMPT, schema, threshold=threshold, block_size=8)
+            assert out.method == "infill" and out.valid, (schema, out)
+    for schema in ({"type": "object", "properties": {}}, {"const": {"a": [1, 2]}}):
+        out = generate_json(model, tok, PROMPT, schema)
+        assert out.valid and out.forward_passes == 0 and out.value == json.loads(out.text)
+
+
+def test_layout_scaffold_and_slots():
+    sk = skeleton(SCHEMAS["nested"])
+    assert sk.describe() == ('{"person": {"name": "⟦string $.person.name⟧", "home": {"city": "⟦Rome|Oslo|Paris⟧", '
+                             '"zip":⟦ integer -999999..999999⟧}}, "kind": "person"}')
+    sk = skeleton(SCHEMAS["bounded_array"])
+    assert sk.describe().startswith('{"tags": [⟦\'\' or close⟧"⟦string $.tags[0]⟧"⟦\',\' or close⟧ "⟦string $.tags[1]⟧"')
+    assert len(skeleton(SCHEMAS["fixed_array"]).slots) == 5
+
+
+def test_prefix_suffix_and_prompt_ids(tiny):
+    """The forced tool call form: prompt ids, fixed text around the JSON, tokenized with it."""
+    model, tok = tiny
+    prefix, suffix = '<tool_call>\n{"name": "add", "arguments": ', "}\n</tool_call>"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    ids = tok("Add 2 and 3.").input_ids
+    out = infill_json(model, tok, ids, schema, prefix=prefix, suffix=suffix)
+    assert out.method == "infill" and out.valid and set(out.value) == {"a", "b"}
+    assert out.token_ids == tok(prefix + out.text + suffix, add_special_tokens=False).input_ids
+    with pytest.raises(Unsupported, match="without maxItems"):
+        infill_json(model, tok, ids, UNSUPPORTED["unbounded"][0])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        infill_json(model, tok, [], schema)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_schemas_say_why(name):
+    schema, reason = UNSUPPORTED[name]
+    with pytest.raises(Unsupported, match=reason.replace("$", r"\$")):
+        skeleton(schema)
+
+
+def test_fallback_generates_and_validates(tiny):
+    model, tok = tiny
+    schema, reason = UNSUPPORTED["anyOf"]
+    out = generate_json(model, tok, PROMPT, schema, max_new_tokens=12)
+    assert out.method == "fallback" and reason in out.fallback_reason and out.forward_passes >= 1
+    assert out.valid == (out.error is None) and not (out.valid and out.value is None)
+    obj = generate_json(model, tok, PROMPT, {"type": "json_object"}, max_new_tokens=12)
+    assert obj.method == "fallback" and "json_object" in obj.fallback_reason
+    assert obj.valid == isinstance(obj.value, dict)
+
+
+@pytest.mark.parametrize("schema,message", BAD)
+def test_bad_schemas_are_value_errors(tiny, schema, message):
+    model, tok = tiny
+    with pytest.raises(ValueError, match=message):
+        generate_json(model, tok, PROMPT, schema)
+
+
+def test_number_slots_repair_what_they_wrote():
+    (p,) = skeleton({"type": "number", "minimum": 0, "maximum": 100}).parts
+    assert (p.sep, p.low, p.high, p.decimals) == ("", 0, 100, 2)
+    p = replace(p, sep=" ")
+    assert _number(" 3.5", p) == " 3.5"  # kept as written
+    assert _number("3.14159", p) == " 3.14"
+    assert _number(" 007", p) == " 7" and _number(" -4", p) == " 0" and _number(" 12345", p) == " 100"
+    assert _number(" --", p) == " 0"
+
+
+def test_cli_json_schema(tiny, tmp_path, capsys):
+    model, tok = tiny
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMAS["flat"]))
+    args = ["generate", "--model", str(folder), "--prompt", PROMPT, "--json-schema"]
+    assert main(args + [str(schema), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"value", "text", "valid", "method", "forward_passes", "seconds"} <= set(out) and out["valid"]
+    validate(out["value"], SCHEMAS["flat"])
+    assert main(args + [str(schema)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == out["value"] and "infill" in captured.err
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "wrong.json").write_text('{"type": "strin"}')
+    for path, message in ((tmp_path / "none.json", "no such schema file"), (tmp_path / "bad.json", "not JSON"),
+                          (tmp_path / "wrong.json", "not a valid JSON schema")):
+        assert main(args + [str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
+def test_default_tokenizer_scaffold_tokenizes_as_the_whole_text():
+    """With the shipped model's tokenizer, the region (scaffold + committed slots) is exactly the
+    tokenization of the JSON text, for every schema above."""
+    from clover.api import DEFAULT_MODEL
+
+    if not (DEFAULT_MODEL / "config.json").is_file():
+        pytest.skip("no default model")
+    model, tok = clover.load(device="cpu")
+    for name, schema in SCHEMAS.items():
+        out = generate_json(model, tok, PROMPT, schema, chat=True)
+        assert out.valid, name
+        _assert_tokens_as_whole_text(tok, out, schema)
