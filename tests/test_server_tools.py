@@ -1,7 +1,8 @@
 """OpenAI function calling in `clover serve`: `tools` / `tool_choice` / `parallel_tool_calls` in,
 `tool_calls` out (streamed and not), driven by the official `openai` client against a tiny random model
 with a real Clover tokenizer (byte-level BPE, atomic <tool_call> tokens, the chat template that renders
-tools); plus the reply assembly on given generated text (parsing, forcing, malformed calls)."""
+tools); plus the reply assembly on given generated text (parsing, forcing, malformed calls), forced
+calls and `response_format` by schema-guided infilling, and the fallback for other formats."""
 
 import json
 
@@ -156,15 +157,23 @@ def test_forced_call_non_stream_and_stream(client, tools, choice):
     assert chunks[-1].choices[0].finish_reason == finish
 
 
-def test_required_with_several_tools_is_a_call_or_the_raw_text(client):
-    one = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                         max_tokens=16)
-    msg = one.choices[0].message
-    if msg.tool_calls:
-        assert msg.tool_calls[0].function.name in ("get_weather", "get_time")
-        assert one.choices[0].finish_reason in ("tool_calls", "length")
-    else:  # the random model named no tool: what it wrote, forced start included
-        assert msg.content.startswith('<tool_call>\n{"name": "')
+def test_forced_calls_are_infilled_and_valid_for_their_schema(client):
+    """Forced calls are infilled (server/structured.py): the function is an options slot over the
+    tools' names, the arguments follow the function's parameters schema, whatever the model."""
+    from jsonschema import validate
+
+    specs = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for choice in ("required", NAMED, {"type": "function", "function": {"name": "get_time"}}):
+        one = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                             max_tokens=16)
+        (call,) = one.choices[0].message.tool_calls
+        assert one.choices[0].finish_reason == "tool_calls" and call.function.name in specs
+        validate(json.loads(call.function.arguments), specs[call.function.name])
+        info = one.model_extra["clover"]["structured"][0]
+        assert info["method"] == "infill" and info["valid"]
+        # one forward at least per open value (the function's name under "required", the city); a named
+        # call without arguments is all scaffold: no forward at all
+        assert (info["forward_passes"] == 0) == (choice != "required" and call.function.name == "get_time")
 
 
 def test_auto_and_none_stream_like_non_stream(client, loaded):
@@ -272,3 +281,61 @@ def test_bad_tools_are_400(client, what, fields, param):
         client.chat.completions.create(**{"model": "tiny", "messages": ASK, "max_tokens": 4, **fields})
     body = err.value.body
     assert err.value.status_code == 400 and body["param"] == param and body["message"], body
+
+
+# ---- response_format: json_schema infilled, json_object / other schemas generated and checked ------------
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"enum": ["Paris", "Rome"]}, "pets": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                  "maxItems": 3},
+    "home": {"type": "object", "properties": {"owner": {"type": "boolean"}, "rooms": {"type": "number"}}}},
+    "required": ["name", "age"]}
+
+
+def schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+
+
+@pytest.mark.parametrize("schema", [PERSON, {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+                                    {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}],
+                         ids=["nested", "flat", "array"])
+def test_json_schema_is_infilled_and_valid(client, schema):
+    from jsonschema import validate
+
+    kw = dict(model="tiny", messages=ASK, response_format=schema_format(schema), max_tokens=64)
+    one = client.chat.completions.create(**kw)
+    validate(json.loads(one.choices[0].message.content), schema)
+    assert one.choices[0].finish_reason == "stop"
+    info = one.model_extra["clover"]["structured"][0]
+    assert info["method"] == "infill" and info["valid"] and info["forward_passes"] >= 1
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == one.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fmt,why", [({"type": "json_object"}, "json_object"),
+                                     (schema_format({"anyOf": [{"type": "string"}, {"type": "integer"}]}), "subset")])
+def test_other_formats_are_generated_and_checked(client, fmt, why):
+    one = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=8)
+    info = one.model_extra["clover"]["structured"][0]
+    assert info["method"] == "fallback" and why in info["reason"] and isinstance(info["valid"], bool)
+    assert info["valid"] or info["error"]
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=8,
+                                                 stream=True))
+    assert chunks[-1].model_extra["clover"]["structured"] == info
+
+
+def test_tools_on_auto_with_a_format_generate_freely(client):
+    one = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
+                                         response_format=schema_format(PERSON), max_tokens=8)
+    assert (one.model_extra or {}).get("clover", {}).get("structured", [{}])[0].get("method") != "infill"
+
+
+@pytest.mark.parametrize("fmt,param", [({"type": "xml"}, "response_format"),
+                                       ({"type": "json_schema", "json_schema": {"name": "x"}},
+                                        "response_format.json_schema.schema"),
+                                       (schema_format({"type": "nope"}), "response_format.json_schema.schema")])
+def test_bad_response_format_is_400(client, fmt, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=8)
+    assert e.value.body["param"] == param

@@ -9,6 +9,7 @@ import hmac
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -20,6 +21,7 @@ from ..engine import MODES
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, error_body, new_id, now, usage
 from .scheduler import EngineKey, Job, QueueFull, Scheduler, Ticket
+from .structured import FormatPlan, Infilled, check_reply, format_plan, infill_format, infill_tool_call
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
@@ -209,6 +211,9 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     async def playground():
         return HTMLResponse((STATIC / "playground.html").read_text())
 
+    # decisions and infilled replies run one at a time, in a worker thread beside the scheduler's
+    exclusive = asyncio.Lock()
+
     # ---- shared request handling ----------------------------------------------------------------------
     def check_common(req) -> EngineKey:
         if req.model is not None and req.model != settings.model_id:
@@ -297,7 +302,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         return {"committed": [[p, s] for p, s in zip(pieces(new_tokens), steps)]}
 
     async def respond(request: Request, req, prompts: list[list[int]], max_tokens, chat: bool, think: bool,
-                      tools: ToolPlan | None = None):
+                      tools: ToolPlan | None = None, fmt: FormatPlan | None = None):
         key = check_common(req)
         ticket, jobs = submit(request, req, prompts, max_tokens, key)
         choices = [Choice(tokenizer, req.stop_list(), think, tools) for _ in jobs]
@@ -321,9 +326,11 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                     out.append({"index": i, "message": c.message(), "logprobs": None, "finish_reason": c.finish_reason})
                 else:
                     out.append({"index": i, "text": c.content, "logprobs": None, "finish_reason": c.finish_reason})
-            return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                 "created": created, "model": settings.model_id, "choices": out,
-                                 "usage": total_usage()})
+            body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": settings.model_id, "choices": out, "usage": total_usage()}
+            if fmt:  # response_format outside the infilled subset: generated freely, checked here
+                body["clover"] = {"structured": [check_reply(fmt, c.content) for c in choices]}
+            return JSONResponse(body)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -351,7 +358,10 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                                                             "function": head}]})
                             yield chunk(i, {"tool_calls": [{"index": k, "function": {
                                 "arguments": call["function"]["arguments"]}}]})
-                        yield chunk(i, finish=choices[i].finish_reason, clover=choices[i].stats if req.clover_live else None)
+                        extra = dict(choices[i].stats) if req.clover_live else {}
+                        if fmt:
+                            extra["structured"] = check_reply(fmt, choices[i].content)
+                        yield chunk(i, finish=choices[i].finish_reason, clover=extra or None)
                         continue
                     extra = live_fields(ev) if req.clover_live else None
                     if ev[0] == "live":
@@ -407,10 +417,14 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
         plan = req.tool_plan()
+        fmt = None if plan and plan.forced else format_plan(req.response_format)
+        # forced tool calls and response_format schemas in the subset are infilled (server/structured.py);
+        # with tool_choice "auto" the model may call a tool instead, so the reply is generated freely
+        infill = bool((plan and plan.forced) or (fmt and fmt.skeleton and not (plan and plan.parses)))
         kwargs = dict(req.chat_template_kwargs or {})
         kwargs.pop("tools", None)
-        # a forced tool call (tool_choice "required" / named) starts the reply: no reasoning block before it
-        think = bool(kwargs.get("enable_thinking", False)) and not (plan and plan.forced)
+        # a forced tool call or an infilled JSON starts the reply: no reasoning block before it
+        think = bool(kwargs.get("enable_thinking", False)) and not infill and not (plan and plan.forced)
         kwargs["enable_thinking"] = think
         messages = [m.for_template() for m in req.messages]
         try:
@@ -418,13 +432,69 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                                                  add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
-        text += plan.prefix if plan else ""  # the prefilled start of a forced tool call
-        ids = tokenizer(text, add_special_tokens=False).input_ids
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if infill:
+            key = check_common(req)
+            budget(ids, max_tokens)
+            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size) if fmt is None
+                   else partial(infill_format, model, tokenizer, ids, fmt, key.threshold, key.block_size))
+            async with exclusive:
+                try:
+                    done = await asyncio.to_thread(job)
+                except ValueError as e:
+                    raise APIError(400, str(e))
+            if done is not None:
+                return respond_infilled(req, len(ids), done)
+        if plan and plan.forced:  # arguments schema outside the subset: prefill the call, generate the rest
+            ids = tokenizer(text + plan.prefix, add_special_tokens=False).input_ids
+        return await respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan,
+                             fmt=fmt if fmt and not fmt.skeleton else None)
+
+    def respond_infilled(req, n_prompt: int, done: Infilled):
+        """An infilled reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
+        rid, created = new_id("chatcmpl"), now()
+        finish = "tool_calls" if done.tool_calls else "stop"
+        message = {"role": "assistant", "content": done.content}
+        if done.tool_calls:
+            message["tool_calls"] = done.tool_calls
+        use = usage(n_prompt * req.n, done.completion_tokens * req.n)
+        clover = {"structured": [done.info] * req.n}
+        if not req.stream:
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": settings.model_id,
+                                 "choices": [{"index": i, "message": message, "logprobs": None, "finish_reason": finish}
+                                             for i in range(req.n)], "usage": use, "clover": clover})
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(i, delta, finish_reason=None, extra=None) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_id,
+                    "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            if include_usage:
+                body["usage"] = None
+            if extra:
+                body["clover"] = extra
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def events():
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+                if done.content is not None:
+                    yield chunk(i, {"content": done.content})
+                for k, call in enumerate(done.tool_calls):
+                    yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
+                    yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
+                yield chunk(i, {}, finish, {"structured": done.info})
+            if include_usage:
+                body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_id,
+                        "choices": [], "usage": use}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
-    decide_lock = asyncio.Lock()  # one decision at a time, in a worker thread beside the scheduler's
 
     @app.post("/v1/decide")
     async def decide_route(req: DecideRequest):
@@ -440,7 +510,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
             parse_questions(questions, req.split)
         except ValueError as e:
             raise APIError(400, str(e), param="questions")
-        async with decide_lock:
+        async with exclusive:
             try:
                 result = await asyncio.to_thread(decide, model, tokenizer, req.material, questions, req.mode,
                                                  req.threshold, req.block_size, req.split)

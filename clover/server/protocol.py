@@ -110,6 +110,7 @@ class ChatRequest(_Common):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    response_format: Any = None  # checked by server.structured.format_plan
 
     def tool_plan(self) -> ToolPlan | None:
         """The request's function calling, checked: None without tools; APIError(400) for bad `tools`,

@@ -94,7 +94,7 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
     full = _render(parts, slots)
     text = full[len(prefix): len(full) - len(suffix)]
     value = json.loads(text)
-    valid, error = _validate(skel.schema, value)
+    valid, error = validate(skel.schema, value)
     return JsonResult(text, value, valid, "infill", row.forwards, time.perf_counter() - start, None, error,
                       row.tokens(model.config.mask_token_id))
 
@@ -229,7 +229,7 @@ def _render(parts: list, slots: dict[int, Slot]) -> str:
 
 
 # ---- fallback ---------------------------------------------------------------------------------------
-def _validate(schema: dict, value) -> tuple[bool, str | None]:
+def validate(schema: dict, value) -> tuple[bool, str | None]:
     from jsonschema import validators
 
     if is_json_object(schema):
@@ -238,7 +238,7 @@ def _validate(schema: dict, value) -> tuple[bool, str | None]:
     return (True, None) if error is None else (False, error.message)
 
 
-def _parse(text: str) -> tuple[str, object, str | None]:
+def parse_output(text: str) -> tuple[str, object, str | None]:
     """(JSON text, value, error): the whole text, or the first object / array found in it."""
     text = text.strip()
     try:
@@ -261,9 +261,9 @@ def _fallback(model, tokenizer, prompt, schema, reason, chat, threshold, block_s
 
     g = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
                  threshold=threshold, chat=chat)
-    text, value, error = _parse(g.text)
+    text, value, error = parse_output(g.text)
     valid = False
     if error is None:
-        valid, error = _validate(schema, value)
+        valid, error = validate(schema, value)
     return JsonResult(text, value, valid, "fallback", g.forward_passes, time.perf_counter() - start, reason, error,
                       g.token_ids)
