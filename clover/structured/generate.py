@@ -47,14 +47,23 @@ def is_json_object(schema) -> bool:
 
 
 def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float = 0.9,
-                  block_size: int = 32, max_string_tokens: int = 16, max_new_tokens: int = 256) -> JsonResult:
+                  block_size: int = 32, max_string_tokens: int = 16, max_new_tokens: int = 256,
+                  method: str = "auto") -> JsonResult:
     """A JSON value for `prompt` (a string, or chat messages) that follows `schema`: by infilling
     when the schema is in the supported subset (clover.structured.schema), else (and for
     {"type": "json_object"}) by free generation of up to `max_new_tokens`, parsed and validated.
-    A string slot holds at most `max_string_tokens` tokens (and maxLength characters)."""
+    A string slot holds at most `max_string_tokens` tokens (and maxLength characters).
+    `method="free"` always takes the free-generation path (the schema still checked first)."""
     from ..api import encode
 
     start = time.perf_counter()
+    if method not in ("auto", "free"):
+        raise ValueError(f'method must be "auto" or "free", got {method!r}')
+    if method == "free":
+        if not is_json_object(schema):
+            sk.check(schema)
+        return _fallback(model, tokenizer, prompt, schema, "method='free': free generation asked for", chat,
+                         threshold, block_size, max_new_tokens, start)
     if is_json_object(schema):
         return _fallback(model, tokenizer, prompt, schema, "json_object: any JSON object", chat, threshold,
                          block_size, max_new_tokens, start)
