@@ -261,9 +261,12 @@ class CloverGatedDeltaNet(nn.Module):
         return mixed, z, b, a
 
     def _qkv(self, conv_out, b, a):
-        """Post-conv activations -> per-v-head q, k (L2-normed), v, decay g and beta."""
-        batch, length, _ = conv_out.shape
-        q, k, v = F.silu(conv_out).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        """Conv output [B, C, L] -> per-v-head q, k (L2-normed), v, decay g and beta. SiLU runs
+        before the transpose to [B, L, C]: on the transposed view its backward takes a strided path
+        ~3x slower."""
+        act = F.silu(conv_out).transpose(1, 2)
+        batch, length, _ = act.shape
+        q, k, v = act.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         rep = self.v_heads // self.k_heads
         q = l2norm(_fp32(q.reshape(batch, length, self.k_heads, self.dk)))
         k = l2norm(_fp32(k.reshape(batch, length, self.k_heads, self.dk)))
@@ -308,7 +311,7 @@ class CloverGatedDeltaNet(nn.Module):
         ext = torch.cat([left, stream], dim=-1)
         if pad is not None:  # move the conv state right in front of each row's first real token
             ext = ext.gather(2, _left_context_index(pad, self.kernel)[:, None, :].expand(-1, self.conv_dim, -1))
-        conv = block_short_conv(ext, self._conv_weight(), self.right_conv, layout.wid).transpose(1, 2)
+        conv = block_short_conv(ext, self._conv_weight(), self.right_conv, layout.wid)
         q, k, v, g, beta = self._qkv(conv, b, a)
         if pad is not None:
             keep = (~pad).float()[..., None]
@@ -351,7 +354,7 @@ class CloverGatedDeltaNet(nn.Module):
             in_block = (src >= 0) & (wid[src.clamp_min(0)] == wid)
             tap = torch.where(in_block[None, None, :], noisy[..., src.clamp_min(0)], clean_ext[..., src + self.kernel - 1])
             conv_noisy = conv_noisy + w[:, j : j + 1].to(tap.dtype) * tap
-        conv = torch.cat([conv_noisy, conv_clean], dim=-1).transpose(1, 2)
+        conv = torch.cat([conv_noisy, conv_clean], dim=-1)
         q, k, v, g, beta = self._qkv(conv, b, a)
         scale = self.dk**-0.5
         sl = slice(length, None)
@@ -560,5 +563,6 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # no [:, :-1] slice of the logits (a copy)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=-100)
         return CloverOutput(loss=loss, logits=logits)

@@ -26,9 +26,11 @@ from ..models.modeling_clover import window_ids
 
 def ar_loss(model, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Mean next-token CE over targets with loss_mask (targets = ids[:, 1:]). Returns (loss, count)."""
-    logits = model(ids).logits[:, :-1]
-    tgt = ids[:, 1:]
-    m = loss_mask[:, 1:]
+    logits = model(ids).logits
+    # targets shifted left and padded (the last column has none) instead of slicing the logits: a
+    # [B, L-1, V] slice would be copied to flatten it and its gradient zero-filled at full size
+    tgt = F.pad(ids[:, 1:], (0, 1))
+    m = F.pad(loss_mask[:, 1:], (0, 1))
     ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
     n = int(m.sum())
     return (ce * m).sum() / max(n, 1), n
