@@ -65,6 +65,22 @@ def reference_low_confidence(model, prompt, n, threshold):
     return out, traj
 
 
+def test_head_runs_only_on_masked_columns(model, prompts):
+    """Draft steps compute logits only for the columns still masked in some row (the equality with
+    full recomputation is the test below); the first step of a block needs all B."""
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[1]))
+    try:
+        got = run(model, [prompts[3]], threshold=0.95, max_new_tokens=16)[0]
+    finally:
+        hook.remove()
+    drafts = seen[1:]  # seen[0]: the prefill's last column
+    steps = [s for _, s in got.trajectory]
+    assert len(drafts) == got.forward_passes and drafts.count(B) == 2  # one full head per block
+    assert sum(drafts) == sum(B - sum(1 for s in steps[b * B:(b + 1) * B] if s < k)
+                              for b in range(2) for k in range(max(steps[b * B:(b + 1) * B]) + 1))
+
+
 @pytest.mark.parametrize("threshold", [0.95, 0.5])
 def test_cached_decoding_equals_uncached_recomputation(model, prompts, threshold):
     prompt = prompts[3]

@@ -103,10 +103,11 @@ class ScriptedModel:
     def new_cache(self, rows, capacity):
         return SimpleNamespace(select_rows=lambda idx: None)
 
-    def __call__(self, ids, logits_to_keep=0, **_):
+    def __call__(self, ids, logits_to_keep=0, logits_index=None, **_):
         best, conf = zip(*self.script[min(self.calls, len(self.script) - 1)])
         self.calls += 1
-        return SimpleNamespace(logits=probs_for(best, conf).log().expand(ids.shape[0], -1, -1)[:, -logits_to_keep:])
+        logits = probs_for(best, conf).log().expand(ids.shape[0], -1, -1)[:, -logits_to_keep:]
+        return SimpleNamespace(logits=logits if logits_index is None else logits[:, logits_index])
 
 
 def run_scripted(script, max_new_tokens=4, threshold=0.95):

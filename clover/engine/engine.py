@@ -184,7 +184,7 @@ class Engine:
         self._drop_finished()
         return events
 
-    def _forward(self, window: torch.Tensor, draft_len: int, keep: int) -> torch.Tensor:
+    def _forward(self, window: torch.Tensor, draft_len: int, keep: int, index: torch.Tensor | None = None) -> torch.Tensor:
         """One model call on [pending clean segment ; window]; the pending segment is consumed."""
         ids, pad = window, None
         if self.pending is not None:
@@ -197,7 +197,7 @@ class Engine:
             s.forward_passes += 1
         return self.model(ids, cache=self.cache, block_size=self.cfg.block_size if draft_len else None,
                           draft_len=draft_len, clean_block_size=self.clean_bs, pad_mask=pad,
-                          logits_to_keep=keep).logits
+                          logits_to_keep=keep, logits_index=index).logits
 
     def _sample(self, logits):
         return sample(logits, self.cfg.sampling, self.mask_id, self.generator)
@@ -254,9 +254,15 @@ class Engine:
 
     def _step_diffusion(self):
         B = self.cfg.block_size
-        tokens, probs = self._sample(self._forward(self.window, B, B))
         masked = self.eligible & ~self.filled
-        chosen = self.policy.select(probs, tokens, masked, self.steps_done)
+        # the head runs only on columns some row still has masked; the others can't be chosen
+        cols = masked.any(0).nonzero().squeeze(1)
+        if cols.numel() == B:
+            cols = None
+        tokens, probs = self._sample(self._forward(self.window, B, B, cols))
+        chosen = self.policy.select(probs, tokens, masked, self.steps_done, cols)
+        if cols is not None:
+            tokens = torch.full_like(self.targets, self.mask_id).index_copy_(1, cols, tokens)
         self.targets = torch.where(chosen, tokens, self.targets)
         self.fill_step = torch.where(chosen, self.steps_done[:, None], self.fill_step)
         self.filled |= chosen

@@ -71,8 +71,14 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=256)
+def _calibration_weights(block_size: int, anchors: int) -> tuple[float, ...]:
+    return tuple(calibration_weights(block_size, anchors))
+
+
 def _calibration_row(block_size: int, anchors: int, device) -> torch.Tensor:
-    return torch.tensor(calibration_weights(block_size, anchors), device=device)
+    # a fresh tensor each call: one cached while torch.inference_mode was on could never be saved
+    # for backward afterwards (generate, then train, in one process)
+    return torch.tensor(_calibration_weights(block_size, anchors), device=device)
 
 
 def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -> torch.Tensor | None:
@@ -532,11 +538,14 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         noisy_input_ids: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
+        logits_index: torch.LongTensor | None = None,
         **unused,
     ) -> CloverOutput:
         """See the module docstring. Logits at column i predict the token after column i.
 
-        `logits_to_keep` > 0 computes the head only for the last that many columns. In the training
+        `logits_to_keep` > 0 computes the head only for the last that many columns, `logits_index`
+        only for those of them (a draft window's still-masked columns: the head is a large share of a
+        step at a big vocabulary). In the training
         layout the logits returned are those of the noisy half. `labels` (AR mode) gives the mean
         next-token cross-entropy, labels shifted inside as in transformers.
         """
@@ -560,6 +569,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
                 cache.lens = cache.lens + committed
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
+        if logits_index is not None:
+            hidden = hidden[:, logits_index]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
