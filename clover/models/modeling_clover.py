@@ -317,7 +317,9 @@ class CloverGatedDeltaNet(nn.Module):
         ext = torch.cat([left, stream], dim=-1)
         if pad is not None:  # move the conv state right in front of each row's first real token
             ext = ext.gather(2, _left_context_index(pad, self.kernel)[:, None, :].expand(-1, self.conv_dim, -1))
-        conv = block_short_conv(ext, self._conv_weight(), self.right_conv, layout.wid)
+        # windows of one column (AR) have no right context: skip the branch that would add zeros
+        right = self.right_conv if layout.calib is not None else None
+        conv = block_short_conv(ext, self._conv_weight(), right, layout.wid)
         q, k, v, g, beta = self._qkv(conv, b, a)
         if pad is not None:
             keep = (~pad).float()[..., None]
