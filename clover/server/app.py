@@ -102,6 +102,16 @@ class Choice:
         return r, c
 
 
+def tool_call_deltas(calls: list[dict]) -> list[dict]:
+    """A finished choice's tool calls as stream deltas: each call's head (id, name), then its arguments."""
+    out = []
+    for k, call in enumerate(calls):
+        head = {"name": call["function"]["name"], "arguments": ""}
+        out.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function", "function": head}]})
+        out.append({"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
+    return out
+
+
 class _CleanStream(StreamingResponse):
     """A streaming response that always runs `on_close` when it ends, however it ends (client gone)."""
 
@@ -352,12 +362,8 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                 async for ev in drive(request, ticket, jobs, choices):
                     i = ev[1]
                     if ev[0] == "finish":
-                        for k, call in enumerate(choices[i].tool_calls):  # each call: its head, then its arguments
-                            head = {"name": call["function"]["name"], "arguments": ""}
-                            yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                            "function": head}]})
-                            yield chunk(i, {"tool_calls": [{"index": k, "function": {
-                                "arguments": call["function"]["arguments"]}}]})
+                        for delta in tool_call_deltas(choices[i].tool_calls):
+                            yield chunk(i, delta)
                         extra = dict(choices[i].stats) if req.clover_live else {}
                         if fmt:
                             extra["structured"] = check_reply(fmt, choices[i].content)
@@ -480,10 +486,8 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                 yield chunk(i, {"role": "assistant", "content": ""})
                 if done.content is not None:
                     yield chunk(i, {"content": done.content})
-                for k, call in enumerate(done.tool_calls):
-                    yield chunk(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                    "function": {"name": call["function"]["name"], "arguments": ""}}]})
-                    yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": call["function"]["arguments"]}}]})
+                for delta in tool_call_deltas(done.tool_calls):
+                    yield chunk(i, delta)
                 yield chunk(i, {}, finish, {"structured": done.info})
             if include_usage:
                 body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": settings.model_id,
