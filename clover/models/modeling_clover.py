@@ -14,7 +14,6 @@ One forward serves every use:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -70,15 +69,10 @@ class Layout:
         return self.rope
 
 
-@functools.lru_cache(maxsize=256)
-def _calibration_weights(block_size: int, anchors: int) -> tuple[float, ...]:
-    return tuple(calibration_weights(block_size, anchors))
-
-
 def _calibration_row(block_size: int, anchors: int, device) -> torch.Tensor:
-    # a fresh tensor each call: one cached while torch.inference_mode was on could never be saved
-    # for backward afterwards (generate, then train, in one process)
-    return torch.tensor(_calibration_weights(block_size, anchors), device=device)
+    # a fresh tensor each call (the weights are a few floats): one cached while torch.inference_mode
+    # was on could never be saved for backward afterwards (generate, then train, in one process)
+    return torch.tensor(calibration_weights(block_size, anchors), device=device)
 
 
 def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ..structured import Skeleton, Unsupported, infill_json, parse_output, skeleton, validate
+from ..structured import Skeleton, Unsupported, check_output, infill_json, skeleton
 from .protocol import APIError, ToolPlan, forced_name
 
 CALL_END = "}\n</tool_call>"
@@ -56,10 +56,7 @@ def format_plan(response_format) -> FormatPlan | None:
 
 def check_reply(plan: FormatPlan, text: str) -> dict:
     """The fallback's verdict on a freely generated reply."""
-    _, value, error = parse_output(text)
-    valid = False
-    if error is None:
-        valid, error = validate(plan.schema, value)
+    _, _, valid, error = check_output(plan.schema, text)
     return {"method": "fallback", "reason": plan.reason, "valid": valid} | ({"error": error} if error else {})
 
 

@@ -7,8 +7,8 @@ the schema whatever the model. Subset, layout and fallback: docs/structured.md.
     out.value, out.valid, out.method, out.forward_passes
 """
 
-from .generate import JsonResult, generate_json, infill_json, is_json_object, parse_output, validate
+from .generate import JsonResult, check_output, generate_json, infill_json, is_json_object
 from .schema import Skeleton, Unsupported, check, skeleton
 
-__all__ = ["JsonResult", "Skeleton", "Unsupported", "check", "generate_json", "infill_json", "is_json_object",
-           "parse_output", "skeleton", "validate"]
+__all__ = ["JsonResult", "Skeleton", "Unsupported", "check", "check_output", "generate_json", "infill_json",
+           "is_json_object", "skeleton"]

@@ -265,14 +265,20 @@ def parse_output(text: str) -> tuple[str, object, str | None]:
     return text, None, "the output is not JSON"
 
 
+def check_output(schema: dict, text: str) -> tuple[str, object, bool, str | None]:
+    """(JSON text, value, valid, error) of freely generated text checked against `schema`."""
+    text, value, error = parse_output(text)
+    valid = False
+    if error is None:
+        valid, error = validate(schema, value)
+    return text, value, valid, error
+
+
 def _fallback(model, tokenizer, prompt, schema, reason, chat, threshold, block_size, max_new_tokens, start):
     from ..api import generate
 
     g = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
                  threshold=threshold, chat=chat)
-    text, value, error = parse_output(g.text)
-    valid = False
-    if error is None:
-        valid, error = validate(schema, value)
+    text, value, valid, error = check_output(schema, g.text)
     return JsonResult(text, value, valid, "fallback", g.forward_passes, time.perf_counter() - start, reason, error,
                       g.token_ids)
