@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import toolbox
-from .tool_format import normalize_messages, parse_tool_calls
+from .tool_format import function_spec, normalize_messages, parse_tool_calls
 
 BENCH_SEED = 1000  # the benchmark's cases; the recipe's tool-use dialogues use seeds recipe+3 / recipe+4
 # Training requests excluded from the benchmark: cases(recipe_seed + s, n) for each (s, n). `cases` is
@@ -107,7 +107,7 @@ def match_calls(got: list[dict], want: list[dict], tools: list[dict]) -> str | N
     """AST match of generated calls ({"name", "arguments": dict}) against the expected ones, in any
     order (parallel calls): None when every expected call is matched by its own generated call,
     else the reason (one of ERROR_KINDS)."""
-    params = {t.get("function", t)["name"]: t.get("function", t).get("parameters") for t in tools}
+    params = {function_spec(t)["name"]: function_spec(t).get("parameters") for t in tools}
     if len(got) != len(want):
         return "wrong number of calls"
     left = list(got)
@@ -163,7 +163,7 @@ def contains_values(reply: str, values: list[str]) -> bool:
 
 # ---- episodes ---------------------------------------------------------------------------------------
 def _fn_names(tools: list[dict]) -> set[str]:
-    return {t.get("function", t)["name"] for t in tools}
+    return {function_spec(t)["name"] for t in tools}
 
 
 @dataclass

@@ -32,7 +32,8 @@ class ToolSpecError(ValueError):
     """A client's `tools` entry is not a usable function spec."""
 
 
-def _fn(tool: dict) -> dict:
+def function_spec(tool: dict) -> dict:
+    """The function spec of an OpenAI tool ({"type": "function", "function": {...}}) or of a bare spec."""
     return tool.get("function", tool) if isinstance(tool, dict) else tool
 
 
@@ -44,7 +45,7 @@ def validate_tools(tools: list) -> list[dict]:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "function") != "function":
             raise ToolSpecError(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools are supported")
-        fn = _fn(t)
+        fn = function_spec(t)
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", name):
             raise ToolSpecError(f"tools[{i}]: function.name must be an identifier (got {name!r})")
@@ -67,7 +68,7 @@ def _type_str(schema: dict) -> str:
 
 def tool_signature(tool: dict) -> str:
     """`name(a: integer, unit?: "km"|"mi") - description` (`?` = optional)."""
-    fn = _fn(tool)
+    fn = function_spec(tool)
     params = fn.get("parameters") or {}
     req = params.get("required") or []
     args = ", ".join(f"{k}{'' if k in req else '?'}: {_type_str(v)}" for k, v in (params.get("properties") or {}).items())
@@ -122,7 +123,7 @@ def parse_tool_calls(text: str, tools: list | None = None) -> tuple[str, list[di
     Each well-formed `<tool_call>` block (JSON with a string `name`, object `arguments`, and the name
     among `tools` when given) becomes {"id", "type": "function", "function": {"name", "arguments":
     JSON string}}. A malformed block stays in the content (never raises) and is listed in problems."""
-    known = {_fn(t)["name"] for t in tools} if tools else None
+    known = {function_spec(t)["name"] for t in tools} if tools else None
     calls, problems, kept, pos = [], [], [], 0
     for m in _CALL_RE.finditer(text):
         kept.append(text[pos:m.start()])

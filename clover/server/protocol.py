@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..agent.tool_format import ToolSpecError, parse_tool_calls, validate_tools
+from ..agent.tool_format import ToolSpecError, function_spec, parse_tool_calls, validate_tools
 
 
 class StreamOptions(BaseModel):
@@ -210,7 +210,7 @@ def forced_name(tool_choice, tools: list[dict]) -> str | None:
     if isinstance(tool_choice, dict):
         return tool_choice["function"]["name"]
     if tool_choice == "required" and len(tools) == 1:
-        return tools[0].get("function", tools[0])["name"]
+        return function_spec(tools[0])["name"]
     return None
 
 
