@@ -228,6 +228,18 @@ def test_diffusion_extras_receive_gradients():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_fresh_gdn_state_remembers():
+    # a fresh model's per-token decay exp(-A softplus(dt_bias)) (at zero input) must leave the
+    # state something to remember; Qwen3-Next's dt_bias = 1 gave < 1e-4 on most heads, which kept
+    # the default model from learning to copy
+    model = CloverForBlockDiffusion(preset_config("clover-small"))
+    for layer in model.model.layers:
+        if layer.kind == "linear_attention":
+            gdn = layer.linear_attn
+            decay = torch.exp(-gdn.A_log.exp() * torch.nn.functional.softplus(gdn.dt_bias))
+            assert decay.min() > 0.15 and decay.max() < 1, decay
+
+
 # ---- Hugging Face integration --------------------------------------------------------------------
 @pytest.mark.parametrize("shard", [None, "100KB"])
 def test_save_load_round_trip(tmp_path, shard):

@@ -221,6 +221,16 @@ class CloverAttention(nn.Module):
         cache.value[self.layer_idx][rows, :, slots] = v[rows, :, cols].to(cache.dtype)
 
 
+def fresh_decay(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dt_bias, A_log) of a fresh model, as Mamba2 / flash-linear-attention draw them: A ~ U(1, 16)
+    and the step dt = softplus(dt_bias) log-uniform in [1e-3, 0.1], so the per-token decay
+    exp(-A dt) starts between ~0.2 and ~1 and the state remembers. Qwen3-Next's modeling file sets
+    dt_bias = 1, harmless for converted checkpoints, but a fresh model then forgets nearly everything
+    after one token (exp(-A softplus(1)) < 0.3 for every head, < 1e-4 for most)."""
+    dt = torch.empty(heads).uniform_(math.log(1e-3), math.log(0.1)).exp()
+    return dt + torch.log(-torch.expm1(-dt)), torch.empty(heads).uniform_(1, 16).log()
+
+
 class CloverGatedDeltaNet(nn.Module):
     """Block-diffusion Gated DeltaNet ("add" reading, docs/architecture.md):
 
@@ -246,8 +256,8 @@ class CloverGatedDeltaNet(nn.Module):
         self.in_proj = nn.Linear(c.hidden_size, sum(self.split), bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
                                 padding=self.kernel - 1)
-        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.v_heads).uniform_(1, 16)))
+        dt_bias, a_log = fresh_decay(self.v_heads)
+        self.dt_bias, self.A_log = nn.Parameter(dt_bias), nn.Parameter(a_log)
         self.norm = CloverGatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
         # --- block-diffusion additions (identity at init) ---
@@ -481,8 +491,9 @@ class CloverPreTrainedModel(PreTrainedModel):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, CloverGatedDeltaNet):
-            init.ones_(module.dt_bias)
-            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
+            dt_bias, a_log = fresh_decay(module.v_heads)
+            init.copy_(module.dt_bias, dt_bias)
+            init.copy_(module.A_log, a_log)
             init.zeros_(module.right_conv)
             init.zeros_(module.block_calibration)
             init.constant_(module.bidir_log_scale, 0.5 * math.log(module.dk))
