@@ -107,3 +107,22 @@ def test_bench_decode_table_and_json(capsys, tmp_path):
     rows = json.loads(out_json.read_text())["results"]
     assert [r["mode"] for r in rows][-2:] == ["ar", "transformers generate"]
     assert all(r["tokens"] == 8 and r["tokens_per_second"] > 0 for r in rows)
+
+
+def test_bench_decode_tasks_workload(model_dir, capsys, tmp_path):
+    out_json = tmp_path / "decode.json"
+    code, out, err = cli(capsys, "bench", "decode", "--model", model_dir, "--workload", "tasks", "--per-task", "1",
+                         "--block-size", "4", "--repeats", "1", "--threads", "1", "--json", str(out_json))
+    assert code == 0, err
+    got = json.loads(out_json.read_text())
+    assert got["workload"] == "tasks" and got["prompts"] >= 5 and "held-out task prompts" in out
+    rows = {r["mode"]: r for r in got["results"]}
+    # every mode decodes every prompt within its budget (a random tiny model's near-tied logits may
+    # flip an argmax between implementations, so equal outputs are tested in test_engine, not here)
+    assert all(0 < r["tokens"] <= got["max_new_tokens"] for r in rows.values())
+    assert rows["ar"]["tpf"] == 1.0 and rows["transformers generate"]["forwards"] == rows["transformers generate"]["tokens"]
+
+
+def test_bench_decode_tasks_needs_a_trained_model(capsys):
+    code, out, err = cli(capsys, "bench", "decode", "--preset", "clover-tiny", "--workload", "tasks")
+    assert code != 0 and "needs a trained model" in err

@@ -69,32 +69,45 @@ def add_decode_flags(p) -> None:
     src.add_argument("--model", help="model folder (default: the shipped default model)")
     src.add_argument("--preset", help="a random-weight preset instead (default when no default model exists)")
     p.add_argument("--device", default=None)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--workload", choices=("story", "tasks"), default="story",
+                   help="story: one free-text prompt, EOS ignored, exactly --max-new-tokens per run; tasks: the "
+                        "held-out synthetic task prompts the default model is evaluated on (--per-task of each task), "
+                        "decoded one by one until EOS or the task's answer budget")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="story: prompt length")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="story: tokens per run")
+    p.add_argument("--per-task", type=int, default=2, metavar="N", help="tasks: prompts per synthetic task (default 2)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
 
 
-def decode_model(args):
-    """(model, prompt ids, description, random?) for `bench decode`."""
+def decode_workload(args):
+    """(model, [(prompt ids, max new tokens)], eos ids, description, random?) for `bench decode`."""
     import torch
 
-    from ..api import DEFAULT_MODEL, encode, load
+    from ..api import DEFAULT_MODEL, encode, eos_ids, load
+    from ..data.tasks import plain_prompt
+    from ..eval import pareto
     from ..models import PRESETS, CloverForBlockDiffusion, preset_config
 
     if args.model or (not args.preset and (DEFAULT_MODEL / "config.json").is_file()):
         model, tokenizer = load(args.model, args.device)
+        described = args.model or "default model"
+        if args.workload == "tasks":
+            exs = pareto.examples(args.per_task)
+            jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in exs]
+            return model, jobs, eos_ids(model, tokenizer), f"{described}, {len(jobs)} held-out task prompts", False
         text = "Write a short story about a robot who learns to paint. " * 16
-        ids = encode(tokenizer, text)[: args.prompt_tokens]
-        return model, ids, args.model or "default model", False
+        return model, [(encode(tokenizer, text)[: args.prompt_tokens], args.max_new_tokens)], (), described, False
+    if args.workload == "tasks":
+        raise UserError("--workload tasks needs a trained model (--model or the shipped default model), not a preset")
     name = args.preset or "clover-small"
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
     torch.manual_seed(0)
     model = CloverForBlockDiffusion(preset_config(name)).to(args.device or "cpu").eval()
     ids = torch.randint(0, model.config.mask_token_id, (args.prompt_tokens,)).tolist()
-    return model, ids, f"{name}, random weights", True
+    return model, [(ids, args.max_new_tokens)], (), f"{name}, random weights", True
 
 
 def run_decode(args) -> int:
@@ -104,25 +117,28 @@ def run_decode(args) -> int:
     from ..engine import DecodeConfig, Engine
     from ..utils.timing import time_alternately
 
-    for flag in ("prompt_tokens", "max_new_tokens", "repeats"):
+    for flag in ("prompt_tokens", "max_new_tokens", "repeats", "per_task"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    model, prompt, described, random_weights = decode_model(args)
-    n = args.max_new_tokens
+    model, jobs, eos, described, random_weights = decode_workload(args)
     configs = {
         "low_confidence t=0.90": DecodeConfig(threshold=0.90),
         "low_confidence t=0.95": DecodeConfig(threshold=0.95),
         "self_spec": DecodeConfig(mode="self_spec"),
         "ar": DecodeConfig(mode="ar"),
     }
-    last = {}  # name -> (tokens, forwards) of the latest run; EOS off so every run makes n tokens
+    last = {}  # name -> (tokens, forwards) of the latest run, summed over the workload's prompts
 
     def engine_run(name, cfg):
-        cfg.block_size, cfg.max_new_tokens = args.block_size, n
+        cfg.block_size, cfg.eos_token_ids = args.block_size, eos
         def go():
-            seq = Engine(model, cfg).generate([prompt])[0]
-            last[name] = (len(seq.token_ids), seq.forward_passes)
+            tokens = forwards = 0
+            for prompt, n in jobs:
+                cfg.max_new_tokens = n
+                seq = Engine(model, cfg).generate([prompt])[0]
+                tokens, forwards = tokens + len(seq.token_ids), forwards + seq.forward_passes
+            last[name] = (tokens, forwards)
         return go
 
     candidates = {name: engine_run(name, cfg) for name, cfg in configs.items()}
@@ -130,12 +146,17 @@ def run_decode(args) -> int:
         from ..convert.mapping import qwen3next_twin
 
         hf = qwen3next_twin(model.config).to(model.device, model.dtype).eval()
-        ids = torch.tensor([prompt], device=model.device)
+        stop = dict(eos_token_id=list(eos)) if eos else {}
 
         def hf_go():
-            with torch.inference_mode():
-                out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-            last["transformers generate"] = (out.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1])
+            tokens = 0
+            for prompt, n in jobs:
+                ids = torch.tensor([prompt], device=model.device)
+                with torch.inference_mode():
+                    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=0 if eos else n, do_sample=False,
+                                      pad_token_id=0, **stop)
+                tokens += out.shape[1] - ids.shape[1]
+            last["transformers generate"] = (tokens, tokens)
         candidates["transformers generate"] = hf_go
     bar = tqdm(total=(1 + args.repeats) * len(candidates), desc="bench decode", file=sys.stderr, leave=False)
     with torch.inference_mode():
@@ -150,15 +171,21 @@ def run_decode(args) -> int:
         results.append(r)
         rows.append([name, tokens, forwards, f"{r['tpf']:.2f}", f"{s:.3f}", f"{r['tokens_per_second']:.1f}",
                      f"{r['vs_ar']:.2f}x", "-" if r["vs_transformers"] is None else f"{r['vs_transformers']:.2f}x"])
-    print(f"Decode speed: {described}; prompt {len(prompt)} tokens, {n} new tokens, block {args.block_size}, "
+    if args.workload == "tasks":
+        shape = f"{len(jobs)} prompts decoded one at a time until EOS or the task's answer budget"
+    else:
+        shape = f"prompt {len(jobs[0][0])} tokens, {jobs[0][1]} new tokens (EOS ignored)"
+    print(f"Decode speed: {described}; {shape}, block {args.block_size}, "
           f"{model.device} {str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
           f"median of {args.repeats} alternating runs.\n")
     if random_weights:
         print("Note: random weights (no trained default model yet): confidences are low, so low_confidence fills "
               "about one token per step and self_spec drafts are rarely accepted; TPF targets need the trained model.\n")
     print(markdown_table(["mode", "tokens", "forwards", "TPF", "median s", "tokens/s", "vs ar", "vs transformers"], rows))
-    write_json(args, dict(model=described, random_weights=random_weights, prompt_tokens=len(prompt), max_new_tokens=n,
-                          block_size=args.block_size, threads=torch.get_num_threads(), results=results))
+    write_json(args, dict(model=described, random_weights=random_weights, workload=args.workload,
+                          prompts=len(jobs), prompt_tokens=sum(len(p) for p, _ in jobs),
+                          max_new_tokens=sum(n for _, n in jobs), block_size=args.block_size,
+                          threads=torch.get_num_threads(), results=results))
     return 0
 
 
