@@ -129,16 +129,20 @@ def run_decode(args) -> int:
         "ar": DecodeConfig(mode="ar"),
     }
     last = {}  # name -> (tokens, forwards) of the latest run, summed over the workload's prompts
+    ar_lengths = []  # tokens per prompt of our ar mode (transformers' twin makes as many)
 
     def engine_run(name, cfg):
         cfg.block_size, cfg.eos_token_ids = args.block_size, eos
         def go():
-            tokens = forwards = 0
+            lengths, forwards = [], 0
             for prompt, n in jobs:
                 cfg.max_new_tokens = n
                 seq = Engine(model, cfg).generate([prompt])[0]
-                tokens, forwards = tokens + len(seq.token_ids), forwards + seq.forward_passes
-            last[name] = (tokens, forwards)
+                lengths.append(len(seq.token_ids))
+                forwards += seq.forward_passes
+            last[name] = (sum(lengths), forwards)
+            if name == "ar":
+                ar_lengths[:] = lengths
         return go
 
     candidates = {name: engine_run(name, cfg) for name, cfg in configs.items()}
@@ -146,15 +150,15 @@ def run_decode(args) -> int:
         from ..convert.mapping import qwen3next_twin
 
         hf = qwen3next_twin(model.config).to(model.device, model.dtype).eval()
-        stop = dict(eos_token_id=list(eos)) if eos else {}
 
         def hf_go():
+            # the twin has random weights (same dims), so it never stops by itself: it makes exactly
+            # as many tokens per prompt as our ar mode did (ar runs first in every round)
             tokens = 0
-            for prompt, n in jobs:
+            for (prompt, _), n in zip(jobs, ar_lengths):
                 ids = torch.tensor([prompt], device=model.device)
                 with torch.inference_mode():
-                    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=0 if eos else n, do_sample=False,
-                                      pad_token_id=0, **stop)
+                    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
                 tokens += out.shape[1] - ids.shape[1]
             last["transformers generate"] = (tokens, tokens)
         candidates["transformers generate"] = hf_go
