@@ -151,6 +151,27 @@ def tiny_cfg(corpus, out, **kw):
     return TrainConfig(**base)
 
 
+def test_time_budget_plan_grows_back_after_contention():
+    from types import SimpleNamespace
+
+    class Bar:
+        total = 0
+
+        def refresh(self):
+            pass
+
+    cfg = SimpleNamespace(log_every=10, time_budget=1000.0, warmup_steps=5)
+    # contention shrank the plan to 100 steps; at step 80 (80% of it) only 300 s of 1000 are spent
+    # and steps are fast again (1 s): the plan grows to fill the 700 s left
+    run = SimpleNamespace(cfg=cfg, step=80, max_steps=100, elapsed=300.0)
+    Trainer._replan(run, 1.0, Bar())
+    assert run.max_steps == 80 + 700
+    # after 75% of the budget the plan is frozen (the schedule's decay is under way)
+    run = SimpleNamespace(cfg=cfg, step=80, max_steps=100, elapsed=760.0)
+    Trainer._replan(run, 1.0, Bar())
+    assert run.max_steps == 100
+
+
 def test_loss_falls_on_a_tiny_run(corpus, tmp_path):
     tr = Trainer(tiny_cfg(corpus, tmp_path, objective="ar", max_steps=40, lr=1e-2, ckpt_every=0))
     first = tr.evaluate()["eval_ar_loss"]

@@ -324,10 +324,13 @@ class Trainer:
         return self.max_steps
 
     def _replan(self, per_step: float, bar) -> None:
-        """Time-budget mode on a shared machine: until 75% of the plan, re-fit max_steps to the
-        remaining budget at the recent step time (the schedules stretch or shrink with it). The plan
-        is saved in checkpoints, so --resume continues it; bit-for-bit resume needs a fixed max_steps."""
-        if self.step % max(1, self.cfg.log_every) or self.step >= 0.75 * self.max_steps:
+        """Time-budget mode on a shared machine: until 75% of the budget has elapsed, re-fit max_steps
+        to the time left at the recent step time (the schedules stretch or shrink with it), so a plan
+        that shrank under contention grows back when the machine frees up. (Freezing at 75% of the
+        *steps* let a shrunken plan reach its freeze point early and end the stage with budget left.)
+        The plan is saved in checkpoints, so --resume continues it; bit-for-bit resume needs a fixed
+        max_steps."""
+        if self.step % max(1, self.cfg.log_every) or self.elapsed >= 0.75 * self.cfg.time_budget:
             return
         left = max(0.0, self.cfg.time_budget - self.elapsed)
         new = max(self.step + 1, self.cfg.warmup_steps + 1, self.step + int(left / max(per_step, 1e-6)))
