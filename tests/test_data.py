@@ -133,3 +133,17 @@ def test_build_mixes_decision_groups_and_tool_dialogues(tmp_path):
     assert len(n_questions) == 40 and min(n_questions) == 1 and max(n_questions) >= 5
     assert any("tools" in r for r in read_records(tmp_path / "heldout.jsonl"))
     assert "<tool_call>" in (tmp_path / "tokenizer_corpus.txt").read_text()
+
+
+def test_build_focus_adds_fresh_short_tasks_and_replays_the_base_set(tmp_path):
+    from clover.data.build import build, build_focus, heldout_tasks
+
+    build(tmp_path, n_train=70, n_heldout=20, n_eval=2, n_decision=30, n_tool=40)
+    base = read_records(tmp_path / "train.jsonl")
+    stats = build_focus(tmp_path, tmp_path / "train.jsonl", n_tasks=60, replay_frac=0.5, n_heldout=20, n_eval=2)
+    recs = read_records(tmp_path / "focus.jsonl")
+    assert len(recs) == stats["focus_records"] == 60 + stats["replayed"]
+    assert 0.2 * len(base) < stats["replayed"] < 0.8 * len(base)
+    prompts = [r["text"].split("\n")[0] if "text" in r else r["messages"][0]["content"] for r in recs]
+    assert not {e["prompt"] for e in heldout_tasks(0, 20, 2)} & set(prompts)
+    assert sum(p.startswith("Copy: ") for p in prompts) >= 10

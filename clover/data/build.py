@@ -32,6 +32,11 @@ def task_records(examples, rng: random.Random, chat_frac: float, think_frac: flo
             yield {"text": tasks.plain_text(ex)}
 
 
+def heldout_tasks(seed: int, n_heldout: int, n_eval: int) -> list[dict]:
+    """The held-out task examples (eval prompts first, then the loss set) that no training set repeats."""
+    return tasks.generate_split(seed + 1, n_heldout + n_eval * len(tasks.TASKS))
+
+
 def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n_eval: int = 40,
           shakespeare_frac: float = 0.06, chat_frac: float = 0.4, think_frac: float = 0.5,
           n_decision: int = 0, n_single_questions: int = 0, n_tool: int = 0) -> dict:
@@ -44,7 +49,7 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
     out = Path(out_dir)
     rng = random.Random(seed)
     # held-out tasks first; the training set never repeats one of their prompts
-    heldout = tasks.generate_split(seed + 1, n_heldout + n_eval * len(tasks.TASKS))
+    heldout = heldout_tasks(seed, n_heldout, n_eval)
     eval_set = heldout[:n_eval * len(tasks.TASKS)]
     held = heldout[n_eval * len(tasks.TASKS):]
     train_tasks = tuple(t for t in tasks.TASKS if t != "group") if n_decision else tasks.TASKS
@@ -80,4 +85,28 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
         for rec in tool_held:
             f.write(render_chat(rec["messages"], tools=rec["tools"]) + "\n\n\n")
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
+    return stats
+
+
+def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, replay_frac: float = 0.25,
+                n_heldout: int = 2000, n_eval: int = 40, chat_frac: float = 0.4, think_frac: float = 0.3) -> dict:
+    """The focus stage's data (focus.jsonl): `n_tasks` fresh examples of the evaluated short tasks
+    (addition, subtraction, sorting, copying, reversing, lookup; a new seed, none of the held-out
+    prompts) plus a random `replay_frac` of the base training records, so decision groups, tool
+    dialogues and Shakespeare are not forgotten. Why: the first two stages spend ~57% of their tokens
+    on those long records and the short tasks, which need exact retrieval from the prompt, stay
+    unlearned at a few million tokens."""
+    from .dataset import read_records
+
+    rng = random.Random(seed + 5)
+    short = tuple(t for t in tasks.TASKS if t != "group")
+    exclude = {e["prompt"] for e in heldout_tasks(seed, n_heldout, n_eval)}
+    fresh = tasks.generate_split(seed + 6, n_tasks, short, exclude=exclude)
+    recs = list(task_records(fresh, rng, chat_frac, think_frac))
+    replay = [r for r in read_records(base_train) if rng.random() < replay_frac]
+    recs += replay
+    rng.shuffle(recs)
+    stats = {"focus_records": _write(Path(out_dir) / "focus.jsonl", recs), "fresh_tasks": len(fresh),
+             "replayed": len(replay), "seed": seed}
+    (Path(out_dir) / "focus_stats.json").write_text(json.dumps(stats, indent=2))
     return stats

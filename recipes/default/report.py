@@ -1,5 +1,5 @@
 """Write the default model's results (recipes/default/RESULTS.md and the model card
-clover/assets/default/README.md) from runs/default/{ar,bd}/summary.json and runs/default/eval.json.
+clover/assets/default/README.md) from runs/default/{ar,bd,focus}/summary.json and runs/default/eval.json.
 
     python recipes/default/report.py [--run runs/default]
 """
@@ -23,8 +23,10 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=str(ROOT / "runs" / "default"))
     args = ap.parse_args(argv)
     run = Path(args.run)
-    ar = json.loads((run / "ar" / "summary.json").read_text())
-    bd = json.loads((run / "bd" / "summary.json").read_text())
+    stages = [(name, json.loads((run / key / "summary.json").read_text()))
+              for key, name in (("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)"),
+                                ("focus", "focus: short tasks + replay (`focus.toml`)"))
+              if (run / key / "summary.json").exists()]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
     cfg = json.loads((ROOT / "clover" / "assets" / "default" / "config.json").read_text())
     lines = ["# Default model: results", "",
@@ -35,16 +37,15 @@ def main(argv=None) -> int:
              f"+ shared expert, vocab {cfg['vocab_size']}, bf16 safetensors in `clover/assets/default/`.", "",
              "## Training (`make model`)", "",
              "| stage | steps | tokens | wall s | tokens/s | held-out AR loss | held-out BD loss (block 32) |",
-             "|---|---:|---:|---:|---:|---:|---:|",
-             f"| AR (`ar.toml`) | {ar['step']} | {ar['tokens']:,} | {ar['elapsed_s']:.0f} | {ar['tokens_per_s']:.0f} | "
-             f"{ar.get('eval_ar_loss', float('nan')):.3f} | - |",
-             f"| block diffusion (`bd.toml`) | {bd['step']} | {bd['tokens']:,} | {bd['elapsed_s']:.0f} | "
-             f"{bd['tokens_per_s']:.0f} | {bd.get('eval_ar_loss', float('nan')):.3f} | "
-             f"{bd.get('eval_bd32_loss', float('nan')):.3f} |", "",
-             "Held-out losses: per-token cross-entropy (nats) on the first rows of `heldout.jsonl` "
-             "(synthetic tasks, prompts excluded from the loss in chat records); the BD loss is the "
-             "masked-diffusion ELBO at block 32 with a fixed noise seed. Training tokens/s count each "
-             "clean token once (the [x_t ; x_0] pass is twice as long).", ""]
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, st in stages:
+        bd_loss = f"{st['eval_bd32_loss']:.3f}" if "eval_bd32_loss" in st else "-"
+        lines.append(f"| {name} | {st['step']} | {st['tokens']:,} | {st['elapsed_s']:.0f} | {st['tokens_per_s']:.0f} | "
+                     f"{st.get('eval_ar_loss', float('nan')):.3f} | {bd_loss} |")
+    lines += ["", "Held-out losses: per-token cross-entropy (nats) on the first rows of `heldout.jsonl` "
+              "(synthetic tasks, prompts excluded from the loss in chat records); the BD loss is the "
+              "masked-diffusion ELBO at block 32 with a fixed noise seed. Training tokens/s count each "
+              "clean token once (the [x_t ; x_0] pass is twice as long).", ""]
     if ev:
         hl = ev.get("heldout_loss")
         lines += ["## Evaluation", "", f"Command: `{ev['command']}`", ""]
