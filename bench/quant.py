@@ -1,5 +1,6 @@
 """INT4 benchmark: size on disk and in memory, decode speed at batch 1, held-out loss and task
-accuracy for bf16, RTN and GPTQ. Prints a markdown section with the command line that made it.
+accuracy for bf16, RTN and GPTQ. Prints a markdown section
+(`bench/update.py quant -- ...` puts the command above it in BENCHMARKS.md).
 
     python bench/quant.py                       # the default model (clover/assets/default)
     python bench/quant.py --model DIR           # any Clover checkpoint with a tokenizer
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import shutil
 import statistics
 import sys
@@ -109,7 +109,6 @@ def main() -> int:
     ap.add_argument("--loss-rows", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    command = "python " + shlex.join(["bench/quant.py", *sys.argv[1:]])
 
     shutil.rmtree(SCRATCH, ignore_errors=True)
     SCRATCH.mkdir(parents=True)
@@ -231,7 +230,6 @@ def main() -> int:
     # ---- report ---------------------------------------------------------------------------------
     g = args.group_size
     print(f"### INT4 weight-only quantisation (group size {g})\n")
-    print(f"```\n$ {command}\n```\n")
     print(f"Model: {what}. {torch.get_num_threads()} CPU thread(s); int4 kernel: torch "
           f"`_weight_int4pack_mm_for_cpu` (bf16 activations). GPTQ calibration: {args.calib_samples} x {seq_len} "
           f"tokens{'' if args.random else ' from the held-out split'}, {timing['gptq'][0]:.1f} s to quantise "

@@ -41,6 +41,8 @@ def load(path: str | Path | None = None, device: str | None = None, dtype: torch
         if path is None:
             raise UserError(f"no default model at {folder}: build it with `make model` (or pass a model folder)")
         raise UserError(f"{folder}: no config.json (not a model folder)")
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise UserError(f"{folder}: no tokenizer files (tokenizer.json); copy the model's tokenizer beside its weights")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     model = CloverForBlockDiffusion.from_pretrained(folder, dtype=dtype).to(device).eval()

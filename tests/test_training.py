@@ -208,6 +208,21 @@ def test_resume_is_bit_for_bit(corpus, tmp_path):
     assert st["step"] == 6
 
 
+def test_checkpoint_is_a_whole_model_folder(corpus, tmp_path):
+    import clover
+    from clover.cli import UserError
+
+    tr = Trainer(tiny_cfg(corpus, tmp_path, max_steps=2))
+    tr.train_step()
+    ck = tr.save_checkpoint()
+    model, tok = clover.load(ck, device="cpu")
+    assert clover.generate(model, tok, "to be", max_new_tokens=3).token_ids
+    for f in ck.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(UserError, match="no tokenizer files"):
+        clover.load(ck, device="cpu")
+
+
 def test_interrupted_checkpoint_keeps_the_last_good_one(corpus, tmp_path, monkeypatch):
     tr = Trainer(tiny_cfg(corpus, tmp_path, max_steps=6))
     for _ in range(3):

@@ -213,6 +213,7 @@ class Trainer:
         tmp = self.ckdir / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(str(tmp), safe_serialization=True)
+        self.tok.save_pretrained(str(tmp))  # a checkpoint is a whole model folder: `clover generate --model` it
         state = {
             "step": self.step, "tokens": self.tokens, "elapsed": self.elapsed, "max_steps": self.max_steps,
             "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model folder (default: the shipped model)")
     ap.add_argument("--tasks", required=True)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--per-task", type=int, default=20, help="use only the first N prompts of each task")
+    ap.add_argument("--per-task", type=int, default=40, help="use only the first N prompts of each task (0 = all)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--threshold", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=1)
