@@ -147,3 +147,11 @@ def test_build_focus_adds_fresh_short_tasks_and_replays_the_base_set(tmp_path):
     prompts = [r["text"].split("\n")[0] if "text" in r else r["messages"][0]["content"] for r in recs]
     assert not {e["prompt"] for e in heldout_tasks(0, 20, 2)} & set(prompts)
     assert sum(p.startswith("Copy: ") for p in prompts) >= 10
+    # a second round draws its own examples (and file), so it does not repeat the first round's data
+    stats2 = build_focus(tmp_path, tmp_path / "train.jsonl", n_tasks=60, replay_frac=0.5, n_heldout=20, n_eval=2,
+                         round=2)
+    assert stats2["round"] == 2 and (tmp_path / "focus_stats.json").exists()
+    recs2 = read_records(tmp_path / "focus2.jsonl")
+    assert len(recs2) == stats2["focus_records"] and read_records(tmp_path / "focus.jsonl") == recs
+    fresh = lambda rs: {json.dumps(r, sort_keys=True) for r in rs} - {json.dumps(r, sort_keys=True) for r in base}
+    assert len(fresh(recs) & fresh(recs2)) < 5

@@ -88,25 +88,34 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
     return stats
 
 
+def focus_name(round: int) -> str:
+    """Round 1 writes focus.jsonl (and trains runs/default/focus), round r > 1 focus{r}.jsonl."""
+    return "focus" if round == 1 else f"focus{round}"
+
+
 def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, replay_frac: float = 0.25,
-                n_heldout: int = 2000, n_eval: int = 40, chat_frac: float = 0.4, think_frac: float = 0.3) -> dict:
+                n_heldout: int = 2000, n_eval: int = 40, chat_frac: float = 0.4, think_frac: float = 0.3,
+                round: int = 1) -> dict:
     """The focus stage's data (focus.jsonl): `n_tasks` fresh examples of the evaluated short tasks
     (addition, subtraction, sorting, copying, reversing, lookup; a new seed, none of the held-out
     prompts) plus a random `replay_frac` of the base training records, so decision groups, tool
     dialogues and Shakespeare are not forgotten. Why: the first two stages spend ~57% of their tokens
     on those long records and the short tasks, which need exact retrieval from the prompt, stay
-    unlearned at a few million tokens."""
+    unlearned at a few million tokens. Each `round` draws its own examples and its own replayed quarter
+    (seeds offset by 10 per round), so a further round never repeats the previous one's data."""
     from .dataset import read_records
 
-    rng = random.Random(seed + 5)
+    offset = 10 * (round - 1)
+    rng = random.Random(seed + 5 + offset)
     short = tuple(t for t in tasks.TASKS if t != "group")
     exclude = {e["prompt"] for e in heldout_tasks(seed, n_heldout, n_eval)}
-    fresh = tasks.generate_split(seed + 6, n_tasks, short, exclude=exclude)
+    fresh = tasks.generate_split(seed + 6 + offset, n_tasks, short, exclude=exclude)
     recs = list(task_records(fresh, rng, chat_frac, think_frac))
     replay = [r for r in read_records(base_train) if rng.random() < replay_frac]
     recs += replay
     rng.shuffle(recs)
-    stats = {"focus_records": _write(Path(out_dir) / "focus.jsonl", recs), "fresh_tasks": len(fresh),
-             "replayed": len(replay), "seed": seed}
-    (Path(out_dir) / "focus_stats.json").write_text(json.dumps(stats, indent=2))
+    name = focus_name(round)
+    stats = {"focus_records": _write(Path(out_dir) / f"{name}.jsonl", recs), "fresh_tasks": len(fresh),
+             "replayed": len(replay), "seed": seed, "round": round}
+    (Path(out_dir) / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
     return stats

@@ -7,15 +7,16 @@
 4. conversion: the AR model is already a Clover model (diffusion extras at their identity values);
    the block-diffusion stage simply starts from its weights (recorded in recipe.json)
 5. block-diffusion stage (recipes/default/bd.toml) -> runs/default/bd
-5b. focus stage (recipes/default/focus.toml): the stage-5 model on fresh short-task examples plus a
-   replayed quarter of the data -> runs/default/focus
+5b. focus rounds (recipes/default/focus.toml, recipe.toml [focus] rounds): the stage-5 model on fresh
+   short-task examples plus a replayed quarter of the data -> runs/default/focus, then again on new
+   examples from that model -> runs/default/focus2, ...
 6. export: bf16 safetensors + tokenizer (chat template with enable_thinking) + recipe.json
    -> clover/assets/default/
 7. eval: recipes/default/evaluate.py (held-out task accuracy, low_confidence vs ar, TPF), then
    recipes/default/report.py writes recipes/default/RESULTS.md and the model card
 
     python recipes/default/make_model.py [--resume] [--ar-time-budget S] [--bd-time-budget S]
-        [--focus-time-budget S] [--skip-eval]
+        [--focus-time-budgets S [S ...]] [--skip-eval]
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="keep finished steps, resume stages from checkpoints")
     ap.add_argument("--ar-time-budget", type=float, default=None)
     ap.add_argument("--bd-time-budget", type=float, default=None)
-    ap.add_argument("--focus-time-budget", type=float, default=None)
+    ap.add_argument("--focus-time-budgets", type=float, nargs="+", default=None,
+                    help="wall-clock seconds per focus round (overrides recipe.toml [focus] rounds)")
     ap.add_argument("--skip-eval", action="store_true")
     args = ap.parse_args(argv)
     os.chdir(ROOT)
@@ -137,8 +139,6 @@ def main(argv=None) -> int:
     budgets = rec.get("stages", {})
     ar_budget = args.ar_time_budget if args.ar_time_budget is not None else budgets.get("ar_time_budget", 0)
     bd_budget = args.bd_time_budget if args.bd_time_budget is not None else budgets.get("bd_time_budget", 0)
-    focus_budget = (args.focus_time_budget if args.focus_time_budget is not None
-                    else budgets.get("focus_time_budget", 0))
 
     # 3. AR stage
     ar_cfg = stage_config(HERE / "ar.toml", out_dir=str(run / "ar"), time_budget=float(ar_budget), **common)
@@ -158,23 +158,35 @@ def main(argv=None) -> int:
     prov["stage"] = "block_diffusion"
     export(run / "bd" / "final", tok_dir, export_dir, prov)
 
-    # 5b. focus stage: fresh short tasks + replay
-    from clover.data.build import build_focus
+    # 5b. focus rounds: fresh short tasks + replay, each round from the previous round's model
+    from clover.data.build import build_focus, focus_name
 
-    if not (args.resume and (data / "focus_stats.json").exists()):
-        log("focus data: generating")
-        same = {k: rec["data"][k] for k in ("n_heldout", "n_eval", "chat_frac", "think_frac")}
-        build_focus(data, data / "train.jsonl", seed=rec["seed"], **rec["focus"], **same)
-    prov["focus_data"] = json.loads((data / "focus_stats.json").read_text())
-    focus_cfg = stage_config(HERE / "focus.toml", out_dir=str(run / "focus"), init=str(run / "bd" / "final"),
-                             time_budget=float(focus_budget), **{**common, "train_files": [str(data / "focus.jsonl")]})
-    prov["focus_stage"] = run_stage("focus stage", focus_cfg, args.resume)
-    prov["stage"] = "focus"
-    prov["train_seconds"] = time.time() - t_start
+    focus = dict(rec["focus"])
+    rounds = focus.pop("rounds")
+    if args.focus_time_budgets is not None:
+        if len(args.focus_time_budgets) != len(rounds):
+            ap.error(f"--focus-time-budgets needs {len(rounds)} values, one per focus round")
+        rounds = [{**r, "time_budget": b} for r, b in zip(rounds, args.focus_time_budgets)]
+    same = {k: rec["data"][k] for k in ("n_heldout", "n_eval", "chat_frac", "think_frac")}
+    last = run / "bd"
+    for i, over in enumerate(rounds, start=1):
+        name = focus_name(i)
+        if not (args.resume and (data / f"{name}_stats.json").exists()):
+            log(f"{name} data: generating")
+            build_focus(data, data / "train.jsonl", seed=rec["seed"], round=i, **focus, **same)
+        prov[f"{name}_data"] = json.loads((data / f"{name}_stats.json").read_text())
+        cfg = stage_config(HERE / "focus.toml", out_dir=str(run / name), init=str(last / "final"),
+                           **{**common, "train_files": [str(data / f"{name}.jsonl")], **over})
+        prov[f"{name}_stage"] = run_stage(f"focus round {i}", cfg, args.resume)
+        prov["stage"] = name
+        last = run / name
+    # every stage's own training time, so a --resume'd run still reports the whole recipe's cost
+    prov["train_seconds"] = sum(v["elapsed_s"] for k, v in prov.items() if k.endswith("_stage"))
+    prov["this_run_seconds"] = time.time() - t_start
     prov["finished"] = dt.datetime.now().isoformat(timespec="seconds")
 
     # 6. export
-    export(run / "focus" / "final", tok_dir, export_dir, prov)
+    export(last / "final", tok_dir, export_dir, prov)
 
     # 7. eval
     if not args.skip_eval:

@@ -1,5 +1,5 @@
 """Write the default model's results (recipes/default/RESULTS.md and the model card
-clover/assets/default/README.md) from runs/default/{ar,bd,focus}/summary.json and runs/default/eval.json.
+clover/assets/default/README.md) from runs/default/{ar,bd,focus,focus2,...}/summary.json and runs/default/eval.json.
 
     python recipes/default/report.py [--run runs/default]
 """
@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from clover.data.build import focus_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,10 +25,10 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=str(ROOT / "runs" / "default"))
     args = ap.parse_args(argv)
     run = Path(args.run)
+    names = [("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)")]
+    names += [(focus_name(i), f"focus round {i}: short tasks + replay (`focus.toml`)") for i in range(1, 10)]
     stages = [(name, json.loads((run / key / "summary.json").read_text()))
-              for key, name in (("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)"),
-                                ("focus", "focus: short tasks + replay (`focus.toml`)"))
-              if (run / key / "summary.json").exists()]
+              for key, name in names if (run / key / "summary.json").exists()]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
     cfg = json.loads((ROOT / "clover" / "assets" / "default" / "config.json").read_text())
     lines = ["# Default model: results", "",
