@@ -7,6 +7,7 @@ clover/assets/default/README.md) from runs/default/{ar,bd,focus,focus2,...}/summ
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     run = Path(args.run)
     names = [("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)")]
-    names += [(focus_name(i), f"focus round {i}: short tasks + replay (`focus.toml`)") for i in range(1, 10)]
+    rounds = itertools.takewhile(lambda i: (run / focus_name(i)).exists(), itertools.count(1))
+    names += [(focus_name(i), f"focus round {i}: short tasks + replay (`focus.toml`)") for i in rounds]
     stages = [(name, json.loads((run / key / "summary.json").read_text()))
               for key, name in names if (run / key / "summary.json").exists()]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
