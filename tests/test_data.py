@@ -155,3 +155,13 @@ def test_build_focus_adds_fresh_short_tasks_and_replays_the_base_set(tmp_path):
     assert len(recs2) == stats2["focus_records"] and read_records(tmp_path / "focus.jsonl") == recs
     fresh = lambda rs: {json.dumps(r, sort_keys=True) for r in rs} - {json.dumps(r, sort_keys=True) for r in base}
     assert len(fresh(recs) & fresh(recs2)) < 5
+    # fresh decision groups: new ones, none of them a held-out benchmark group
+    stats3 = build_focus(tmp_path, tmp_path / "train.jsonl", n_tasks=60, replay_frac=0.0, n_heldout=20, n_eval=2,
+                         round=3, n_decision=25)
+    recs3 = read_records(tmp_path / "focus3.jsonl")
+    groups = [r.get("text") or r["messages"][0]["content"] for r in recs3]
+    groups = [g for g in groups if " Q1: " in g]
+    assert stats3["fresh_decision_groups"] == len(groups) == 25 and stats3["fresh_tasks"] == 60
+    held = [r["material"] for r in tasks.decision_benchmark(0, n_heldout=500)[1]]
+    assert not any(m in g for m in held for g in groups)
+    assert len({g for g in groups} - {r.get("text") or r["messages"][0]["content"] for r in base}) == 25

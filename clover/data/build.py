@@ -95,14 +95,16 @@ def focus_name(round: int) -> str:
 
 def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, replay_frac: float = 0.25,
                 n_heldout: int = 2000, n_eval: int = 40, chat_frac: float = 0.4, think_frac: float = 0.3,
-                round: int = 1) -> dict:
+                round: int = 1, n_decision: int = 0) -> dict:
     """The focus stage's data (focus.jsonl): `n_tasks` fresh examples of the evaluated short tasks
     (addition, subtraction, sorting, copying, reversing, lookup; a new seed, none of the held-out
     prompts) plus a random `replay_frac` of the base training records, so decision groups, tool
     dialogues and Shakespeare are not forgotten. Why: the first two stages spend ~57% of their tokens
     on those long records and the short tasks, which need exact retrieval from the prompt, stay
     unlearned at a few million tokens. Each `round` draws its own examples and its own replayed quarter
-    (seeds offset by 10 per round), so a further round never repeats the previous one's data."""
+    (seeds offset by 10 per round), so a further round never repeats the previous one's data.
+    `n_decision` adds that many fresh decision groups (none of the decision benchmark's held-out
+    material): replay alone let the group skill fade to chance over two rounds."""
     from .dataset import read_records
 
     offset = 10 * (round - 1)
@@ -110,12 +112,16 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
     short = tuple(t for t in tasks.TASKS if t != "group")
     exclude = {e["prompt"] for e in heldout_tasks(seed, n_heldout, n_eval)}
     fresh = tasks.generate_split(seed + 6 + offset, n_tasks, short, exclude=exclude)
+    held_groups = {r["material"] for r in tasks.decision_benchmark(seed, n_heldout=5000)[1]}
+    fresh += [tasks.group_as_example(r)
+              for r in tasks.decision_split(seed * 2 + 1001 + offset, n_decision, exclude=held_groups)]
     recs = list(task_records(fresh, rng, chat_frac, think_frac))
     replay = [r for r in read_records(base_train) if rng.random() < replay_frac]
     recs += replay
     rng.shuffle(recs)
     name = focus_name(round)
-    stats = {"focus_records": _write(Path(out_dir) / f"{name}.jsonl", recs), "fresh_tasks": len(fresh),
+    stats = {"focus_records": _write(Path(out_dir) / f"{name}.jsonl", recs), "fresh_tasks": len(fresh) - n_decision,
+             "fresh_decision_groups": n_decision,
              "replayed": len(replay), "seed": seed, "round": round}
     (Path(out_dir) / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
     return stats

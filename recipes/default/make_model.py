@@ -36,6 +36,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+FOCUS_DATA_KEYS = ("n_tasks", "replay_frac", "n_decision")  # per-round overrides of recipe.toml [focus]
 
 
 def log(msg: str) -> None:
@@ -171,9 +172,12 @@ def main(argv=None) -> int:
     last = run / "bd"
     for i, over in enumerate(rounds, start=1):
         name = focus_name(i)
+        # a round's data keys (n_tasks, replay_frac, n_decision) override [focus]; the rest are trainer keys
+        over = dict(over)
+        mix = {**focus, **{k: over.pop(k) for k in FOCUS_DATA_KEYS if k in over}}
         if not (args.resume and (data / f"{name}_stats.json").exists()):
             log(f"{name} data: generating")
-            build_focus(data, data / "train.jsonl", seed=rec["seed"], round=i, **focus, **same)
+            build_focus(data, data / "train.jsonl", seed=rec["seed"], round=i, **mix, **same)
         prov[f"{name}_data"] = json.loads((data / f"{name}_stats.json").read_text())
         cfg = stage_config(HERE / "focus.toml", out_dir=str(run / name), init=str(last / "final"),
                            **{**common, "train_files": [str(data / f"{name}.jsonl")], **over})
