@@ -16,7 +16,7 @@
    recipes/default/report.py writes recipes/default/RESULTS.md and the model card
 
     python recipes/default/make_model.py [--resume] [--ar-time-budget S] [--bd-time-budget S]
-        [--focus-time-budgets S [S ...]] [--skip-eval]
+        [--focus-time-budgets S [S ...]] [--device cpu|cuda] [--bf16] [--skip-eval]
 """
 
 from __future__ import annotations
@@ -41,6 +41,23 @@ FOCUS_DATA_KEYS = ("n_tasks", "replay_frac", "n_decision")  # per-round override
 
 def log(msg: str) -> None:
     print(f"[{dt.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+def focus_rounds(rec: dict, budgets: list[float] | None = None) -> list[tuple[dict, dict]]:
+    """Per focus round of recipe.toml: (its data mix for build_focus, its overrides of focus.toml).
+    A round's n_tasks / replay_frac / n_decision override [focus]; its other keys are trainer keys.
+    `budgets` (--focus-time-budgets) replaces every round's time_budget."""
+    focus = dict(rec["focus"])
+    rounds = focus.pop("rounds")
+    if budgets is not None:
+        if len(budgets) != len(rounds):
+            raise ValueError(f"--focus-time-budgets needs {len(rounds)} values, one per focus round")
+        rounds = [{**r, "time_budget": b} for r, b in zip(rounds, budgets)]
+    out = []
+    for r in rounds:
+        over = dict(r)
+        out.append(({**focus, **{k: over.pop(k) for k in FOCUS_DATA_KEYS if k in over}}, over))
+    return out
 
 
 def stage_config(toml: Path, **over):
@@ -100,18 +117,30 @@ def main(argv=None) -> int:
     ap.add_argument("--bd-time-budget", type=float, default=None)
     ap.add_argument("--focus-time-budgets", type=float, nargs="+", default=None,
                     help="wall-clock seconds per focus round (overrides recipe.toml [focus] rounds)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where every stage trains; budgets are wall-clock, so a GPU trains more tokens in them")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast in every stage (for --device cuda)")
     ap.add_argument("--skip-eval", action="store_true")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available on this machine")
+    try:  # checked now, not after hours of earlier stages
+        with open(args.recipe, "rb") as f:
+            rec = tomllib.load(f)
+        rounds = focus_rounds(rec, args.focus_time_budgets)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        ap.error(f"--recipe {args.recipe}: {e}")
+    except (ValueError, KeyError) as e:
+        ap.error(f"{args.recipe}: {e}")
     os.chdir(ROOT)
     torch.set_num_threads(1)
-    with open(args.recipe, "rb") as f:
-        rec = tomllib.load(f)
     run = Path(rec["run_dir"])
     data, tok_dir = run / "data", run / "tokenizer"
     export_dir = Path(rec["export_dir"])
     t_start = time.time()
     prov = {"recipe": "recipes/default", "command": "make model", "seed": rec["seed"],
-            "started": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__}
+            "started": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "device": args.device, "bf16": args.bf16}
 
     # 1. data
     from clover.data.build import build
@@ -136,7 +165,8 @@ def main(argv=None) -> int:
     log(f"tokenizer: {len(tok)} tokens, mask={tok.mask_token_id}, eos={tok.eos_token_id}")
 
     common = dict(tokenizer=str(tok_dir), train_files=[str(data / "train.jsonl")],
-                  eval_files=[str(data / "heldout.jsonl")], seed=rec["seed"], progress=sys.stderr.isatty())
+                  eval_files=[str(data / "heldout.jsonl")], seed=rec["seed"], progress=sys.stderr.isatty(),
+                  device=args.device, bf16=args.bf16)
     budgets = rec.get("stages", {})
     ar_budget = args.ar_time_budget if args.ar_time_budget is not None else budgets.get("ar_time_budget", 0)
     bd_budget = args.bd_time_budget if args.bd_time_budget is not None else budgets.get("bd_time_budget", 0)
@@ -162,19 +192,10 @@ def main(argv=None) -> int:
     # 5b. focus rounds: fresh short tasks + replay, each round from the previous round's model
     from clover.data.build import build_focus, focus_name
 
-    focus = dict(rec["focus"])
-    rounds = focus.pop("rounds")
-    if args.focus_time_budgets is not None:
-        if len(args.focus_time_budgets) != len(rounds):
-            ap.error(f"--focus-time-budgets needs {len(rounds)} values, one per focus round")
-        rounds = [{**r, "time_budget": b} for r, b in zip(rounds, args.focus_time_budgets)]
     same = {k: rec["data"][k] for k in ("n_heldout", "n_eval", "chat_frac", "think_frac")}
     last = run / "bd"
-    for i, over in enumerate(rounds, start=1):
+    for i, (mix, over) in enumerate(rounds, start=1):
         name = focus_name(i)
-        # a round's data keys (n_tasks, replay_frac, n_decision) override [focus]; the rest are trainer keys
-        over = dict(over)
-        mix = {**focus, **{k: over.pop(k) for k in FOCUS_DATA_KEYS if k in over}}
         if not (args.resume and (data / f"{name}_stats.json").exists()):
             log(f"{name} data: generating")
             build_focus(data, data / "train.jsonl", seed=rec["seed"], round=i, **mix, **same)

@@ -21,6 +21,13 @@ def pct(x) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _focus_mix(run: Path, i: int) -> str:
+    """What a focus round trained on, from its data stats (runs/default/data/focus{i}_stats.json)."""
+    stats = run / "data" / f"{focus_name(i)}_stats.json"
+    groups = json.loads(stats.read_text()).get("fresh_decision_groups", 0) if stats.exists() else 0
+    return "short tasks + fresh decision groups + replay" if groups else "short tasks + replay"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", default=str(ROOT / "runs" / "default"))
@@ -28,7 +35,7 @@ def main(argv=None) -> int:
     run = Path(args.run)
     names = [("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)")]
     rounds = itertools.takewhile(lambda i: (run / focus_name(i)).exists(), itertools.count(1))
-    names += [(focus_name(i), f"focus round {i}: short tasks + replay (`focus.toml`)") for i in rounds]
+    names += [(focus_name(i), f"focus round {i}: {_focus_mix(run, i)} (`focus.toml`)") for i in rounds]
     stages = [(name, json.loads((run / key / "summary.json").read_text()))
               for key, name in names if (run / key / "summary.json").exists()]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None

@@ -1,0 +1,62 @@
+"""The default recipe's files parse into what its stages need (recipes/default/make_model.py), so a typo
+in recipe.toml fails here, not after hours of training."""
+
+import importlib.util
+import inspect
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from clover.data.build import build_focus
+from clover.training.trainer import TrainConfig
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "default"
+
+
+@pytest.fixture(scope="module")
+def make_model():
+    spec = importlib.util.spec_from_file_location("make_model", RECIPE / "make_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_focus_round_splits_into_a_data_mix_and_trainer_options(make_model):
+    rec = tomllib.loads((RECIPE / "recipe.toml").read_text())
+    rounds = make_model.focus_rounds(rec)
+    assert len(rounds) == len(rec["focus"]["rounds"]) >= 1
+    data_params = set(inspect.signature(build_focus).parameters)
+    for i, (mix, over) in enumerate(rounds):
+        assert set(mix) <= data_params and not set(mix) & set(over)
+        assert over["time_budget"] == rec["focus"]["rounds"][i]["time_budget"]
+        cfg = make_model.stage_config(RECIPE / "focus.toml", **over)  # unknown trainer keys raise
+        assert isinstance(cfg, TrainConfig)
+    # a round's data keys override [focus]; the others fall back to it
+    custom = {"focus": {"n_tasks": 10, "replay_frac": 0.5, "rounds": [{"time_budget": 1.0},
+                                                                       {"time_budget": 2.0, "n_decision": 7, "lr": 1e-4}]}}
+    (mix1, over1), (mix2, over2) = make_model.focus_rounds(custom)
+    assert mix1 == {"n_tasks": 10, "replay_frac": 0.5} and over1 == {"time_budget": 1.0}
+    assert mix2 == {"n_tasks": 10, "replay_frac": 0.5, "n_decision": 7} and over2 == {"time_budget": 2.0, "lr": 1e-4}
+    (_, over1), (_, over2) = make_model.focus_rounds(custom, [5.0, 6.0])
+    assert (over1["time_budget"], over2["time_budget"]) == (5.0, 6.0)
+    with pytest.raises(ValueError, match="needs 2 values"):
+        make_model.focus_rounds(custom, [5.0])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--focus-time-budgets"] + ["1"] * 9, "one per focus round"),
+    (["--recipe", "no/such/recipe.toml"], "No such file"),
+])
+def test_bad_flags_fail_before_any_work(make_model, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        make_model.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(make_model, capsys):
+    with pytest.raises(SystemExit) as e:
+        make_model.main(["--device", "cuda"])
+    assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
