@@ -215,7 +215,7 @@ def main(argv=None) -> int:
 
     # 7. eval
     if not args.skip_eval:
-        cmd = [sys.executable, str(HERE / "evaluate.py"), "--model", str(export_dir),
+        cmd = [sys.executable, str(HERE.relative_to(ROOT) / "evaluate.py"), "--model", str(export_dir),
                "--tasks", str(data / "eval_tasks.jsonl"), "--out", str(run / "eval.json")]
         log("eval: " + " ".join(cmd))
         subprocess.run(cmd, check=True)
