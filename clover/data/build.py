@@ -112,17 +112,18 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
     short = tuple(t for t in tasks.TASKS if t != "group")
     exclude = {e["prompt"] for e in heldout_tasks(seed, n_heldout, n_eval)}
     fresh = tasks.generate_split(seed + 6 + offset, n_tasks, short, exclude=exclude)
+    groups = []
     if n_decision:
         held_groups = {r["material"] for r in tasks.decision_benchmark(seed, n_heldout=5000)[1]}
-        fresh += [tasks.group_as_example(r)
+        groups = [tasks.group_as_example(r)
                   for r in tasks.decision_split(seed * 2 + 1001 + offset, n_decision, exclude=held_groups)]
-    recs = list(task_records(fresh, rng, chat_frac, think_frac))
+    recs = list(task_records(fresh + groups, rng, chat_frac, think_frac))
     replay = [r for r in read_records(base_train) if rng.random() < replay_frac]
     recs += replay
     rng.shuffle(recs)
     name = focus_name(round)
-    stats = {"focus_records": _write(Path(out_dir) / f"{name}.jsonl", recs), "fresh_tasks": len(fresh) - n_decision,
-             "fresh_decision_groups": n_decision,
+    stats = {"focus_records": _write(Path(out_dir) / f"{name}.jsonl", recs), "fresh_tasks": len(fresh),
+             "fresh_decision_groups": len(groups),
              "replayed": len(replay), "seed": seed, "round": round}
     (Path(out_dir) / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
     return stats
