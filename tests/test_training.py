@@ -33,13 +33,14 @@ def tiny_model():
 
 
 # ---- the objective ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("block,length", [(4, 21), (8, 16), (3, 10)])
-def test_vectorised_loss_equals_window_by_window(block, length):
+@pytest.mark.parametrize("block,length,suffix_frac", [(4, 21, 0.0), (8, 16, 0.0), (3, 10, 0.0), (8, 21, 0.5)])
+def test_vectorised_loss_equals_window_by_window(block, length, suffix_frac):
     model = tiny_model()
     ids = torch.randint(0, 120, (2, length))
     lm = torch.ones_like(ids, dtype=torch.bool)
     lm[0, :5] = False  # a prompt: its targets are never masked nor scored
-    xt, masked, w = sample_noise(ids, lm, block, 0.2, 0.9, model.config.mask_token_id, torch.Generator().manual_seed(1))
+    xt, masked, w = sample_noise(ids, lm, block, 0.2, 0.9, model.config.mask_token_id, torch.Generator().manual_seed(1),
+                                 suffix_frac=suffix_frac)
     n = int(lm[:, 1:].sum())
     with torch.no_grad():
         logits = model(ids, noisy_input_ids=xt, block_size=block).logits
@@ -48,6 +49,29 @@ def test_vectorised_loss_equals_window_by_window(block, length):
     torch.testing.assert_close(logits, naive_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(vec, naive, atol=1e-5, rtol=1e-5)
     assert masked.any() and not masked[0, :4].any()
+
+
+def test_suffix_noise_masks_the_end_of_each_window():
+    length, block = 23, 8  # windows anchored at the end: the first holds 7 columns
+    ids = torch.randint(2, 100, (500, length))
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    _, masked, w = sample_noise(ids, lm, block, 0.1, 1.0, 1, torch.Generator().manual_seed(3), suffix_frac=1.0)
+    wid = window_ids(length, block)
+    for k in range(int(wid[-1]) + 1):
+        cols = (wid == k).nonzero().flatten()
+        m = masked[:, cols]
+        if k == int(wid[-1]):
+            m = m[:, :-1]  # the row's last column has no target
+        # masked columns form a suffix: once a column is masked, every later one is too
+        assert (m.cummax(dim=1).values == m).all()
+        assert m.any() and (~m).any()
+    frac = masked[:, :-1].float().mean().item()
+    assert abs(frac - 0.55) < 0.05  # E[t] for t ~ U[0.1, 1]
+    assert (w[masked] >= 1).all() and (w[~masked] == 0).all()
+    _, mixed, _ = sample_noise(ids, lm, block, 0.1, 1.0, 1, torch.Generator().manual_seed(3), suffix_frac=0.5)
+    runs = mixed[:, 15:22]  # a full window: some rows random (holes before a masked column), some suffixes
+    holes = (runs.cummax(dim=1).values != runs).any(dim=1).float().mean().item()
+    assert 0.15 < holes < 0.5
 
 
 def test_noise_follows_the_window_rules():

@@ -5,7 +5,9 @@ Block diffusion, with the model's token shift (logits at column i predict token 
 * window k covers input columns [s, e) and owns the TARGETS s+1..e (the last column of the row has
   no target);
 * one noise level t_k ~ U[t_min, t_max] per (row, window); each eligible target (loss mask 1) of
-  window k is masked with probability t_k;
+  window k is masked with probability t_k, or, in a `suffix_frac` share of windows, the window's last
+  ~t_k fraction of targets is masked: the state low-confidence decoding is in mid-block, which fills
+  a block mostly left to right (random masking shows the model future tokens it never has then);
 * input column c of x_t holds <mask> iff its token is a masked target of c's own window, i.e. c is
   not the first column of its window (that one is the previous window's last target: always clean)
   and target c is masked; the window's last target (token e) never appears in its input;
@@ -36,7 +38,7 @@ def ar_loss(model, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Te
     return (ce * m).sum() / max(n, 1), n
 
 
-def sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary=False):
+def sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary=False, suffix_frac=0.0):
     """Returns (x_t, target_masked, weight) for the vectorised objective.
 
     target_masked[b, c] says whether the target of column c (token c+1) is masked; weight[b, c] is
@@ -50,6 +52,14 @@ def sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, comple
     eligible = torch.zeros_like(loss_mask)
     eligible[:, :-1] = loss_mask[:, 1:]
     u = torch.rand(batch, length, generator=generator, device=ids.device)
+    if suffix_frac > 0:
+        # u becomes a column's place in its window (0 first .. 1 last): "u < t" then masks the last
+        # ~t fraction of the window's columns, i.e. a suffix
+        size = torch.bincount(wid, minlength=nwin)
+        start = torch.cumsum(size, 0) - size
+        place = 1 - (torch.arange(length, device=ids.device) - start[wid] + 0.5) / size[wid]
+        suffix = torch.rand(batch, nwin, generator=generator, device=ids.device) < suffix_frac
+        u = torch.where(suffix[:, wid], place.expand(batch, -1), u)
     masked = (u < t_col) & eligible
     weight = masked / t_col
     if complementary:
@@ -74,12 +84,13 @@ def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible):
 
 
 def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None,
-                         complementary=False) -> tuple[torch.Tensor, int]:
+                         complementary=False, suffix_frac=0.0) -> tuple[torch.Tensor, int]:
     """Vectorised [x_t ; x_0] loss (see module docstring). Returns (loss, eligible targets)."""
     if block == 1:
         return ar_loss(model, ids, loss_mask)
     mask_id = model.config.mask_token_id
-    xt, masked, weight = sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary)
+    xt, masked, weight = sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary,
+                                      suffix_frac)
     x0 = torch.cat([ids, ids]) if complementary else ids
     logits = model(x0, noisy_input_ids=xt, block_size=block).logits
     n = int(loss_mask[:, 1:].sum()) * (2 if complementary else 1)

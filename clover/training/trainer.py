@@ -64,6 +64,7 @@ class TrainConfig:
     t_min: float = 0.1
     t_max: float = 1.0
     complementary: bool = False
+    suffix_frac: float = 0.0  # share of windows masked as a suffix (objectives.sample_noise), not at random
     block_schedule: list = field(default_factory=lambda: [[0.1, [1]], [0.2, [4]], [0.3, [8]], [0.4, [16]],
                                                          [1.0, [4, 8, 16, 32]]])
     random_phase: bool = True
@@ -96,6 +97,8 @@ class TrainConfig:
             raise ValueError("no tokenizer given")
         if not 0 <= self.self_spec_frac <= 1:
             raise ValueError(f"self_spec_frac must be in [0, 1], got {self.self_spec_frac}")
+        if not 0 <= self.suffix_frac <= 1:
+            raise ValueError(f"suffix_frac must be in [0, 1], got {self.suffix_frac}")
         if not 0 < self.t_min <= self.t_max <= 1:
             raise ValueError(f"need 0 < t_min <= t_max <= 1, got {self.t_min}, {self.t_max}")
         if self.device not in ("cpu", "cuda"):
@@ -247,7 +250,7 @@ class Trainer:
         if self.cfg.objective == "ar" or block == 1:
             return ar_loss(self.model, ids, mask)
         return block_diffusion_loss(self.model, ids, mask, block, self.cfg.t_min, self.cfg.t_max, gen,
-                                    self.cfg.complementary)
+                                    self.cfg.complementary, self.cfg.suffix_frac)
 
     def train_step(self) -> dict:
         cfg = self.cfg
