@@ -198,3 +198,15 @@ def test_35b_context_limit_checked_before_any_work():
     engine = Engine(big, DecodeConfig(max_new_tokens=72))
     with pytest.raises(ValueError, match=r"prompt 0 \(131001 tokens\) \+ max_new_tokens \(72\) exceeds the model's context of 131072"):
         engine.add([[1] * 131_001])
+
+
+def test_filled_in_order(model, prompts):
+    from clover.engine.trajectory import filled_in_order
+
+    # block 0 fills position 1 first (position 0 still masked), block 1 fills two positions together
+    assert filled_in_order([(0, 1), (0, 0), (0, 2), (1, 0), (1, 0)]) == [True, False, True, True, True]
+    ar = run(model, prompts, mode="ar", max_new_tokens=11)
+    assert all(all(filled_in_order(s.trajectory)) for s in ar)
+    lc = run(model, prompts, threshold=0.95, max_new_tokens=11)
+    flags = [f for s in lc for f in filled_in_order(s.trajectory)]
+    assert len(flags) == sum(len(s.token_ids) for s in lc) and not all(flags)  # a random model fills out of order

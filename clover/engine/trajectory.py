@@ -24,6 +24,19 @@ def _steps_per_block(trajectory) -> dict[int, int]:
     return steps
 
 
+def filled_in_order(trajectory) -> list[bool]:
+    """Per token: True when no earlier position of its block was still masked as it was filled (the
+    same step counts as in order). `ar` decoding is all True; a low share means the policy filled blocks
+    out of order, in states (later tokens known, earlier ones masked) left-to-right decoding never meets."""
+    out, block, latest = [], None, -1
+    for b, step in trajectory:
+        if b != block:
+            block, latest = b, -1
+        out.append(latest <= step)
+        latest = max(latest, step)
+    return out
+
+
 def write_trajectory(path: str | Path, pieces: list[str], trajectory: list[tuple[int, int]], title: str = "") -> None:
     """`pieces[i]` is the text of generated token i, `trajectory[i]` its (block, step)."""
     path = Path(path)

@@ -22,7 +22,9 @@ import torch
 
 
 def score(examples, gens, chat: bool) -> dict:
-    per, tok, fwd = defaultdict(lambda: [0, 0]), 0, 0
+    from clover.engine.trajectory import filled_in_order
+
+    per, tok, fwd, in_order = defaultdict(lambda: [0, 0]), 0, 0, 0
     q_right = q_total = 0
     for ex, g in zip(examples, gens):
         text = g.text.strip()
@@ -38,10 +40,11 @@ def score(examples, gens, chat: bool) -> dict:
             q_total += len(ex["answers"])
         tok += len(g.token_ids)
         fwd += g.forward_passes
+        in_order += sum(filled_in_order(g.trajectory))
     right = sum(r for r, _ in per.values())
     total = sum(n for _, n in per.values())
     return {"accuracy": right / max(total, 1), "n": total, "tokens_per_forward": tok / max(fwd, 1),
-            "generated_tokens": tok, "forward_passes": fwd,
+            "generated_tokens": tok, "forward_passes": fwd, "filled_in_order": in_order / max(tok, 1),
             "per_task": {k: r / n for k, (r, n) in sorted(per.items())},
             **({"group_questions": q_right / q_total} if q_total else {})}
 
@@ -78,7 +81,7 @@ def run(model, tok, examples, mode, chat=False, think=False, block_size=32, thre
         chunk = examples[i:i + batch]
         prompts = [ex["prompt"] for ex in chunk] if chat else [plain_prompt(ex) for ex in chunk]
         gens += clover.generate(model, tok, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
-                                threshold=threshold, mode=mode, chat=chat, think=think)
+                                threshold=threshold, mode=mode, chat=chat, think=think, trajectory=True)
     return gens
 
 

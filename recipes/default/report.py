@@ -25,7 +25,10 @@ def _focus_mix(run: Path, i: int) -> str:
     """What a focus round trained on, from its data stats (runs/default/data/focus{i}_stats.json)."""
     stats = run / "data" / f"{focus_name(i)}_stats.json"
     groups = json.loads(stats.read_text()).get("fresh_decision_groups", 0) if stats.exists() else 0
-    return "short tasks + fresh decision groups + replay" if groups else "short tasks + replay"
+    mix = "short tasks + fresh decision groups + replay" if groups else "short tasks + replay"
+    train = run / focus_name(i) / "train_config.json"
+    suffix = json.loads(train.read_text()).get("suffix_frac", 0) if train.exists() else 0
+    return mix + (f", {suffix:.0%} of windows suffix-masked" if suffix else "")
 
 
 def main(argv=None) -> int:
@@ -65,18 +68,20 @@ def main(argv=None) -> int:
             lines += [f"Held-out loss of the shipped bf16 model ({hl['rows']} rows x {hl['seq_len']} tokens): "
                       f"AR {hl['ar']:.3f}, block diffusion (block {ev['block_size']}) {hl[bdkey]:.3f}.", ""]
         tasks = sorted(ev["ar"]["per_task"])
-        lines += ["| decoding | accuracy | tokens / forward | " + " | ".join(tasks) + " |",
-                  "|---|---:|---:|" + "---:|" * len(tasks)]
+        lines += ["| decoding | accuracy | tokens / forward | filled in order | " + " | ".join(tasks) + " |",
+                  "|---|---:|---:|---:|" + "---:|" * len(tasks)]
         for key, name in (("low_confidence", f"low_confidence (threshold {ev['threshold']}, block {ev['block_size']})"),
                           ("ar", "ar (same model, block size 1)")):
             r = ev[key]
-            lines.append(f"| {name} | {pct(r['accuracy'])} | {r['tokens_per_forward']:.2f} | "
+            order = pct(r["filled_in_order"]) if "filled_in_order" in r else "-"
+            lines.append(f"| {name} | {pct(r['accuracy'])} | {r['tokens_per_forward']:.2f} | {order} | "
                          + " | ".join(pct(r["per_task"].get(t, 0)) for t in tasks) + " |")
         if "group_questions" in ev["ar"]:
             lines += ["", f"Decision groups, share of single questions right: low_confidence "
                       f"{pct(ev['low_confidence'].get('group_questions', 0))}, ar {pct(ev['ar']['group_questions'])}."]
         lines += ["", f"Gap (ar - low_confidence): {ev['accuracy_gap_points']:.1f} points; "
-                  f"{ev['low_confidence']['n']} held-out prompts.", "",
+                  f"{ev['low_confidence']['n']} held-out prompts. Filled in order: share of generated tokens "
+                  "with no earlier position of their block still masked when they were filled.", "",
                   "Thinking (chat format, addition and subtraction, low_confidence):", "",
                   "| enable_thinking | accuracy | generated tokens | tokens / forward |", "|---|---:|---:|---:|"]
         for key, name in (("chat_no_think", "false"), ("chat_think", "true")):
