@@ -207,6 +207,16 @@ def test_loss_falls_on_a_tiny_run(corpus, tmp_path):
     assert (tmp_path / "final" / "model.safetensors").exists() and (tmp_path / "final" / "tokenizer.json").exists()
 
 
+def test_held_out_loss_ignores_the_training_mask_mix(corpus, tmp_path):
+    plain = Trainer(tiny_cfg(corpus, tmp_path / "a", eval_block_size=8)).evaluate()
+    suffix = Trainer(tiny_cfg(corpus, tmp_path / "b", eval_block_size=8, suffix_frac=1.0))
+    assert suffix.evaluate() == plain
+    ids, mask = suffix.eval_rows[:4], suffix.eval_mask[:4]
+    trained = suffix._loss(ids, mask, 8, torch.Generator().manual_seed(0))[0]
+    elbo = suffix._loss(ids, mask, 8, torch.Generator().manual_seed(0), suffix_frac=0.0)[0]
+    assert trained != elbo  # the training loss does use the suffix masks
+
+
 def _weights(path):
     return load_file(str(path / "model.safetensors"))
 

@@ -246,11 +246,12 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
-    def _loss(self, ids, mask, block, gen):
+    def _loss(self, ids, mask, block, gen, suffix_frac=None):
         if self.cfg.objective == "ar" or block == 1:
             return ar_loss(self.model, ids, mask)
+        suffix_frac = self.cfg.suffix_frac if suffix_frac is None else suffix_frac
         return block_diffusion_loss(self.model, ids, mask, block, self.cfg.t_min, self.cfg.t_max, gen,
-                                    self.cfg.complementary, self.cfg.suffix_frac)
+                                    self.cfg.complementary, suffix_frac)
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -298,7 +299,8 @@ class Trainer:
                 ids = self.eval_rows[i:i + bs].to(self.device)
                 mask = self.eval_mask[i:i + bs].to(self.device)
                 with self._autocast():
-                    loss, n = self._loss(ids, mask, block, gen)
+                    # the held-out loss is the ELBO (random masks) whatever the training mix, so runs compare
+                    loss, n = self._loss(ids, mask, block, gen, suffix_frac=0.0)
                 num += float(loss) * n
                 den += n
             out["eval_ar_loss" if block == 1 else f"eval_bd{block}_loss"] = num / max(den, 1)
