@@ -60,6 +60,8 @@ def main(argv=None) -> int:
               "(synthetic tasks, prompts excluded from the loss in chat records); the BD loss is the "
               "masked-diffusion ELBO at block 32 with a fixed noise seed. Training tokens/s count each "
               "clean token once (the [x_t ; x_0] pass is twice as long).", ""]
+    notes = [f"{name.split(':')[0]}: {st['eval_note']}." for name, st in stages if "eval_note" in st]
+    lines += notes + ([""] if notes else [])
     if ev:
         hl = ev.get("heldout_loss")
         lines += ["## Evaluation", "", f"Command: `{ev['command']}`", ""]
