@@ -6,8 +6,8 @@ Block diffusion, with the model's token shift (logits at column i predict token 
   no target);
 * one noise level t_k ~ U[t_min, t_max] per (row, window); each eligible target (loss mask 1) of
   window k is masked with probability t_k, or, in a `suffix_frac` share of windows, the window's last
-  ~t_k fraction of targets is masked: the state low-confidence decoding is in mid-block, which fills
-  a block mostly left to right (random masking shows the model future tokens it never has then);
+  ~t_k fraction of targets is masked: the mid-block state of left-to-right filling, a known prefix
+  and a masked rest (random masking mostly shows the model later tokens of the block as well);
 * input column c of x_t holds <mask> iff its token is a masked target of c's own window, i.e. c is
   not the first column of its window (that one is the previous window's last target: always clean)
   and target c is masked; the window's last target (token e) never appears in its input;
