@@ -165,3 +165,21 @@ def test_build_focus_adds_fresh_short_tasks_and_replays_the_base_set(tmp_path):
     held = [r["material"] for r in tasks.decision_benchmark(0, n_heldout=500)[1]]
     assert not any(m in g for m in held for g in groups)
     assert len({g for g in groups} - {r.get("text") or r["messages"][0]["content"] for r in base}) == 25
+
+
+def test_build_focus_fresh_tool_dialogues_continue_the_base_stream(tmp_path):
+    from clover.agent import toolbox
+    from clover.data.build import build, build_focus
+
+    build(tmp_path, n_train=30, n_heldout=10, n_eval=1, n_tool=40)
+    base = [r for r in read_records(tmp_path / "train.jsonl") if "tools" in r]
+    stats = build_focus(tmp_path, tmp_path / "train.jsonl", n_tasks=10, replay_frac=0.0, n_heldout=10, n_eval=1,
+                        n_tool=15, tool_start=40)
+    tools = [r for r in read_records(tmp_path / "focus.jsonl") if "tools" in r]
+    assert stats["fresh_tool_dialogues"] == len(tools) == 15 and len(base) == 40
+    key = lambda r: json.dumps(r, sort_keys=True)
+    assert {key(r) for r in tools} == {key(r) for r in toolbox.training_dialogues(4, 55)[40:]}
+    assert not {key(r) for r in tools} & {key(r) for r in base}  # new dialogues, not replays
+    with pytest.raises(ValueError, match="exclusion bound"):
+        build_focus(tmp_path, tmp_path / "train.jsonl", n_tasks=10, replay_frac=0.0, n_heldout=10, n_eval=1,
+                    round=2, n_tool=15, tool_start=19990)

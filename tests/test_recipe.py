@@ -34,14 +34,20 @@ def test_every_focus_round_splits_into_a_data_mix_and_trainer_options(make_model
         cfg = make_model.stage_config(RECIPE / "focus.toml", **over)  # unknown trainer keys raise
         assert isinstance(cfg, TrainConfig)
     # a round's data keys override [focus]; the others fall back to it
-    custom = {"focus": {"n_tasks": 10, "replay_frac": 0.5, "rounds": [{"time_budget": 1.0},
-                                                                       {"time_budget": 2.0, "n_decision": 7, "lr": 1e-4}]}}
-    (mix1, over1), (mix2, over2) = make_model.focus_rounds(custom)
-    assert mix1 == {"n_tasks": 10, "replay_frac": 0.5} and over1 == {"time_budget": 1.0}
-    assert mix2 == {"n_tasks": 10, "replay_frac": 0.5, "n_decision": 7} and over2 == {"time_budget": 2.0, "lr": 1e-4}
-    (_, over1), (_, over2) = make_model.focus_rounds(custom, [5.0, 6.0])
+    # fresh tool dialogues continue the base data's stream: each round starts where the last stopped
+    custom = {"data": {"n_tool": 100},
+              "focus": {"n_tasks": 10, "replay_frac": 0.5, "rounds": [
+                  {"time_budget": 1.0, "n_tool": 30},
+                  {"time_budget": 2.0, "n_decision": 7, "lr": 1e-4},
+                  {"time_budget": 3.0, "n_tool": 5}]}}
+    (mix1, over1), (mix2, over2), (mix3, _) = make_model.focus_rounds(custom)
+    assert mix1 == {"n_tasks": 10, "replay_frac": 0.5, "n_tool": 30, "tool_start": 100} and over1 == {"time_budget": 1.0}
+    assert mix2 == {"n_tasks": 10, "replay_frac": 0.5, "n_decision": 7, "tool_start": 130}
+    assert over2 == {"time_budget": 2.0, "lr": 1e-4}
+    assert mix3["tool_start"] == 130 and mix3["n_tool"] == 5
+    (_, over1), (_, over2), _ = make_model.focus_rounds(custom, [5.0, 6.0, 7.0])
     assert (over1["time_budget"], over2["time_budget"]) == (5.0, 6.0)
-    with pytest.raises(ValueError, match="needs 2 values"):
+    with pytest.raises(ValueError, match="needs 3 values"):
         make_model.focus_rounds(custom, [5.0])
 
 

@@ -95,7 +95,7 @@ def focus_name(round: int) -> str:
 
 def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, replay_frac: float = 0.25,
                 n_heldout: int = 2000, n_eval: int = 40, chat_frac: float = 0.4, think_frac: float = 0.3,
-                round: int = 1, n_decision: int = 0) -> dict:
+                round: int = 1, n_decision: int = 0, n_tool: int = 0, tool_start: int = 0) -> dict:
     """The focus stage's data (focus.jsonl): `n_tasks` fresh examples of the evaluated short tasks
     (addition, subtraction, sorting, copying, reversing, lookup; a new seed, none of the held-out
     prompts) plus a random `replay_frac` of the base training records, so decision groups, tool
@@ -104,7 +104,10 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
     unlearned at a few million tokens. Each `round` draws its own examples and its own replayed quarter
     (seeds offset by 10 per round), so a further round never repeats the previous one's data.
     `n_decision` adds that many fresh decision groups (none of the decision benchmark's held-out
-    material): replay alone let the group skill fade to chance over two rounds."""
+    material): replay alone let the group skill fade to chance over two rounds. `n_tool` adds fresh
+    tool-use dialogues: numbers tool_start .. tool_start + n_tool of the base data's dialogue stream
+    (which the agent benchmark excludes up to its TRAINING_SEEDS bound), so the caller passes the base
+    data's n_tool plus earlier rounds' to keep every round's dialogues new."""
     from .dataset import read_records
 
     offset = 10 * (round - 1)
@@ -118,12 +121,20 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
         groups = [tasks.group_as_example(r)
                   for r in tasks.decision_split(seed * 2 + 1001 + offset, n_decision, exclude=held_groups)]
     recs = list(task_records(fresh + groups, rng, chat_frac, think_frac))
+    if n_tool:
+        from clover.agent.bench import TRAINING_SEEDS
+
+        bound = dict(TRAINING_SEEDS)[4]
+        if tool_start + n_tool > bound:
+            raise ValueError(f"tool dialogues {tool_start}..{tool_start + n_tool} pass the agent benchmark's "
+                             f"exclusion bound {bound} (clover.agent.bench.TRAINING_SEEDS)")
+        recs += toolbox.training_dialogues(seed + 4, tool_start + n_tool)[tool_start:]
     replay = [r for r in read_records(base_train) if rng.random() < replay_frac]
     recs += replay
     rng.shuffle(recs)
     name = focus_name(round)
     stats = {"focus_records": _write(Path(out_dir) / f"{name}.jsonl", recs), "fresh_tasks": len(fresh),
-             "fresh_decision_groups": len(groups),
+             "fresh_decision_groups": len(groups), "fresh_tool_dialogues": n_tool,
              "replayed": len(replay), "seed": seed, "round": round}
     (Path(out_dir) / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
     return stats

@@ -16,6 +16,12 @@ Block diffusion, with the model's token shift (logits at column i predict token 
   each row is duplicated with the eligible-but-unmasked targets masked instead, weight 1/(1-t_k),
   and the sum is divided by twice the eligible count).
 Block size 1 is the AR objective (every target always predicted, weight 1) and runs the AR path.
+
+Confidence term (`conf_weight`, LLaDA2.0's confidence-aware parallel training): plus conf_weight x the
+mean entropy of the predicted distribution over the masked targets the model already gets right
+(argmax = target). The ELBO gives little incentive to push a right answer from p = 0.8 to 0.99, but
+low_confidence decoding fills only what clears 0.95: sharpening right answers is what lets it fill
+several tokens per step. Wrong predictions are left alone, so uncertainty stays where it is earned.
 """
 
 from __future__ import annotations
@@ -76,15 +82,28 @@ def sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, comple
     return xt, masked, weight
 
 
-def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible):
+def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible, conf_weight=0.0, stats=None):
+    """The ELBO estimate, plus the confidence term when `conf_weight` > 0 (its mean entropy and the
+    share of masked targets it covers go to `stats` when given)."""
     tgt = torch.zeros_like(ids)
     tgt[:, :-1] = ids[:, 1:]
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
-    return (ce * weight).sum() / max(n_eligible, 1)
+    if not conf_weight:
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
+        return (ce * weight).sum() / max(n_eligible, 1)
+    logp = logits.float().log_softmax(-1)
+    ce = -logp.gather(-1, tgt[..., None]).squeeze(-1)
+    right = masked & (logp.argmax(-1) == tgt)
+    entropy = -(logp.exp() * logp).sum(-1)
+    n_right = int(right.sum())
+    conf = (entropy * right).sum() / max(n_right, 1)
+    if stats is not None:
+        stats["conf_entropy"] = float(conf.detach())
+        stats["right_share"] = n_right / max(int(masked.sum()), 1)
+    return (ce * weight).sum() / max(n_eligible, 1) + conf_weight * conf
 
 
 def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None,
-                         complementary=False, suffix_frac=0.0) -> tuple[torch.Tensor, int]:
+                         complementary=False, suffix_frac=0.0, conf_weight=0.0, stats=None) -> tuple[torch.Tensor, int]:
     """Vectorised [x_t ; x_0] loss (see module docstring). Returns (loss, eligible targets)."""
     if block == 1:
         return ar_loss(model, ids, loss_mask)
@@ -94,7 +113,7 @@ def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, gen
     x0 = torch.cat([ids, ids]) if complementary else ids
     logits = model(x0, noisy_input_ids=xt, block_size=block).logits
     n = int(loss_mask[:, 1:].sum()) * (2 if complementary else 1)
-    return diffusion_loss_from_logits(logits, x0, masked, weight, n), n
+    return diffusion_loss_from_logits(logits, x0, masked, weight, n, conf_weight, stats), n
 
 
 def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible):

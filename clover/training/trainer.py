@@ -65,6 +65,7 @@ class TrainConfig:
     t_max: float = 1.0
     complementary: bool = False
     suffix_frac: float = 0.0  # share of windows masked as a suffix (objectives.sample_noise), not at random
+    conf_weight: float = 0.0  # weight of the confidence term (entropy of right predictions; objectives docstring)
     block_schedule: list = field(default_factory=lambda: [[0.1, [1]], [0.2, [4]], [0.3, [8]], [0.4, [16]],
                                                          [1.0, [4, 8, 16, 32]]])
     random_phase: bool = True
@@ -99,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"self_spec_frac must be in [0, 1], got {self.self_spec_frac}")
         if not 0 <= self.suffix_frac <= 1:
             raise ValueError(f"suffix_frac must be in [0, 1], got {self.suffix_frac}")
+        if self.conf_weight < 0:
+            raise ValueError(f"conf_weight must be >= 0, got {self.conf_weight}")
         if not 0 < self.t_min <= self.t_max <= 1:
             raise ValueError(f"need 0 < t_min <= t_max <= 1, got {self.t_min}, {self.t_max}")
         if self.device not in ("cpu", "cuda"):
@@ -246,12 +249,14 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
-    def _loss(self, ids, mask, block, gen, suffix_frac=None):
+    def _loss(self, ids, mask, block, gen, held_out=False, stats=None):
+        """The training loss; `held_out`: the plain ELBO (random masks, no confidence term) whatever
+        the training mix, so every run's held-out loss compares."""
         if self.cfg.objective == "ar" or block == 1:
             return ar_loss(self.model, ids, mask)
-        suffix_frac = self.cfg.suffix_frac if suffix_frac is None else suffix_frac
+        suffix_frac, conf_weight = (0.0, 0.0) if held_out else (self.cfg.suffix_frac, self.cfg.conf_weight)
         return block_diffusion_loss(self.model, ids, mask, block, self.cfg.t_min, self.cfg.t_max, gen,
-                                    self.cfg.complementary, suffix_frac)
+                                    self.cfg.complementary, suffix_frac, conf_weight, stats)
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -259,7 +264,7 @@ class Trainer:
         if cfg.objective == "block_diffusion":
             sizes = block_sizes_at(self.step, self.max_steps, cfg.block_schedule)
             block = sizes[int(torch.randint(len(sizes), (1,), generator=self.gen))]
-        total, ntok = 0.0, 0
+        total, ntok, stats = 0.0, 0, {}
         for _ in range(cfg.grad_accum):
             idx = torch.randint(self.rows.shape[0], (cfg.batch_size,), generator=self.gen)
             ids, mask = self.rows[idx], self.rmask[idx]
@@ -272,7 +277,7 @@ class Trainer:
                 if spec:
                     loss, _ = self_spec_loss(self.model, ids, mask, block, cfg.t_min, cfg.t_max, self.gen)
                 else:
-                    loss, _ = self._loss(ids, mask, block, self.gen)
+                    loss, _ = self._loss(ids, mask, block, self.gen, stats=stats)
             (loss / cfg.grad_accum).backward()
             total += float(loss.detach()) / cfg.grad_accum
             ntok += ids.numel()
@@ -282,7 +287,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens += ntok
-        return {"loss": total, "grad_norm": float(gnorm), "block_size": block, "tokens_step": ntok}
+        # with a confidence term, "loss" includes it; conf_entropy / right_share (last micro-batch) say how much
+        return {"loss": total, "grad_norm": float(gnorm), "block_size": block, "tokens_step": ntok, **stats}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -299,8 +305,7 @@ class Trainer:
                 ids = self.eval_rows[i:i + bs].to(self.device)
                 mask = self.eval_mask[i:i + bs].to(self.device)
                 with self._autocast():
-                    # the held-out loss is the ELBO (random masks) whatever the training mix, so runs compare
-                    loss, n = self._loss(ids, mask, block, gen, suffix_frac=0.0)
+                    loss, n = self._loss(ids, mask, block, gen, held_out=True)
                 num += float(loss) * n
                 den += n
             out["eval_ar_loss" if block == 1 else f"eval_bd{block}_loss"] = num / max(den, 1)
@@ -360,7 +365,7 @@ class Trainer:
             self.calibrate_budget()
         bar = tqdm(total=self.max_steps, initial=self.step, disable=not cfg.progress, dynamic_ncols=True,
                    desc=cfg.objective)
-        window_t, window_tok, losses = time.time(), 0, []
+        window_t, window_tok, losses, confs = time.time(), 0, [], []
         last_eval = {}
         step_ema = None
         while self.step < self.max_steps:
@@ -370,6 +375,8 @@ class Trainer:
             self.elapsed += dt
             window_tok += rec["tokens_step"]
             losses.append(rec["loss"])
+            if "conf_entropy" in rec:
+                confs.append(rec["conf_entropy"])
             if cfg.time_budget > 0:
                 step_ema = dt if step_ema is None else 0.9 * step_ema + 0.1 * dt
                 self._replan(step_ema, bar)
@@ -381,8 +388,10 @@ class Trainer:
                 log = {"step": self.step, "loss": sum(losses) / len(losses), "lr": self.sched.get_last_lr()[0],
                        "grad_norm": rec["grad_norm"], "block_size": rec["block_size"], "tokens": self.tokens,
                        "tokens_per_s": tps, "elapsed_s": self.elapsed}
+                if confs:  # mean entropy of right predictions (confidence term), over the window's steps
+                    log["conf_entropy"] = sum(confs) / len(confs)
                 self._log(log)
-                window_t, window_tok, losses = now, 0, []
+                window_t, window_tok, losses, confs = now, 0, [], []
                 bar.set_postfix(loss=f"{log['loss']:.3f}", tok_s=f"{tps:.0f}", bs=rec["block_size"])
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.max_steps:
                 last_eval = self.evaluate()

@@ -36,7 +36,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-FOCUS_DATA_KEYS = ("n_tasks", "replay_frac", "n_decision")  # per-round overrides of recipe.toml [focus]
+FOCUS_DATA_KEYS = ("n_tasks", "replay_frac", "n_decision", "n_tool")  # per-round overrides of recipe.toml [focus]
 
 
 def log(msg: str) -> None:
@@ -45,7 +45,8 @@ def log(msg: str) -> None:
 
 def focus_rounds(rec: dict, budgets: list[float] | None = None) -> list[tuple[dict, dict]]:
     """Per focus round of recipe.toml: (its data mix for build_focus, its overrides of focus.toml).
-    A round's n_tasks / replay_frac / n_decision override [focus]; its other keys are trainer keys.
+    A round's n_tasks / replay_frac / n_decision / n_tool override [focus]; its other keys are trainer
+    keys. Fresh tool dialogues continue the base data's stream (tool_start), never reusing one.
     `budgets` (--focus-time-budgets) replaces every round's time_budget."""
     focus = dict(rec["focus"])
     rounds = focus.pop("rounds")
@@ -53,10 +54,12 @@ def focus_rounds(rec: dict, budgets: list[float] | None = None) -> list[tuple[di
         if len(budgets) != len(rounds):
             raise ValueError(f"--focus-time-budgets needs {len(rounds)} values, one per focus round")
         rounds = [{**r, "time_budget": b} for r, b in zip(rounds, budgets)]
-    out = []
+    out, tool_start = [], rec.get("data", {}).get("n_tool", 0)
     for r in rounds:
         over = dict(r)
-        out.append(({**focus, **{k: over.pop(k) for k in FOCUS_DATA_KEYS if k in over}}, over))
+        mix = {**focus, **{k: over.pop(k) for k in FOCUS_DATA_KEYS if k in over}, "tool_start": tool_start}
+        tool_start += mix.get("n_tool", 0)
+        out.append((mix, over))
     return out
 
 
