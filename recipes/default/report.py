@@ -24,11 +24,17 @@ def pct(x) -> str:
 def _focus_mix(run: Path, i: int) -> str:
     """What a focus round trained on, from its data stats (runs/default/data/focus{i}_stats.json)."""
     stats = run / "data" / f"{focus_name(i)}_stats.json"
-    groups = json.loads(stats.read_text()).get("fresh_decision_groups", 0) if stats.exists() else 0
-    mix = "short tasks + fresh decision groups + replay" if groups else "short tasks + replay"
+    data = json.loads(stats.read_text()) if stats.exists() else {}
+    parts = ["short tasks"] + [what for key, what in (("fresh_decision_groups", "fresh decision groups"),
+                                                     ("fresh_tool_dialogues", "fresh tool dialogues")) if data.get(key)]
     train = run / focus_name(i) / "train_config.json"
-    suffix = json.loads(train.read_text()).get("suffix_frac", 0) if train.exists() else 0
-    return mix + (f", {suffix:.0%} of windows suffix-masked" if suffix else "")
+    cfg = json.loads(train.read_text()) if train.exists() else {}
+    mix = " + ".join(parts + ["replay"])
+    if cfg.get("suffix_frac"):
+        mix += f", {cfg['suffix_frac']:.0%} of windows suffix-masked"
+    if cfg.get("conf_weight"):
+        mix += f", confidence term {cfg['conf_weight']:g}"
+    return mix
 
 
 def main(argv=None) -> int:
