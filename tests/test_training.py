@@ -275,6 +275,14 @@ def test_held_out_loss_ignores_the_training_mix(corpus, tmp_path, mix):
         assert "conf_entropy" in stats
 
 
+def test_confidence_term_is_logged(corpus, tmp_path):
+    tr = Trainer(tiny_cfg(corpus, tmp_path, conf_weight=0.5, self_spec_frac=0.0, max_steps=4, ckpt_every=0))
+    tr.fit()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in recs if "conf_entropy" in r]
+    assert logged and all(r["conf_entropy"] > 0 and 0 <= r["right_share"] <= 1 for r in logged)
+
+
 def _weights(path):
     return load_file(str(path / "model.safetensors"))
 

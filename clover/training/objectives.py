@@ -87,11 +87,11 @@ def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible, conf_wei
     share of masked targets it covers go to `stats` when given)."""
     tgt = torch.zeros_like(ids)
     tgt[:, :-1] = ids[:, 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
+    elbo = (ce * weight).sum() / max(n_eligible, 1)
     if not conf_weight:
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
-        return (ce * weight).sum() / max(n_eligible, 1)
+        return elbo
     logp = logits.float().log_softmax(-1)
-    ce = -logp.gather(-1, tgt[..., None]).squeeze(-1)
     right = masked & (logp.argmax(-1) == tgt)
     entropy = -(logp.exp() * logp).sum(-1)
     n_right = int(right.sum())
@@ -99,7 +99,7 @@ def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible, conf_wei
     if stats is not None:
         stats["conf_entropy"] = float(conf.detach())
         stats["right_share"] = n_right / max(int(masked.sum()), 1)
-    return (ce * weight).sum() / max(n_eligible, 1) + conf_weight * conf
+    return elbo + conf_weight * conf
 
 
 def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None,

@@ -365,7 +365,7 @@ class Trainer:
             self.calibrate_budget()
         bar = tqdm(total=self.max_steps, initial=self.step, disable=not cfg.progress, dynamic_ncols=True,
                    desc=cfg.objective)
-        window_t, window_tok, losses, confs = time.time(), 0, [], []
+        window_t, window_tok, losses, extras = time.time(), 0, [], {}
         last_eval = {}
         step_ema = None
         while self.step < self.max_steps:
@@ -375,8 +375,9 @@ class Trainer:
             self.elapsed += dt
             window_tok += rec["tokens_step"]
             losses.append(rec["loss"])
-            if "conf_entropy" in rec:
-                confs.append(rec["conf_entropy"])
+            for key in ("conf_entropy", "right_share"):  # the confidence term's, when on
+                if key in rec:
+                    extras.setdefault(key, []).append(rec[key])
             if cfg.time_budget > 0:
                 step_ema = dt if step_ema is None else 0.9 * step_ema + 0.1 * dt
                 self._replan(step_ema, bar)
@@ -388,10 +389,9 @@ class Trainer:
                 log = {"step": self.step, "loss": sum(losses) / len(losses), "lr": self.sched.get_last_lr()[0],
                        "grad_norm": rec["grad_norm"], "block_size": rec["block_size"], "tokens": self.tokens,
                        "tokens_per_s": tps, "elapsed_s": self.elapsed}
-                if confs:  # mean entropy of right predictions (confidence term), over the window's steps
-                    log["conf_entropy"] = sum(confs) / len(confs)
+                log.update({key: sum(v) / len(v) for key, v in extras.items()})  # means over the window's steps
                 self._log(log)
-                window_t, window_tok, losses, confs = now, 0, [], []
+                window_t, window_tok, losses, extras = now, 0, [], {}
                 bar.set_postfix(loss=f"{log['loss']:.3f}", tok_s=f"{tps:.0f}", bs=rec["block_size"])
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.max_steps:
                 last_eval = self.evaluate()
