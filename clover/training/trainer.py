@@ -287,8 +287,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens += ntok
-        # with a confidence term, "loss" includes it; conf_entropy / right_share (last micro-batch) say how much
-        return {"loss": total, "grad_norm": float(gnorm), "block_size": block, "tokens_step": ntok, **stats}
+        # "stats": what the objective reports beside the loss (the confidence term's, last micro-batch)
+        return {"loss": total, "grad_norm": float(gnorm), "block_size": block, "tokens_step": ntok, "stats": stats}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -375,9 +375,8 @@ class Trainer:
             self.elapsed += dt
             window_tok += rec["tokens_step"]
             losses.append(rec["loss"])
-            for key in ("conf_entropy", "right_share"):  # the confidence term's, when on
-                if key in rec:
-                    extras.setdefault(key, []).append(rec[key])
+            for key, value in rec["stats"].items():
+                extras.setdefault(key, []).append(value)
             if cfg.time_budget > 0:
                 step_ema = dt if step_ema is None else 0.9 * step_ema + 0.1 * dt
                 self._replan(step_ema, bar)
