@@ -94,6 +94,14 @@ def test_chat_loss_mask_covers_the_reply_only(tok, think):
     assert all(mask) and ids[-1] == tok.eos_token_id
 
 
+def test_chat_eos_pad_appends_end_of_text_targets_to_chat_records_only(tok):
+    rec = {"messages": tasks.chat_messages(tasks.task_add(random.Random(5)), False)}
+    ids, mask = encode_record(rec, tok)
+    pid, pmask = encode_record(rec, tok, chat_eos_pad=3)
+    assert pid == ids + [tok.eos_token_id] * 3 and pmask == mask + [1] * 3
+    assert encode_record({"text": "abc"}, tok, chat_eos_pad=3) == encode_record({"text": "abc"}, tok)
+
+
 def test_read_records_and_pack(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"text": "a"}) + "\n\n" + json.dumps({"messages": []}) + "\n")

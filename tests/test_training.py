@@ -275,6 +275,18 @@ def test_held_out_loss_ignores_the_training_mix(corpus, tmp_path, mix):
         assert "conf_entropy" in stats
 
 
+def test_chat_eos_pad_pads_training_rows_not_held_out_rows(corpus, tmp_path):
+    plain = Trainer(tiny_cfg(corpus, tmp_path / "a"))
+    padded = Trainer(tiny_cfg(corpus, tmp_path / "b", chat_eos_pad=5))
+    assert torch.equal(padded.eval_rows, plain.eval_rows)
+    eos = plain.tok.eos_token_id
+    n_chat = sum(1 for i in range(300) if i % 3 == 0)  # the corpus fixture's chat records
+    added = int((padded.rows == eos).sum() - (plain.rows == eos).sum())
+    assert abs(added - 5 * n_chat) <= 2 * 32  # pack drops a tail shorter than a row
+    with pytest.raises(ValueError, match="chat_eos_pad"):
+        tiny_cfg(corpus, tmp_path / "c", chat_eos_pad=-1).validate()
+
+
 def test_confidence_term_is_logged(corpus, tmp_path):
     tr = Trainer(tiny_cfg(corpus, tmp_path, conf_weight=0.5, self_spec_frac=0.0, max_steps=4, ckpt_every=0))
     tr.fit()

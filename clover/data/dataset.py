@@ -5,6 +5,13 @@ and "text" records train on every token; chat records are rendered with the chat
 (`tokenizer.render_chat`) and train on the assistant turns only (their content and <|im_end|>).
 Each document ends with end-of-text (a target too). Documents are concatenated and cut into rows of
 `seq_len` tokens (`pack`).
+
+`chat_eos_pad` (training only) appends that many more end-of-text targets to each chat record, as
+LLaDA's SFT pads replies with |EOS|. Why: in a packed row the first targets after a reply's end are
+often the next record's assistant turn (its system and user parts are not targets), so a masked
+position a few tokens past a finished answer learned "some other record's reply", such as a tool call,
+and parallel decoding filled a chat answer's block with tool-call text. Padding teaches end-of-text
+there instead.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ def read_records(path: str | Path) -> list[dict]:
     return [{"text": t} for t in text.split("\n\n\n") if t.strip()]
 
 
-def encode_record(rec: dict, tok) -> tuple[list[int], list[int]]:
+def encode_record(rec: dict, tok, chat_eos_pad: int = 0) -> tuple[list[int], list[int]]:
     eos = tok.convert_tokens_to_ids(EOS)
     if "messages" in rec:
         ids, mask = [], []
@@ -56,16 +63,16 @@ def encode_record(rec: dict, tok) -> tuple[list[int], list[int]]:
                 continue
             ids += head + body + tail
             mask += [0] * len(head) + [int(train)] * len(body) + [0] * len(tail)
-        return ids + [eos], mask + [1]
+        return ids + [eos] * (1 + chat_eos_pad), mask + [1] * (1 + chat_eos_pad)
     ids = tok.encode(rec["text"], add_special_tokens=False)
     return ids + [eos], [1] * (len(ids) + 1)
 
 
-def encode_files(paths, tok) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_files(paths, tok, chat_eos_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     ids, mask = [], []
     for p in paths:
         for rec in read_records(p):
-            a, b = encode_record(rec, tok)
+            a, b = encode_record(rec, tok, chat_eos_pad)
             ids += a
             mask += b
     if not ids:

@@ -66,6 +66,7 @@ class TrainConfig:
     complementary: bool = False
     suffix_frac: float = 0.0  # share of windows masked as a suffix (objectives.sample_noise), not at random
     conf_weight: float = 0.0  # weight of the confidence term (entropy of right predictions; objectives docstring)
+    chat_eos_pad: int = 0  # extra end-of-text targets after each training chat record (data.dataset docstring)
     block_schedule: list = field(default_factory=lambda: [[0.1, [1]], [0.2, [4]], [0.3, [8]], [0.4, [16]],
                                                          [1.0, [4, 8, 16, 32]]])
     random_phase: bool = True
@@ -102,6 +103,8 @@ class TrainConfig:
             raise ValueError(f"suffix_frac must be in [0, 1], got {self.suffix_frac}")
         if self.conf_weight < 0:
             raise ValueError(f"conf_weight must be >= 0, got {self.conf_weight}")
+        if self.chat_eos_pad < 0:
+            raise ValueError(f"chat_eos_pad must be >= 0, got {self.chat_eos_pad}")
         if not 0 < self.t_min <= self.t_max <= 1:
             raise ValueError(f"need 0 < t_min <= t_max <= 1, got {self.t_min}, {self.t_max}")
         if self.device not in ("cpu", "cuda"):
@@ -178,7 +181,7 @@ class Trainer:
         if self.model.config.vocab_size < len(self.tok):
             raise ValueError(f"model vocab {self.model.config.vocab_size} < tokenizer size {len(self.tok)}")
         self.model.to(self.device).train()
-        ids, mask = encode_files(cfg.train_files, self.tok)
+        ids, mask = encode_files(cfg.train_files, self.tok, cfg.chat_eos_pad)  # held-out rows: unpadded
         self.rows, self.rmask = pack(ids, mask, cfg.seq_len)
         self.eval_rows = None
         if cfg.eval_files:

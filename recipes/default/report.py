@@ -34,6 +34,8 @@ def _focus_mix(run: Path, i: int) -> str:
         mix += f", {cfg['suffix_frac']:.0%} of windows suffix-masked"
     if cfg.get("conf_weight"):
         mix += f", confidence term {cfg['conf_weight']:g}"
+    if cfg.get("chat_eos_pad"):
+        mix += f", chat records padded with {cfg['chat_eos_pad']} end-of-text"
     return mix
 
 
