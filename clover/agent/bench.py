@@ -28,10 +28,11 @@ from typing import Callable
 from . import toolbox
 from .tool_format import function_spec, normalize_messages, parse_tool_calls
 
-BENCH_SEED = 1000  # the benchmark's cases; the recipe's tool-use dialogues use seeds recipe+3 / recipe+4
+BENCH_SEED = 1000  # the benchmark's cases (the recipe's tool dialogues: toolbox.*_DIALOGUE_SEED)
 # Training requests excluded from the benchmark: cases(recipe_seed + s, n) for each (s, n). `cases` is
-# prefix-stable, so 20000 covers every n_tool up to 20000 (the recipe uses 8000 and 8000 // 20).
-TRAINING_SEEDS = ((3, 400), (4, 20000))
+# prefix-stable, so 20000 covers every training dialogue up to number 20000 (the recipe's base data
+# uses 8000 and 8000 // 20 held out; focus rounds continue the training stream, bounded by this).
+TRAINING_SEEDS = ((toolbox.HELD_DIALOGUE_SEED, 400), (toolbox.TRAIN_DIALOGUE_SEED, 20000))
 MAX_ROUNDS = 3
 MAX_NEW_TOKENS = 128
 ERROR_KINDS = ("no call", "malformed call", "wrong number of calls", "wrong function", "missing argument",

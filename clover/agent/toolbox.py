@@ -14,6 +14,10 @@ import random
 
 from clover.data import tasks
 
+# The recipe's tool dialogues: held-out loss records are cases(recipe_seed + HELD_DIALOGUE_SEED, ..),
+# training records cases(recipe_seed + TRAIN_DIALOGUE_SEED, ..) (focus rounds continue that stream).
+HELD_DIALOGUE_SEED, TRAIN_DIALOGUE_SEED = 3, 4
+
 UNITS = {"km": 1000.0, "mi": 1609.344, "m": 1.0, "ft": 0.3048}
 
 

@@ -65,8 +65,8 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
     rng.shuffle(train_pass)
     n_sh = int(n_train * shakespeare_frac / (1 - shakespeare_frac))
     train_recs = list(task_records(train, rng, chat_frac, think_frac)) + [{"text": p} for p in train_pass[:n_sh]]
-    tool_held = toolbox.training_dialogues(seed + 3, n_tool // 20) if n_tool else []
-    train_recs += toolbox.training_dialogues(seed + 4, n_tool)
+    tool_held = toolbox.training_dialogues(seed + toolbox.HELD_DIALOGUE_SEED, n_tool // 20) if n_tool else []
+    train_recs += toolbox.training_dialogues(seed + toolbox.TRAIN_DIALOGUE_SEED, n_tool)
     rng.shuffle(train_recs)
     held_recs = list(task_records(held, rng, chat_frac, think_frac)) + [{"text": p} for p in held_pass[:len(held) // 5]]
     held_recs += tool_held
@@ -124,11 +124,11 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
     if n_tool:
         from clover.agent.bench import TRAINING_SEEDS
 
-        bound = dict(TRAINING_SEEDS)[4]
+        bound = dict(TRAINING_SEEDS)[toolbox.TRAIN_DIALOGUE_SEED]
         if tool_start + n_tool > bound:
             raise ValueError(f"tool dialogues {tool_start}..{tool_start + n_tool} pass the agent benchmark's "
                              f"exclusion bound {bound} (clover.agent.bench.TRAINING_SEEDS)")
-        recs += toolbox.training_dialogues(seed + 4, tool_start + n_tool)[tool_start:]
+        recs += toolbox.training_dialogues(seed + toolbox.TRAIN_DIALOGUE_SEED, tool_start + n_tool)[tool_start:]
     replay = [r for r in read_records(base_train) if rng.random() < replay_frac]
     recs += replay
     rng.shuffle(recs)
