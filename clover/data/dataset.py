@@ -9,9 +9,8 @@ Each document ends with end-of-text (a target too). Documents are concatenated a
 `chat_eos_pad` (training only) appends that many more end-of-text targets to each chat record, as
 LLaDA's SFT pads replies with |EOS|. Why: in a packed row the first targets after a reply's end are
 often the next record's assistant turn (its system and user parts are not targets), so a masked
-position a few tokens past a finished answer learned "some other record's reply", such as a tool call,
-and parallel decoding filled a chat answer's block with tool-call text. Padding teaches end-of-text
-there instead.
+position a few tokens past a finished answer learns "some other record's reply", such as a tool call;
+padding teaches end-of-text there instead (recipes/default/README.md has what it changed).
 """
 
 from __future__ import annotations
