@@ -20,7 +20,7 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/clover info --preset clover-35b-a3b
 	$(BIN)/clover generate --prompt "Shall I compare thee" --max-new-tokens 48
-	$(BIN)/clover generate --prompt "Sort: 41 7 93 28 65 12 80" --max-new-tokens 32
+	printf 'Sort: 41 7 93 28 65 12 80\n' | $(BIN)/clover generate --prompt-file - --max-new-tokens 32
 
 test: install
 	$(BIN)/python -m pytest -q -x

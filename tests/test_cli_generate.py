@@ -49,6 +49,20 @@ def test_generate_modes(model_dir, capsys, mode):
     assert code == 0 and "tokens/forward" in err
 
 
+def test_prompt_file_dash_reads_stdin(model_dir, capsys, monkeypatch, tmp_path):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("abc\n"))
+    code, out, err = cli(capsys, "generate", "--model", model_dir, "--prompt-file", "-", "--max-new-tokens", "6",
+                         "--block-size", "4", "--mode", "ar", "--json")
+    assert code == 0, err
+    f = tmp_path / "p.txt"
+    f.write_text("abc\n")
+    code2, out2, _ = cli(capsys, "generate", "--model", model_dir, "--prompt-file", str(f), "--max-new-tokens", "6",
+                         "--block-size", "4", "--mode", "ar", "--json")
+    assert code2 == 0 and json.loads(out)["text"] == json.loads(out2)["text"]
+
+
 def test_chat_think_show_and_trajectory(model_dir, capsys, tmp_path):
     for suffix in ("html", "png"):
         picture = tmp_path / f"traj.{suffix}"

@@ -52,7 +52,9 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (block diffusion by default)")
     add_model_args(p)
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
-    p.add_argument("--prompt-file", metavar="F", help="a file whose whole text is the prompt")
+    p.add_argument("--prompt-file", metavar="F",
+                   help="a file whose whole text is the prompt, trailing newline kept (the task prompts are "
+                        "trained as 'prompt\\n' + answer); - reads standard input")
     add_decoding_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list for several prompts)")
@@ -66,6 +68,8 @@ def register(sub) -> None:
 def read_prompts(args) -> list[str]:
     if bool(args.prompt) == bool(args.prompt_file):
         raise UserError("give either --prompt TEXT or --prompt-file F")
+    if args.prompt_file == "-":
+        return [sys.stdin.read()]
     if args.prompt_file:
         path = Path(args.prompt_file)
         if not path.is_file():
