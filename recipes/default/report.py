@@ -29,14 +29,11 @@ def _focus_mix(run: Path, i: int) -> str:
                                                      ("fresh_tool_dialogues", "fresh tool dialogues")) if data.get(key)]
     train = run / focus_name(i) / "train_config.json"
     cfg = json.loads(train.read_text()) if train.exists() else {}
-    mix = " + ".join(parts + ["replay"])
-    if cfg.get("suffix_frac"):
-        mix += f", {cfg['suffix_frac']:.0%} of windows suffix-masked"
-    if cfg.get("conf_weight"):
-        mix += f", confidence term {cfg['conf_weight']:g}"
-    if cfg.get("chat_eos_pad"):
-        mix += f", chat records padded with {cfg['chat_eos_pad']} end-of-text"
-    return mix
+    knobs = [fmt.format(cfg[key]) for key, fmt in (("suffix_frac", "{:.0%} of windows suffix-masked"),
+                                                   ("conf_weight", "confidence term {:g}"),
+                                                   ("chat_eos_pad", "chat records padded with {} end-of-text"))
+             if cfg.get(key)]
+    return ", ".join([" + ".join(parts + ["replay"])] + knobs)
 
 
 def main(argv=None) -> int:
