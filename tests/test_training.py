@@ -280,7 +280,7 @@ def test_chat_eos_pad_pads_training_rows_not_held_out_rows(corpus, tmp_path):
     padded = Trainer(tiny_cfg(corpus, tmp_path / "b", chat_eos_pad=5))
     assert torch.equal(padded.eval_rows, plain.eval_rows)
     eos = plain.tok.eos_token_id
-    n_chat = sum(1 for i in range(300) if i % 3 == 0)  # the corpus fixture's chat records
+    n_chat = sum("messages" in json.loads(x) for x in (corpus / "train.jsonl").read_text().splitlines())
     added = int((padded.rows == eos).sum() - (plain.rows == eos).sum())
     assert abs(added - 5 * n_chat) <= 2 * 32  # pack drops a tail shorter than a row
     with pytest.raises(ValueError, match="chat_eos_pad"):
