@@ -66,3 +66,20 @@ def test_cuda_without_cuda_is_a_clear_error(make_model, capsys):
     with pytest.raises(SystemExit) as e:
         make_model.main(["--device", "cuda"])
     assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
+def test_recorded_rounds_counts_consecutive_focus_stages(make_model):
+    assert make_model.recorded_rounds({"ar_stage": {}, "bd_stage": {}}) == 0
+    assert make_model.recorded_rounds({"focus_stage": {}, "focus2_stage": {}, "focus4_stage": {}}) == 2
+
+
+def test_continue_needs_a_round_the_shipped_model_lacks(make_model, tmp_path, capsys):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "recipe.json").write_text('{"focus_stage": {}, "focus2_stage": {}}')
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f'seed = 0\nrun_dir = "{tmp_path / "run"}"\nexport_dir = "{shipped}"\n'
+                      '[data]\n[focus]\nrounds = [{ time_budget = 1 }, { time_budget = 1 }]\n')
+    with pytest.raises(SystemExit, match="already has all 2 focus rounds"):
+        make_model.main(["--recipe", str(recipe), "--continue"])
+    assert not (tmp_path / "run").exists()  # failed before any work

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import shutil
@@ -88,6 +89,36 @@ def run_stage(name: str, cfg, resume: bool) -> dict:
     return summary
 
 
+def run_focus_rounds(rounds, first: int, init: Path, rec: dict, common: dict, prov: dict, resume: bool) -> Path:
+    """Focus rounds `first`, first + 1, ... of `rounds` (1-based), each from the previous round's model
+    (the first from `init`), on its own fresh data; every round's data stats and summary go to `prov`.
+    Returns the last round's model."""
+    from clover.data.build import build_focus, focus_name
+
+    run = Path(rec["run_dir"])
+    data = run / "data"
+    same = {k: rec["data"][k] for k in ("n_heldout", "n_eval", "chat_frac", "think_frac")}
+    for i, (mix, over) in enumerate(rounds[first - 1:], start=first):
+        name = focus_name(i)
+        if not (resume and (data / f"{name}_stats.json").exists()):
+            log(f"{name} data: generating")
+            build_focus(data, data / "train.jsonl", seed=rec["seed"], round=i, **mix, **same)
+        prov[f"{name}_data"] = json.loads((data / f"{name}_stats.json").read_text())
+        cfg = stage_config(HERE / "focus.toml", out_dir=str(run / name), init=str(init),
+                           **{**common, "train_files": [str(data / f"{name}.jsonl")], **over})
+        prov[f"{name}_stage"] = run_stage(f"focus round {i}", cfg, resume)
+        prov["stage"] = name
+        init = run / name / "final"
+    return init
+
+
+def recorded_rounds(prov: dict) -> int:
+    """How many focus rounds a model's recipe.json records."""
+    from clover.data.build import focus_name
+
+    return sum(1 for _ in itertools.takewhile(lambda i: f"{focus_name(i)}_stage" in prov, itertools.count(1)))
+
+
 def export(src: Path, tok_dir: Path, dest: Path, provenance: dict) -> None:
     """bf16 safetensors + tokenizer + recipe.json, swapped into place atomically."""
     from clover.data.tokenizer import IM_END, load_tokenizer
@@ -112,39 +143,9 @@ def export(src: Path, tok_dir: Path, dest: Path, provenance: dict) -> None:
     log(f"exported {src} -> {dest} ({size / 1e6:.1f} MB)")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default=str(HERE / "recipe.toml"))
-    ap.add_argument("--resume", action="store_true", help="keep finished steps, resume stages from checkpoints")
-    ap.add_argument("--ar-time-budget", type=float, default=None)
-    ap.add_argument("--bd-time-budget", type=float, default=None)
-    ap.add_argument("--focus-time-budgets", type=float, nargs="+", default=None,
-                    help="wall-clock seconds per focus round (overrides recipe.toml [focus] rounds)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where every stage trains; budgets are wall-clock, so a GPU trains more tokens in them")
-    ap.add_argument("--bf16", action="store_true", help="bf16 autocast in every stage (for --device cuda)")
-    ap.add_argument("--skip-eval", action="store_true")
-    args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available on this machine")
-    try:  # checked now, not after hours of earlier stages
-        with open(args.recipe, "rb") as f:
-            rec = tomllib.load(f)
-        rounds = focus_rounds(rec, args.focus_time_budgets)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        ap.error(f"--recipe {args.recipe}: {e}")
-    except (ValueError, KeyError) as e:
-        ap.error(f"{args.recipe}: {e}")
-    os.chdir(ROOT)
-    torch.set_num_threads(1)
+def base_stages(rec: dict, args, prov: dict, common: dict, data: Path, tok_dir: Path, export_dir: Path) -> None:
+    """Steps 1-5: data, tokenizer, AR stage, conversion, block-diffusion stage (each exported at once)."""
     run = Path(rec["run_dir"])
-    data, tok_dir = run / "data", run / "tokenizer"
-    export_dir = Path(rec["export_dir"])
-    t_start = time.time()
-    prov = {"recipe": "recipes/default", "command": "make model", "seed": rec["seed"],
-            "started": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-            "device": args.device, "bf16": args.bf16}
-
     # 1. data
     from clover.data.build import build
 
@@ -167,9 +168,6 @@ def main(argv=None) -> int:
     tok = load_tokenizer(tok_dir)
     log(f"tokenizer: {len(tok)} tokens, mask={tok.mask_token_id}, eos={tok.eos_token_id}")
 
-    common = dict(tokenizer=str(tok_dir), train_files=[str(data / "train.jsonl")],
-                  eval_files=[str(data / "heldout.jsonl")], seed=rec["seed"], progress=sys.stderr.isatty(),
-                  device=args.device, bf16=args.bf16)
     budgets = rec.get("stages", {})
     ar_budget = args.ar_time_budget if args.ar_time_budget is not None else budgets.get("ar_time_budget", 0)
     bd_budget = args.bd_time_budget if args.bd_time_budget is not None else budgets.get("bd_time_budget", 0)
@@ -192,29 +190,84 @@ def main(argv=None) -> int:
     prov["stage"] = "block_diffusion"
     export(run / "bd" / "final", tok_dir, export_dir, prov)
 
-    # 5b. focus rounds: fresh short tasks + replay, each round from the previous round's model
-    from clover.data.build import build_focus, focus_name
 
-    same = {k: rec["data"][k] for k in ("n_heldout", "n_eval", "chat_frac", "think_frac")}
-    last = run / "bd"
-    for i, (mix, over) in enumerate(rounds, start=1):
-        name = focus_name(i)
-        if not (args.resume and (data / f"{name}_stats.json").exists()):
-            log(f"{name} data: generating")
-            build_focus(data, data / "train.jsonl", seed=rec["seed"], round=i, **mix, **same)
-        prov[f"{name}_data"] = json.loads((data / f"{name}_stats.json").read_text())
-        cfg = stage_config(HERE / "focus.toml", out_dir=str(run / name), init=str(last / "final"),
-                           **{**common, "train_files": [str(data / f"{name}.jsonl")], **over})
-        prov[f"{name}_stage"] = run_stage(f"focus round {i}", cfg, args.resume)
-        prov["stage"] = name
-        last = run / name
+def continued(rec: dict, rounds: list, export_dir: Path, data: Path, tok_dir: Path) -> tuple[dict, int, Path]:
+    """--continue: the shipped model stands for the rounds its recipe.json records; returns (its
+    provenance, the first round to run, the model it starts from). The base data is regenerated
+    (seeded, seconds) for the replayed share and the shipped tokenizer is reused, so a machine
+    without runs/ can add a round without retraining every stage before it (~12 h on 2 CPU cores)."""
+    from clover.data.build import build
+    from clover.data.tokenizer import load_tokenizer
+
+    prov = json.loads((export_dir / "recipe.json").read_text())
+    done = recorded_rounds(prov)
+    if done >= len(rounds):
+        raise SystemExit(f"make_model.py --continue: the shipped model already has all {len(rounds)} focus rounds "
+                         f"of recipe.toml; add a round there first")
+    if not (data / "stats.json").exists():
+        log("data: generating (for the replayed share)")
+        build(data, seed=rec["seed"], **rec["data"])
+    if not (tok_dir / "tokenizer.json").exists():
+        load_tokenizer(export_dir).save_pretrained(str(tok_dir))
+    prov.setdefault("continued", []).append(
+        {"after_round": done, "init": f"{export_dir} (bf16 weights, trained on in fp32)",
+         "started": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__})
+    log(f"continuing from {export_dir} after focus round {done}")
+    return prov, done + 1, export_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=str(HERE / "recipe.toml"))
+    ap.add_argument("--resume", action="store_true", help="keep finished steps, resume stages from checkpoints")
+    ap.add_argument("--ar-time-budget", type=float, default=None)
+    ap.add_argument("--bd-time-budget", type=float, default=None)
+    ap.add_argument("--focus-time-budgets", type=float, nargs="+", default=None,
+                    help="wall-clock seconds per focus round (overrides recipe.toml [focus] rounds)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where every stage trains; budgets are wall-clock, so a GPU trains more tokens in them")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast in every stage (for --device cuda)")
+    ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--continue", dest="cont", action="store_true",
+                    help="start from the shipped model and run only the focus rounds recipe.toml lists after the "
+                         "last one its recipe.json records (for a machine that has no runs/ folder to --resume)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available on this machine")
+    try:  # checked now, not after hours of earlier stages
+        with open(args.recipe, "rb") as f:
+            rec = tomllib.load(f)
+        rounds = focus_rounds(rec, args.focus_time_budgets)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        ap.error(f"--recipe {args.recipe}: {e}")
+    except (ValueError, KeyError) as e:
+        ap.error(f"{args.recipe}: {e}")
+    os.chdir(ROOT)
+    torch.set_num_threads(1)
+    run = Path(rec["run_dir"])
+    data, tok_dir = run / "data", run / "tokenizer"
+    export_dir = Path(rec["export_dir"])
+    t_start = time.time()
+    common = dict(tokenizer=str(tok_dir), train_files=[str(data / "train.jsonl")],
+                  eval_files=[str(data / "heldout.jsonl")], seed=rec["seed"], progress=sys.stderr.isatty(),
+                  device=args.device, bf16=args.bf16)
+    if args.cont:
+        prov, first, init = continued(rec, rounds, export_dir, data, tok_dir)
+    else:
+        prov, first, init = {"recipe": "recipes/default", "command": "make model", "seed": rec["seed"],
+                             "started": dt.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+                             "device": args.device, "bf16": args.bf16}, 1, run / "bd" / "final"
+        base_stages(rec, args, prov, common, data, tok_dir, export_dir)
+
+    # 5b. focus rounds: fresh short tasks + replay, each round from the previous round's model
+    final = run_focus_rounds(rounds, first, init, rec, common, prov, args.resume)
     # every stage's own training time, so a --resume'd run still reports the whole recipe's cost
     prov["train_seconds"] = sum(v["elapsed_s"] for k, v in prov.items() if k.endswith("_stage"))
     prov["this_run_seconds"] = time.time() - t_start
     prov["finished"] = dt.datetime.now().isoformat(timespec="seconds")
 
     # 6. export
-    export(last / "final", tok_dir, export_dir, prov)
+    export(final, tok_dir, export_dir, prov)
 
     # 7. eval
     if not args.skip_eval:

@@ -1,5 +1,7 @@
 """Write the default model's results (recipes/default/RESULTS.md and the model card
-clover/assets/default/README.md) from runs/default/{ar,bd,focus,focus2,...}/summary.json and runs/default/eval.json.
+clover/assets/default/README.md) from the shipped model's recipe.json (every stage's summary and data
+stats: it is the provenance, and a machine without the runs/ folder still has it), recipe.toml's focus
+rounds (what each round changed) and runs/default/eval.json.
 
     python recipes/default/report.py [--run runs/default]
 """
@@ -10,6 +12,7 @@ import argparse
 import itertools
 import json
 import sys
+import tomllib
 from pathlib import Path
 
 from clover.data.build import focus_name
@@ -21,14 +24,12 @@ def pct(x) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _focus_mix(run: Path, i: int) -> str:
-    """What a focus round trained on, from its data stats (runs/default/data/focus{i}_stats.json)."""
-    stats = run / "data" / f"{focus_name(i)}_stats.json"
-    data = json.loads(stats.read_text()) if stats.exists() else {}
+def _focus_mix(prov: dict, rounds: list[dict], i: int) -> str:
+    """What focus round i trained on: its data stats (recipe.json) and its keys in recipe.toml."""
+    data = prov.get(f"{focus_name(i)}_data", {})
     parts = ["short tasks"] + [what for key, what in (("fresh_decision_groups", "fresh decision groups"),
                                                      ("fresh_tool_dialogues", "fresh tool dialogues")) if data.get(key)]
-    train = run / focus_name(i) / "train_config.json"
-    cfg = json.loads(train.read_text()) if train.exists() else {}
+    cfg = rounds[i - 1] if i <= len(rounds) else {}
     knobs = [fmt.format(cfg[key]) for key, fmt in (("suffix_frac", "{:.0%} of windows suffix-masked"),
                                                    ("conf_weight", "confidence term {:g}"),
                                                    ("chat_eos_pad", "chat records padded with {} end-of-text"))
@@ -41,11 +42,12 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=str(ROOT / "runs" / "default"))
     args = ap.parse_args(argv)
     run = Path(args.run)
+    prov = json.loads((ROOT / "clover" / "assets" / "default" / "recipe.json").read_text())
+    rounds = tomllib.loads((ROOT / "recipes" / "default" / "recipe.toml").read_text())["focus"]["rounds"]
     names = [("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)")]
-    rounds = itertools.takewhile(lambda i: (run / focus_name(i)).exists(), itertools.count(1))
-    names += [(focus_name(i), f"focus round {i}: {_focus_mix(run, i)} (`focus.toml`)") for i in rounds]
-    stages = [(name, json.loads((run / key / "summary.json").read_text()))
-              for key, name in names if (run / key / "summary.json").exists()]
+    recorded = itertools.takewhile(lambda i: f"{focus_name(i)}_stage" in prov, itertools.count(1))
+    names += [(focus_name(i), f"focus round {i}: {_focus_mix(prov, rounds, i)} (`focus.toml`)") for i in recorded]
+    stages = [(name, prov[f"{key}_stage"]) for key, name in names if f"{key}_stage" in prov]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
     cfg = json.loads((ROOT / "clover" / "assets" / "default" / "config.json").read_text())
     lines = ["# Default model: results", "",
