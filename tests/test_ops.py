@@ -41,6 +41,12 @@ def test_gated_delta_rule_forms_match_naive(length, with_state):
         torch.testing.assert_close(st, ref_state, atol=1e-4, rtol=1e-4)
     out, st = gated_delta_rule(q, k, v, g, beta, 0.4, init)
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st, ref_state, atol=1e-4, rtol=1e-4)
+    # a draft window's form: the output only (one chunk read from the initial state)
+    out, st = gated_delta_rule(q, k, v, g, beta, 0.4, init, output_final_state=False)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    if with_state and length > 2:
+        assert st is None
 
 
 def test_chunk_states_are_the_states_at_left_anchored_boundaries():
@@ -93,7 +99,7 @@ def test_grouped_experts_match_naive(tokens, hidden, inter, grad):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("length,block", [(1, 1), (9, 4), (13, 5), (6, 32), (131, 16)])  # 131: the conv1d path
+@pytest.mark.parametrize("length,block", [(1, 1), (2, 32), (9, 4), (13, 5), (6, 32), (131, 16), (3, 2)])  # 131: the conv1d path
 @pytest.mark.parametrize("right", [True, False])
 def test_block_short_conv_matches_naive(length, block, right):
     channels, kernel = 5, 4

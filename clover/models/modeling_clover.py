@@ -276,12 +276,12 @@ class CloverGatedDeltaNet(nn.Module):
         ~3x slower."""
         act = F.silu(conv_out).transpose(1, 2)
         batch, length, _ = act.shape
-        q, k, v = act.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        qk, v = act.split((2 * self.key_dim, self.value_dim), dim=-1)
         rep = self.v_heads // self.k_heads
-        q = l2norm(_fp32(q.reshape(batch, length, self.k_heads, self.dk)))
-        k = l2norm(_fp32(k.reshape(batch, length, self.k_heads, self.dk)))
+        qk = l2norm(_fp32(qk.reshape(batch, length, 2, self.k_heads, self.dk)))  # q and k heads normed at once
         if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+            qk = qk.repeat_interleave(rep, dim=3)
+        q, k = qk.unbind(2)
         v = v.reshape(batch, length, self.v_heads, self.dv)
         g = -_fp32(self.A_log).exp() * F.softplus(_fp32(a) + _fp32(self.dt_bias))
         return q, k, v, g, _fp32(b).sigmoid()
@@ -341,7 +341,8 @@ class CloverGatedDeltaNet(nn.Module):
                 cache.state[self.layer_idx] = state
                 cache.conv[self.layer_idx] = cast(ext[..., n : n + self.kernel - 1], cache.dtype)
         if n < length:
-            out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state)
+            out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state,
+                                      output_final_state=False)
             outs.append(out)
         core = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return self._finish(core, z, self._bidirectional(q, k, v, layout))

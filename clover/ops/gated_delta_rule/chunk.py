@@ -9,16 +9,30 @@ the end of the sequence: this is how block-diffusion windows are laid out (the f
 partial). Padding tokens have k = v = 0, g = 0, beta = 0 and leave the state untouched.
 """
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
+from ..utils import cast
 
-def _chunked(q, k, v, g, beta, scale, chunk_size):
-    """Per-chunk terms that do not depend on the start state. Returns tensors shaped [B, H, N, C, *]."""
+
+@lru_cache(maxsize=16)
+def _tri(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strictly-upper mask, identity) of one chunk: built once, not twice per layer per decoding step."""
+    return (torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1),
+            torch.eye(chunk_size, device=device))
+
+
+def _chunked(q, k, v, g, beta, scale, chunk_size, with_state: bool = True):
+    """Per-chunk terms that do not depend on the start state. Returns tensors shaped [B, H, N, C, *].
+    `with_state=False` skips the terms only the state carried out of a chunk needs."""
     length = q.shape[1]
     pad = (-length) % chunk_size
-    q, k, v = (F.pad(x.float(), (0, 0, 0, 0, pad, 0)) for x in (q, k, v))
-    g, beta = (F.pad(x.float(), (0, 0, pad, 0)) for x in (g, beta))
+    q, k, v, g, beta = (cast(x, torch.float32) for x in (q, k, v, g, beta))
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, pad, 0)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, pad, 0)) for x in (g, beta))
     batch, total, heads, _ = q.shape
     n = total // chunk_size
 
@@ -29,22 +43,24 @@ def _chunked(q, k, v, g, beta, scale, chunk_size):
     q, k, v, g, beta = split(q), split(k), split(v), split(g), split(beta)
     cum = g.cumsum(-1)  # [B, H, N, C]
     diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # G_t - G_i
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+    upper, eye = _tri(chunk_size, q.device)
+    decay = diff.masked_fill(upper, float("-inf")).exp()
     kk = k @ k.transpose(-1, -2)
-    system = (kk * decay * beta.unsqueeze(-1)).tril(-1) + torch.eye(chunk_size, device=q.device)
-    rhs = torch.cat([v * beta.unsqueeze(-1), k * (beta * cum.exp()).unsqueeze(-1)], dim=-1)
+    system = (kk * decay * beta.unsqueeze(-1)).tril(-1) + eye
+    cum_exp = cum.exp()
+    rhs = torch.cat([v * beta.unsqueeze(-1), k * (beta * cum_exp).unsqueeze(-1)], dim=-1)
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     dv = v.shape[-1]
-    return dict(
+    out = dict(
         pad=pad,
         new_v=sol[..., :dv],  # T beta V
         k_cum=sol[..., dv:],  # T diag(beta e^G) K
-        q_dec=q * cum.exp().unsqueeze(-1) * scale,
-        intra=(q @ k.transpose(-1, -2)) * decay * scale,
-        k_tail=k * (cum[..., -1:] - cum).exp().unsqueeze(-1),
-        chunk_decay=cum[..., -1].exp(),
+        q_dec=q * (cum_exp * scale).unsqueeze(-1),
+        intra=(q @ k.transpose(-1, -2)) * (decay * scale),
     )
+    if with_state:
+        out.update(k_tail=k * (cum[..., -1:] - cum).exp().unsqueeze(-1), chunk_decay=cum[..., -1].exp())
+    return out
 
 
 def _finish(out, pad, length, dtype):
@@ -74,7 +90,7 @@ def chunk_gated_delta_rule_from_states(q, k, v, g, beta, scale, chunk_states, ch
     """Every chunk starts from its own given state (no carry between chunks): the noisy half of the
     block-diffusion training layout, where noisy window i starts from the clean state before it."""
     length = q.shape[1]
-    t = _chunked(q, k, v, g, beta, scale, chunk_size)
+    t = _chunked(q, k, v, g, beta, scale, chunk_size, with_state=False)
     delta = t["new_v"] - t["k_cum"] @ chunk_states
     out = t["q_dec"] @ chunk_states + t["intra"] @ delta
     return _finish(out, t["pad"], length, q.dtype)
