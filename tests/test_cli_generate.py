@@ -121,6 +121,11 @@ def test_bench_decode_table_and_json(capsys, tmp_path):
     rows = json.loads(out_json.read_text())["results"]
     assert [r["mode"] for r in rows][-2:] == ["ar", "transformers generate"]
     assert all(r["tokens"] == 8 and r["tokens_per_second"] > 0 for r in rows)
+    # the TPF a mode needs for 3x ar follows from the times per forward it was measured at
+    by = {r["mode"]: r for r in rows}
+    for r in rows:
+        assert r["ms_per_forward"] == pytest.approx(1e3 * r["seconds"] / r["forwards"])
+        assert r["tpf_for_3x_ar"] == pytest.approx(3 * r["ms_per_forward"] / by["ar"]["ms_per_forward"])
 
 
 def test_bench_decode_tasks_workload(model_dir, capsys, tmp_path):

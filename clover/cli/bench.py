@@ -167,13 +167,17 @@ def run_decode(args) -> int:
         seconds = time_alternately(candidates, repeats=args.repeats, warmup=1, setup=lambda name: bar.update())
     bar.close()
     rate = {name: last[name][0] / s for name, s in seconds.items()}
+    per_forward = {name: s / last[name][1] for name, s in seconds.items()}
     rows, results = [], []
     for name, s in seconds.items():
         tokens, forwards = last[name]
+        # tokens/s = TPF / (s per forward), so 3x ar's tokens/s takes TPF = 3 x (s per forward) / ar's
         r = dict(mode=name, tokens=tokens, forwards=forwards, tpf=tokens / forwards, seconds=s, tokens_per_second=rate[name],
+                 ms_per_forward=1e3 * per_forward[name], tpf_for_3x_ar=3 * per_forward[name] / per_forward["ar"],
                  vs_ar=rate[name] / rate["ar"], vs_transformers=rate[name] / rate["transformers generate"] if not args.no_hf else None)
         results.append(r)
         rows.append([name, tokens, forwards, f"{r['tpf']:.2f}", f"{s:.3f}", f"{r['tokens_per_second']:.1f}",
+                     f"{r['ms_per_forward']:.2f}", f"{r['tpf_for_3x_ar']:.1f}" if name != "ar" else "-",
                      f"{r['vs_ar']:.2f}x", "-" if r["vs_transformers"] is None else f"{r['vs_transformers']:.2f}x"])
     if args.workload == "tasks":
         shape = f"{len(jobs)} prompts decoded one at a time until EOS or the task's answer budget"
@@ -185,7 +189,10 @@ def run_decode(args) -> int:
     if random_weights:
         print("Note: random weights (no trained default model yet): confidences are low, so low_confidence fills "
               "about one token per step and self_spec drafts are rarely accepted; TPF targets need the trained model.\n")
-    print(markdown_table(["mode", "tokens", "forwards", "TPF", "median s", "tokens/s", "vs ar", "vs transformers"], rows))
+    print(markdown_table(["mode", "tokens", "forwards", "TPF", "median s", "tokens/s", "ms / forward", "TPF for 3x ar",
+                          "vs ar", "vs transformers"], rows))
+    print("\nTPF for 3x ar: the tokens per forward a mode would need, at its measured time per forward, for 3x "
+          "the tokens/s of ar (tokens/s = TPF / time per forward).")
     write_json(args, dict(model=described, random_weights=random_weights, workload=args.workload,
                           prompts=len(jobs), prompt_tokens=sum(len(p) for p, _ in jobs),
                           max_new_tokens=sum(n for _, n in jobs), block_size=args.block_size,
