@@ -145,3 +145,16 @@ def test_bench_decode_tasks_workload(model_dir, capsys, tmp_path):
 def test_bench_decode_tasks_needs_a_trained_model(capsys):
     code, out, err = cli(capsys, "bench", "decode", "--preset", "clover-tiny", "--workload", "tasks")
     assert code != 0 and "needs a trained model" in err
+
+
+def test_trajectory_png_has_a_row_per_block_and_colours_by_step(tmp_path):
+    from PIL import Image
+
+    from clover.engine.trajectory import write_trajectory
+
+    path = tmp_path / "t.png"
+    write_trajectory(path, ["a", "bb", "\n", "c"], [(0, 0), (0, 1), (1, 0), (1, 2)])
+    image = Image.open(path).convert("RGB")
+    assert image.height == 2 * 30 + 1  # blocks 0 and 1
+    first, late = image.getpixel((15, 25)), image.getpixel((image.width - 4, 55))
+    assert first[2] > first[0] and late[0] > late[2]  # step 0 blue, the last step of block 1 red

@@ -1,5 +1,6 @@
 """Pictures of the order in which tokens were filled: HTML (the text, each token coloured by the
-step of its block at which it was filled) or PNG (a grid: one row per block, one cell per token)."""
+step of its block at which it was filled) or PNG (one row per block, one cell per token: its text
+over the step at which it was filled, coloured by that step)."""
 
 from __future__ import annotations
 
@@ -54,15 +55,24 @@ def write_trajectory(path: str | Path, pieces: list[str], trajectory: list[tuple
                         f"hover a token for its block and step</p>"
                         f"<pre style='white-space:pre-wrap;font-size:15px'>{''.join(spans)}</pre>\n")
         return
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw, ImageFont
 
-    cell, width = 18, max((sum(1 for b, _ in trajectory if b == k) for k in steps), default=1)
-    image = Image.new("RGB", (cell * width + 1, cell * max(len(steps), 1) + 1), "white")
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    shown = [text.replace("\n", "\\n") or " " for text in pieces]
+    widths = [max(18, int(measure.textlength(text, font=font)) + 6) for text in shown]
+    rows = sorted(steps)
+    row_width: dict[int, int] = {}
+    for (block, _), w in zip(trajectory, widths):
+        row_width[block] = row_width.get(block, 0) + w
+    height = 30
+    image = Image.new("RGB", (max(row_width.values(), default=18) + 1, height * max(len(rows), 1) + 1), "white")
     draw = ImageDraw.Draw(image)
-    column: dict[int, int] = {}
-    for block, step in trajectory:
-        x, y = column.get(block, 0), sorted(steps).index(block)
-        column[block] = x + 1
-        draw.rectangle([x * cell, y * cell, (x + 1) * cell, (y + 1) * cell], fill=_rgb(step, steps[block]), outline="white")
-        draw.text((x * cell + 4, y * cell + 3), str(step), fill="black")
+    x_of: dict[int, int] = {}
+    for text, (block, step), w in zip(shown, trajectory, widths):
+        x, y = x_of.get(block, 0), rows.index(block) * height
+        x_of[block] = x + w
+        draw.rectangle([x, y, x + w, y + height], fill=_rgb(step, steps[block]), outline="white")
+        draw.text((x + 3, y + 3), text, fill="black", font=font)
+        draw.text((x + 3, y + 16), str(step), fill=(60, 60, 60), font=font)
     image.save(path)
