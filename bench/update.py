@@ -9,6 +9,7 @@ BENCHMARKS.md is typed by hand between those markers.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
@@ -33,12 +34,15 @@ def main(argv: list[str]) -> int:
         return result.returncode
     body = (f"<!-- bench:{name} -->\n```\n$ {shlex.join(command)}\n```\n\n{result.stdout.strip()}\n\n"
             f"_Generated {date.today().isoformat()}._\n<!-- /bench:{name} -->")
-    text = FILE.read_text() if FILE.exists() else HEADER
-    pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)
-    text = pattern.sub(lambda _: body, text) if pattern.search(text) else text.rstrip() + "\n\n" + body + "\n"
-    tmp = FILE.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, FILE)
+    # benchmarks may run side by side: the read-modify-write of the file is one at a time
+    with open(FILE.with_suffix(".md.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        text = FILE.read_text() if FILE.exists() else HEADER
+        pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S)
+        text = pattern.sub(lambda _: body, text) if pattern.search(text) else text.rstrip() + "\n\n" + body + "\n"
+        tmp = FILE.with_suffix(f".md.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, FILE)
     print(result.stdout)
     return 0
 
