@@ -110,3 +110,15 @@ def test_block_short_conv_matches_naive(length, block, right):
     wid = (torch.arange(length) + pad) // block
     fast = block_short_conv(x_ext, weight, right_w if right else None, wid)
     torch.testing.assert_close(fast, naive_block_short_conv(x_ext, weight, right_w, wid), atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_form_trains_after_running_under_inference_mode():
+    """The chunk masks are cached: built while decoding (inference mode), they must still serve a
+    later training step's backward in the same process."""
+    q, k, v, g, beta, state = gdn_inputs(1, 23)  # a chunk size no other test uses
+    with torch.inference_mode():
+        chunk_gated_delta_rule(q, k, v, g, beta, 0.4, state, chunk_size=23)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    out, _, _ = chunk_gated_delta_rule(*leaves, 0.4, state, chunk_size=23)
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)

@@ -19,9 +19,12 @@ from ..utils import cast
 
 @lru_cache(maxsize=16)
 def _tri(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(strictly-upper mask, identity) of one chunk: built once, not twice per layer per decoding step."""
-    return (torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1),
-            torch.eye(chunk_size, device=device))
+    """(strictly-upper mask, identity) of one chunk: built once, not twice per layer per decoding step.
+    Built outside inference mode even when first asked for while decoding: an inference tensor could
+    never be saved for backward by a later training step in the same process."""
+    with torch.inference_mode(False):
+        return (torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1),
+                torch.eye(chunk_size, device=device))
 
 
 def _chunked(q, k, v, g, beta, scale, chunk_size, with_state: bool = True):
