@@ -68,6 +68,8 @@ def main(argv=None) -> int:
               "masked-diffusion ELBO at block 32 with a fixed noise seed. Training tokens/s count each "
               "clean token once (the [x_t ; x_0] pass is twice as long).", ""]
     notes = [f"{name.split(':')[0]}: {st['eval_note']}." for name, st in stages if "eval_note" in st]
+    notes += [f"focus round {c['after_round'] + 1} on: `make_model.py --continue` from the model shipped after round "
+              f"{c['after_round']}: {c['init']}, started {c['started']}." for c in prov.get("continued", [])]
     lines += notes + ([""] if notes else [])
     if ev:
         hl = ev.get("heldout_loss")
