@@ -45,8 +45,7 @@ def test_gated_delta_rule_forms_match_naive(length, with_state):
     # a draft window's form: the output only (one chunk read from the initial state)
     out, st = gated_delta_rule(q, k, v, g, beta, 0.4, init, output_final_state=False)
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    if with_state and length > 2:
-        assert st is None
+    assert st is None
 
 
 def test_chunk_states_are_the_states_at_left_anchored_boundaries():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from clover.data.build import build_focus
+from clover.data.build import build_focus, recorded_rounds
 from clover.training.trainer import TrainConfig
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "default"
@@ -68,9 +68,9 @@ def test_cuda_without_cuda_is_a_clear_error(make_model, capsys):
     assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
 
 
-def test_recorded_rounds_counts_consecutive_focus_stages(make_model):
-    assert make_model.recorded_rounds({"ar_stage": {}, "bd_stage": {}}) == 0
-    assert make_model.recorded_rounds({"focus_stage": {}, "focus2_stage": {}, "focus4_stage": {}}) == 2
+def test_recorded_rounds_counts_consecutive_focus_stages():
+    assert recorded_rounds({"ar_stage": {}, "bd_stage": {}}) == 0
+    assert recorded_rounds({"focus_stage": {}, "focus2_stage": {}, "focus4_stage": {}}) == 2
 
 
 def test_continue_needs_a_round_the_shipped_model_lacks(make_model, tmp_path, capsys):

@@ -4,6 +4,7 @@ and chat `messages` records) plus the held-out task set for accuracy evaluation.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -91,6 +92,11 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
 def focus_name(round: int) -> str:
     """Round 1 writes focus.jsonl (and trains runs/default/focus), round r > 1 focus{r}.jsonl."""
     return "focus" if round == 1 else f"focus{round}"
+
+
+def recorded_rounds(provenance: dict) -> int:
+    """How many focus rounds a model's recipe.json records (its `<focus_name>_stage` entries, in order)."""
+    return sum(1 for _ in itertools.takewhile(lambda i: f"{focus_name(i)}_stage" in provenance, itertools.count(1)))
 
 
 def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, replay_frac: float = 0.25,

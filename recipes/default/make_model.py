@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
 import json
 import os
 import shutil
@@ -112,13 +111,6 @@ def run_focus_rounds(rounds, first: int, init: Path, rec: dict, common: dict, pr
     return init
 
 
-def recorded_rounds(prov: dict) -> int:
-    """How many focus rounds a model's recipe.json records."""
-    from clover.data.build import focus_name
-
-    return sum(1 for _ in itertools.takewhile(lambda i: f"{focus_name(i)}_stage" in prov, itertools.count(1)))
-
-
 def export(src: Path, tok_dir: Path, dest: Path, provenance: dict) -> None:
     """bf16 safetensors + tokenizer + recipe.json, swapped into place atomically."""
     from clover.data.tokenizer import IM_END, load_tokenizer
@@ -196,7 +188,7 @@ def continued(rec: dict, rounds: list, export_dir: Path, data: Path, tok_dir: Pa
     provenance, the first round to run, the model it starts from). The base data is regenerated
     (seeded, seconds) for the replayed share and the shipped tokenizer is reused, so a machine
     without runs/ can add a round without retraining every stage before it (~12 h on 2 CPU cores)."""
-    from clover.data.build import build
+    from clover.data.build import build, recorded_rounds
     from clover.data.tokenizer import load_tokenizer
 
     prov = json.loads((export_dir / "recipe.json").read_text())

@@ -9,13 +9,12 @@ rounds (what each round changed) and runs/default/eval.json.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import tomllib
 from pathlib import Path
 
-from clover.data.build import focus_name
+from clover.data.build import focus_name, recorded_rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,8 +44,8 @@ def main(argv=None) -> int:
     prov = json.loads((ROOT / "clover" / "assets" / "default" / "recipe.json").read_text())
     rounds = tomllib.loads((ROOT / "recipes" / "default" / "recipe.toml").read_text())["focus"]["rounds"]
     names = [("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)")]
-    recorded = itertools.takewhile(lambda i: f"{focus_name(i)}_stage" in prov, itertools.count(1))
-    names += [(focus_name(i), f"focus round {i}: {_focus_mix(prov, rounds, i)} (`focus.toml`)") for i in recorded]
+    names += [(focus_name(i), f"focus round {i}: {_focus_mix(prov, rounds, i)} (`focus.toml`)")
+              for i in range(1, recorded_rounds(prov) + 1)]
     stages = [(name, prov[f"{key}_stage"]) for key, name in names if f"{key}_stage" in prov]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
     cfg = json.loads((ROOT / "clover" / "assets" / "default" / "config.json").read_text())

@@ -9,15 +9,16 @@ from .naive import naive_gated_delta_rule
 
 def gated_delta_rule(q, k, v, g, beta, scale, initial_state=None, output_final_state: bool = True):
     """Causal gated delta rule over the whole sequence; picks the faster form for the length. Without
-    `output_final_state` (a draft window, whose state is never kept) the state is None and a window
-    of up to 64 tokens is one chunk read from the initial state, skipping the state update."""
+    `output_final_state` (a draft window, whose state is never kept) the state returned is None, and
+    a window of 3-64 tokens is one chunk read from the initial state, skipping the state update."""
     length = q.shape[1]
     if length <= 2:
-        return fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
-    if not output_final_state and length <= 64 and initial_state is not None:
+        out, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state)
+    elif not output_final_state and length <= 64 and initial_state is not None:
         return chunk_gated_delta_rule_from_states(q, k, v, g, beta, scale, initial_state[:, :, None], length), None
-    out, state, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size=min(64, length))
-    return out, state
+    else:
+        out, state, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, chunk_size=min(64, length))
+    return out, state if output_final_state else None
 
 
 __all__ = [
