@@ -1,0 +1,132 @@
+"""Training across processes (torchrun, gloo, 2 CPU processes): FSDP2 equals one process on the same
+global batch, and its sharded checkpoints resume on a different number of processes."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clover.data import tasks
+from clover.data.tokenizer import train_tokenizer
+from clover.models import CloverForBlockDiffusion, preset_config
+from clover.training import Trainer, TrainConfig
+from clover.training.objectives import Shard, ar_loss, block_diffusion_loss, self_spec_loss
+
+from distributed_utils import torchrun
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dcorpus")
+    rng = random.Random(0)
+    recs = []
+    for i in range(120):
+        ex = tasks.make_example(["copy", "add"][i % 2], rng)
+        recs.append({"messages": tasks.chat_messages(ex, think=False)} if i % 3 == 0 else {"text": tasks.plain_text(ex)})
+    (d / "train.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    train_tokenizer((r.get("text") or r["messages"][1]["content"] for r in recs), 300, d / "tok")
+    return d
+
+
+def _toml(corpus, path, **kw):
+    base = dict(objective="block_diffusion", tokenizer=str(corpus / "tok"), preset="clover-tiny",
+                train_files=[str(corpus / "train.jsonl")], eval_files=[str(corpus / "train.jsonl")], seq_len=24,
+                batch_size=5, grad_accum=2, max_steps=20, warmup_steps=3, lr=3e-3, log_every=1, eval_every=10,
+                eval_batches=1, ckpt_every=10, progress=False, threads=1, complementary=True, self_spec_frac=0.3,
+                conf_weight=0.2, eval_block_size=8, block_schedule=[[0.2, [1]], [1.0, [4, 8]]])
+    base.update(kw)
+    lines = [f"{k} = {json.dumps(v)}" for k, v in base.items()]
+    lines.append("model_overrides = { vocab_size = 300 }")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _losses(out):
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], k): r[k] for r in recs for k in ("loss", "eval_ar_loss", "eval_bd8_loss", "conf_entropy")
+            if k in r}
+
+
+def _weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_fsdp_on_two_ranks_equals_one_process_and_resumes_on_one(corpus, tmp_path):
+    """20 steps (odd batch 5 split 3 + 2, gradient accumulation, clipping, complementary masking,
+    self-spec samples, the confidence term): the same losses (1e-5 relative) and final weights as one
+    process on the same global batch; the 2-rank step-10 checkpoint resumed by ONE process continues
+    identically."""
+    cfg = _toml(corpus, tmp_path / "c.toml")
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = torchrun(2, ["train", "--config", str(cfg), "--out-dir", str(two)])
+    summary = json.loads(r.stdout)  # rank 0 alone prints
+    assert summary["world_size"] == 2 and summary["step"] == 20
+    ck = two / "checkpoints" / "step_000010"
+    assert (ck / "dcp" / ".metadata").is_file() and len(list((ck / "dcp").glob("*.distcp"))) == 2
+    assert not list((two / "checkpoints").glob(".*tmp"))
+    Trainer(TrainConfig(**_cfg_dict(cfg, one))).fit()
+    a, b = _losses(one), _losses(two)
+    assert a.keys() == b.keys() and len(a) >= 30
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5), k
+    wa, wb = _weights(one / "final"), _weights(two / "final")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
+    # resume the sharded 2-rank checkpoint in one process
+    three = tmp_path / "three"
+    (three / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ck, three / "checkpoints" / ck.name)
+    (three / "checkpoints" / "latest").write_text(ck.name)
+    tr = Trainer(TrainConfig(**_cfg_dict(cfg, three)), resume=True)
+    assert tr.step == 10
+    tr.fit()
+    c = _losses(three)
+    assert c and all(step > 10 for step, _ in c)
+    for k in c:
+        assert c[k] == pytest.approx(a[k], rel=1e-5), k
+    wc = _weights(three / "final")
+    for k in wa:
+        torch.testing.assert_close(wc[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _cfg_dict(toml_path, out):
+    import tomllib
+
+    d = tomllib.loads(toml_path.read_text())
+    d["out_dir"] = str(out)
+    return d
+
+
+@pytest.mark.parametrize("kind", ["ar", "bd", "bd_comp", "spec"])
+def test_shard_losses_add_up_to_the_batch_loss(kind):
+    """In one process: the shards' losses (and gradients) sum to the whole batch's, the random draws
+    being the same (each shard draws them for the whole batch)."""
+    model = CloverForBlockDiffusion(preset_config("clover-tiny"))
+    ids = torch.randint(0, 120, (5, 19))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :4] = False
+
+    def run(shard):
+        model.zero_grad()
+        gen = torch.Generator().manual_seed(3)
+        if kind == "ar":
+            loss, n = ar_loss(model, ids, mask, shard)
+        elif kind == "spec":
+            loss, n = self_spec_loss(model, ids, mask, 4, 0.1, 1.0, gen, shard)
+        else:
+            loss, n = block_diffusion_loss(model, ids, mask, 4, 0.1, 1.0, gen, kind == "bd_comp", 0.3, shard=shard)
+        loss.backward()
+        return float(loss.detach()), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    full, n_full, g_full = run(None)
+    parts = [run(Shard(lo, hi, 2, None)) for lo, hi in ((0, 3), (3, 5))]
+    assert all(n == n_full for _, n, _ in parts)
+    assert sum(p[0] for p in parts) == pytest.approx(full, rel=1e-5)
+    for k, g in g_full.items():
+        torch.testing.assert_close(sum(p[2][k] for p in parts if k in p[2]), g, rtol=1e-4, atol=1e-6, msg=k)
