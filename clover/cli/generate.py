@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..distributed.flags import add_parallel_flags
 from . import UserError, print_json
 
 STEP_COLOURS = (34, 36, 32, 33, 35, 31, 94, 96, 92, 93, 95, 91)  # ANSI: one per denoising step, cycling
@@ -62,6 +63,7 @@ def register(sub) -> None:
     p.add_argument("--trajectory-out", metavar="FILE", help="picture of the fill order (.html or .png)")
     p.add_argument("--json-schema", metavar="FILE",
                    help="write JSON that follows this schema (keys laid out, values infilled; see docs/structured.md)")
+    add_parallel_flags(p)
     p.set_defaults(func=run)
 
 
@@ -117,7 +119,7 @@ def read_schema(path: str) -> dict:
 
 
 def run_schema(args) -> int:
-    from ..api import load
+    from ..distributed.parallel import load as load_sharded
     from ..structured import generate_json
 
     schema = read_schema(args.json_schema)
@@ -127,7 +129,7 @@ def run_schema(args) -> int:
         if given:
             raise UserError(f"{flag} does not apply to --json-schema")
     decoding_kwargs(args)
-    model, tokenizer = load(args.model, args.device)
+    model, tokenizer = load_sharded(args)  # clover.load in one process
     results = [generate_json(model, tokenizer, p, schema, chat=args.chat, threshold=args.threshold,
                              block_size=args.block_size, max_new_tokens=args.max_new_tokens) for p in prompts]
     if args.json:
@@ -148,14 +150,15 @@ def run(args) -> int:
     if args.json_schema:
         return run_schema(args)
 
-    from ..api import generate, load
+    from ..api import generate
+    from ..distributed.parallel import load as load_sharded
     from ..engine.trajectory import FORMATS, write_trajectory
 
     prompts = read_prompts(args)
     kwargs = decoding_kwargs(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
-    model, tokenizer = load(args.model, args.device)
+    model, tokenizer = load_sharded(args)  # clover.load in one process
     with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", leave=False,
               disable=True if args.show else None, file=sys.stderr) as bar:  # None: on terminals only
         progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))
