@@ -117,7 +117,7 @@ def shard_plan(config, tp: int, ep: int, rank: int) -> dict[str, tuple[int, list
 
 
 def local_shape(shape, entry) -> tuple[int, ...]:
-    if isinstance(entry, str):
+    if entry is None or isinstance(entry, str):
         return tuple(shape)
     dim, segs = entry
     out = list(shape)
