@@ -130,3 +130,29 @@ def test_shard_losses_add_up_to_the_batch_loss(kind):
     assert sum(p[0] for p in parts) == pytest.approx(full, rel=1e-5)
     for k, g in g_full.items():
         torch.testing.assert_close(sum(p[2][k] for p in parts if k in p[2]), g, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_recompute_gives_the_same_steps(corpus, tmp_path):
+    """Activation recomputation (what the memory plan assumes) changes memory, not the numbers."""
+    import tomllib
+
+    d = tomllib.loads(_toml(corpus, tmp_path / "c.toml", max_steps=3, ckpt_every=0, eval_every=0).read_text())
+    plain = Trainer(TrainConfig(**{**d, "out_dir": str(tmp_path / "a")}))
+    again = Trainer(TrainConfig(**{**d, "out_dir": str(tmp_path / "b"), "recompute": True}))
+    saved = {"a": 0, "b": 0}
+
+    def counting(key):
+        def pack(t):
+            saved[key] += t.numel()
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    for _ in range(3):
+        with counting("a"):
+            a = plain.train_step()
+        with counting("b"):
+            b = again.train_step()
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert 0 < saved["b"] < saved["a"] / 3  # the layers' internals are not kept for the backward
+    for (n, p), (_, q) in zip(plain.model.named_parameters(), again.model.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)

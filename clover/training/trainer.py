@@ -66,6 +66,7 @@ class TrainConfig:
     device: str = "cpu"
     seed: int = 0
     threads: int = 0  # torch.set_num_threads (0: leave)
+    recompute: bool = False  # recompute each decoder layer in the backward (activation checkpointing)
     # block diffusion
     t_min: float = 0.1
     t_max: float = 1.0
@@ -195,6 +196,11 @@ class Trainer:
         if self.model.config.vocab_size < len(self.tok):
             raise ValueError(f"model vocab {self.model.config.vocab_size} < tokenizer size {len(self.tok)}")
         self.model.to(self.device).train()
+        if cfg.recompute:  # each layer keeps its input only and reruns its forward in the backward
+            from torch.distributed._composable import checkpoint
+
+            for layer in self.model.model.layers:
+                checkpoint(layer)
         if dist is not None:
             from ..distributed.fsdp import shard_model
 
