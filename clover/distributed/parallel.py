@@ -16,23 +16,30 @@ columns; attention and GDN are replicated (so are their caches); every rank rout
 runs the pairs that fall on its experts and the MoE outputs are all-reduced (one per layer).
 
 The weights are read straight from the checkpoint's safetensors, each rank only its slices (no
-rank holds the whole model). Every rank runs the same engine; before each forward rank 0
-broadcasts the step's inputs (token ids, padding, logits index) and its cache lengths, which the
-other ranks check against theirs: the all-reduced logits are bitwise equal on every rank, so the
-decisions agree, and a divergence would be an error, never a silent wrong answer.
+rank holds the whole model). Rank 0 alone runs the command: it tokenises, owns the engine / the
+scheduler / the HTTP server and makes every decision; each of its forwards and cache operations
+(new cache, append / select rows, start recording, rollback) is first broadcast as a command
+(the step's token ids, padding and logits index as tensors) and the other ranks (`mirror`) run it
+on their shard, so their collectives meet rank 0's in the same order.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
+import os
 import sys
+import threading
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models.cache_clover import CloverCache
 from ..ops.moe import grouped_experts
+from .runtime import launched
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,7 +223,6 @@ def load_parallel(path, tp: int, ep: int, rank: int, device, dtype):
     from safetensors import safe_open
 
     from ..models import CloverConfig, CloverForBlockDiffusion
-    from ..models.cache_clover import CloverCache
     from ..utils.checkpoint_io import SafetensorsSource
 
     folder = Path(path)
@@ -253,37 +259,140 @@ def load_parallel(path, tp: int, ep: int, rank: int, device, dtype):
 
 
 # ------------------------------------------------------------------------------------------------
-# Rank 0's step inputs, broadcast before every forward
+# Rank 0 drives, the other ranks mirror its model and cache calls
 # ------------------------------------------------------------------------------------------------
-def broadcast_inputs(model, d) -> None:
-    """Wrap `model.forward`: rank 0 sends the call's tensors (token ids, padding, logits index), its
-    other arguments and its cache lengths; the other ranks check theirs match and run on rank 0's."""
-    inner = model.forward
+class SyncedCache(CloverCache):
+    """Rank 0's cache: each call the engine makes on it (outside a forward) is sent to the other
+    ranks first, which apply it to their own shard of the same cache."""
 
-    def forward(input_ids, cache=None, **kw):
-        tensors = {"input_ids": input_ids, **{k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}}
-        rest = {k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)}
-        lens = cache.lens.tolist() if cache is not None else None
-        head = ({k: (tuple(v.shape), str(v.dtype)) for k, v in tensors.items()}, rest, lens)
-        sent = d.broadcast(head)
-        if not d.main and sent != head:
-            raise RuntimeError(f"rank {d.rank} diverged from rank 0 before a forward: {head} != {sent}")
-        for v in tensors.values():
-            d.broadcast_tensor(v.contiguous() if v.is_contiguous() else v)
-        return inner(tensors.pop("input_ids"), cache=cache, **tensors, **rest)
+    def _init_sync(self, driver, cid: int):
+        self._driver, self._cid = driver, cid
+        weakref.finalize(self, driver.dead.append, cid)  # freed on every rank with the next command
+        return self
 
-    model.forward = forward
+    def _sync(name):  # noqa: N805 - a decorator factory in the class body
+        def method(self, *args):
+            base = getattr(CloverCache, name)
+            driver = getattr(self, "_driver", None)
+            if driver is None or driver.inside:  # inside a forward: every rank does it already
+                return base(self, *args)
+            with driver.lock:
+                driver.send(("call", self._cid, name, [a._cid if isinstance(a, SyncedCache) else a for a in args]))
+                return base(self, *args)
+
+        method.__name__ = name
+        return method
+
+    append_rows = _sync("append_rows")
+    select_rows = _sync("select_rows")
+    start_recording = _sync("start_recording")
+    rollback = _sync("rollback")
+    reserve = _sync("reserve")
+    del _sync
+
+    def restore(self, snap: dict) -> None:  # a snapshot holds rank 0's shard only
+        raise NotImplementedError("CloverCache.restore is not mirrored across ranks (use start_recording / rollback)")
+
+
+class Driver:
+    """On rank 0: `model(...)` and `model.new_cache(...)` become commands broadcast to the other
+    ranks (token ids, padding, logits index as tensors; the rest as a small object), then run
+    locally; one lock keeps the command streams of all ranks in the same order."""
+
+    def __init__(self, model, d, cache_config):
+        self.model, self.d, self.cache_config = model, d, cache_config
+        self.lock = threading.RLock()
+        self.inside = False
+        self.dead: list[int] = []
+        self.next_id = 0
+        self.forward = model.forward
+        model.forward = self._forward
+        model.new_cache = self._new_cache
+
+    def send(self, cmd) -> None:
+        dead = []
+        while self.dead:  # finalizers may append from any thread
+            dead.append(self.dead.pop())
+        self.d.broadcast((dead, cmd))
+
+    def _new_cache(self, batch_size: int, capacity: int = 256):
+        with self.lock:
+            self.next_id += 1
+            self.send(("cache", self.next_id, batch_size, capacity))
+            cache = SyncedCache(self.cache_config, batch_size, capacity, device=self.d.device, dtype=self.model.dtype)
+            return cache._init_sync(self, self.next_id)
+
+    def _forward(self, input_ids, cache=None, **kw):
+        with self.lock:
+            tensors = {"input_ids": input_ids, **{k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}}
+            rest = {k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)}
+            meta = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+            self.send(("forward", cache._cid if cache is not None else None, meta, rest))
+            for v in tensors.values():
+                self.d.broadcast_tensor(v.contiguous())
+            self.inside = True
+            try:
+                return self.forward(tensors.pop("input_ids"), cache=cache, **tensors, **rest)
+            finally:
+                self.inside = False
+
+    def release(self) -> None:
+        """Let the other ranks' `mirror` return (this model is done)."""
+        with self.lock:
+            self.send(("stop",))
+
+
+def mirror(model, d, cache_config) -> None:
+    """On ranks > 0: run rank 0's model and cache calls on this rank's shard until it stops."""
+    caches: dict[int, CloverCache] = {}
+    with torch.inference_mode():
+        while True:
+            dead, cmd = d.broadcast(None)
+            for cid in dead:
+                caches.pop(cid, None)
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "cache":
+                _, cid, batch, capacity = cmd
+                caches[cid] = CloverCache(cache_config, batch, capacity, device=d.device, dtype=model.dtype)
+            elif cmd[0] == "call":
+                _, cid, name, args = cmd
+                if name == "append_rows":
+                    args = [caches[args[0]]]
+                getattr(caches[cid], name)(*args)
+            else:
+                _, cid, meta, rest = cmd
+                tensors = {k: d.broadcast_tensor(torch.empty(shape, dtype=dtype, device=d.device))
+                           for k, (shape, dtype) in meta.items()}
+                model(tensors.pop("input_ids"), cache=caches[cid] if cid is not None else None, **tensors, **rest)
+
+
+def attach(model, d):
+    """Rank 0: the model, its calls now mirrored on every rank (call `.driver.release()` when done,
+    or let the process end). Other ranks: serve rank 0's calls, then None."""
+    cache_config = local_config(model.config, model.parallel["tp"])
+    if not d.main:
+        mirror(model, d, cache_config)
+        return None
+    model.driver = Driver(model, d, cache_config)
+    return model
+
+
+def is_worker() -> bool:
+    """Under torchrun, a rank other than 0 (no torch needed): it serves rank 0's model calls."""
+    return launched() and int(os.environ.get("RANK", "0")) > 0
 
 
 def load(args):
     """(model, tokenizer) for a command with --model / --device / --tp / --ep: the plain
-    `clover.load` in one process; under torchrun the rank's shard, with rank 0's inputs broadcast
-    and the other ranks' standard output silenced (rank 0 alone prints)."""
+    `clover.load` in one process. Under torchrun, rank 0 gets its shard of the model, whose forward
+    and caches drive the other ranks, and runs the command (tokenises, decodes, prints, serves);
+    the other ranks load their shards, mirror rank 0's calls and exit when rank 0 is done."""
     from ..api import load as plain_load
     from . import runtime
 
     tp, ep = getattr(args, "tp", 1) or 1, getattr(args, "ep", 1) or 1
-    if not runtime.launched():
+    if not launched():
         if tp > 1 or ep > 1:
             raise ValueError(f"--tp/--ep {max(tp, ep)} needs that many processes: launch with "
                              f"torchrun --nproc-per-node {max(tp, ep)} -m clover ...")
@@ -300,8 +409,14 @@ def load(args):
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder}: no config.json (not a model folder)")
     dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
-    model = load_parallel(folder, tp, ep, d.rank, d.device, dtype)
-    broadcast_inputs(model, d)
-    if not d.main:
-        sys.stdout = open("/dev/null", "w")  # noqa: SIM115 - for the life of the process
+    model = attach(load_parallel(folder, tp, ep, d.rank, d.device, dtype), d)
+    if model is None:  # a rank > 0, after rank 0 finished
+        runtime.shutdown()
+        sys.exit(0)
+
+    def finish():
+        model.driver.release()
+        runtime.shutdown()
+
+    atexit.register(finish)
     return model, AutoTokenizer.from_pretrained(folder)
