@@ -52,8 +52,8 @@ class Counter:
             fn = getattr(dist, name)
 
             def wrapped(*args, _fn=fn, _name=name, **kw):
-                t = args[0] if args else next(iter(kw.values()))
-                self.bytes[_name] += t.numel() * t.element_size()
+                ts = [a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)][:2]
+                self.bytes[_name] += max(t.numel() * t.element_size() for t in ts)  # the unsharded buffer
                 self.calls[_name] += 1
                 return _fn(*args, **kw)
 

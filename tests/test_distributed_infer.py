@@ -70,3 +70,59 @@ def test_bad_splits_are_refused():
     check_parallel(c, 1, 8)
     with pytest.raises(ValueError, match="num_experts"):
         check_parallel(c, 1, 3)
+
+
+def test_serve_under_torchrun_answers_the_openai_client(tiny):
+    """`torchrun --nproc-per-node 2 -m clover serve --tp 2`: rank 0 serves HTTP and drives rank 1;
+    the official client's answers (chat and completions, streamed and not, two requests batched)
+    equal those of a one-process server with the same settings."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    import openai
+
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+    from server_utils import RunningServer
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "clover",
+           "serve", "--model", tiny, "--device", "cpu", "--tp", "2", "--port", "0", "--served-model-name", "tiny"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        url, deadline = None, time.time() + 180
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        while url is None:
+            assert time.time() < deadline and proc.poll() is None, f"server did not start: {proc.stderr.read()[-3000:]}"
+            for line in list(lines):
+                if "clover serve:" in line and "http://" in line:
+                    url = line.split("http://")[1].split()[0]
+            time.sleep(0.2)
+        model, tok = clover.load(tiny, device="cpu")
+        settings = Settings(model_id="tiny", block_size=model.config.block_size)
+        with RunningServer(create_app(model, tok, settings, eos_ids(model, tok))) as local:
+            answers = {}
+            for name, base in (("two", f"http://{url}/v1"), ("one", local.url + "/v1")):
+                c = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+                chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
+                                                 max_tokens=12, temperature=0)
+                comp = c.completions.create(model="tiny", prompt=PROMPTS, max_tokens=10, temperature=0)
+                stream = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "to be"}], max_tokens=10, temperature=0,
+                    stream=True, extra_body={"mode": "self_spec"}))
+                answers[name] = (chat.choices[0].message.content, [ch.text for ch in comp.choices], stream)
+        assert answers["two"] == answers["one"]
+        assert answers["one"][1][0] and len(answers["one"][1]) == 2
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
