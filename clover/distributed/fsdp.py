@@ -18,15 +18,17 @@ from ..training.objectives import Shard
 from .runtime import Dist
 
 
-def shard_model(model, d: Dist, bf16: bool = False):
+def shard_model(model, d: Dist, bf16: bool = False, ignored: list | None = None):
+    """`ignored`: parameters FSDP leaves alone (the expert-parallel experts, clover/distributed/expert.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy()
     if bf16 and d.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    skip = set(ignored or ())
     for layer in model.model.layers:
-        fully_shard(layer, mesh=d.mesh, mp_policy=mp)
-    fully_shard(model, mesh=d.mesh, mp_policy=mp)
+        fully_shard(layer, mesh=d.mesh, mp_policy=mp, ignored_params=skip & set(layer.parameters()) or None)
+    fully_shard(model, mesh=d.mesh, mp_policy=mp, ignored_params=skip or None)
     return model
 
 

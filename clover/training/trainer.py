@@ -67,6 +67,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # torch.set_num_threads (0: leave)
     recompute: bool = False  # recompute each decoder layer in the backward (activation checkpointing)
+    ep: int = 1  # expert parallel over this many processes (under torchrun: all of them; clover/distributed/expert.py)
     # block diffusion
     t_min: float = 0.1
     t_max: float = 1.0
@@ -159,6 +160,9 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist  # clover.distributed.runtime.Dist, or None: one process
         self.main = dist is None or dist.main
+        if cfg.ep != 1 and (dist is None or cfg.ep != dist.world):
+            raise ValueError(f"ep = {cfg.ep} needs torchrun with {cfg.ep} processes "
+                             f"(this run has {1 if dist is None else dist.world})")
         if dist is not None and cfg.batch_size < dist.world:
             raise ValueError(f"batch_size {cfg.batch_size} < {dist.world} processes: every rank needs rows")
         try:  # no "Writing model shards" bars between our own
@@ -201,10 +205,15 @@ class Trainer:
 
             for layer in self.model.model.layers:
                 checkpoint(layer)
+        self.expert_params = []
         if dist is not None:
             from ..distributed.fsdp import shard_model
 
-            shard_model(self.model, dist, cfg.bf16)
+            if cfg.ep > 1:
+                from ..distributed.expert import apply_expert_parallel
+
+                self.expert_params = apply_expert_parallel(self.model, dist)
+            shard_model(self.model, dist, cfg.bf16, self.expert_params)
         ids, mask = encode_files(cfg.train_files, self.tok, cfg.chat_eos_pad)  # held-out rows: unpadded
         self.rows, self.rmask = pack(ids, mask, cfg.seq_len)
         self.eval_rows = None
@@ -351,6 +360,10 @@ class Trainer:
                 (loss * shard.world / cfg.grad_accum).backward()
                 total += shard.all_sum(float(loss.detach())) / cfg.grad_accum
             ntok += ids.numel()
+        if self.expert_params:  # complete on their owner, but scaled by the world size like every loss share
+            from ..distributed.expert import scale_grads
+
+            scale_grads(self.expert_params, shard.world)
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if shard is not None:
             from ..distributed.fsdp import full_tensor
@@ -499,6 +512,8 @@ class Trainer:
                    "tokens_per_s": self.tokens / max(self.elapsed, 1e-9), **last_eval, "final": str(final)}
         if self.dist is not None:
             summary["world_size"] = self.dist.world
+        if self.expert_params:  # what each rank held: its experts of each MoE layer
+            summary["experts_per_rank"] = self.expert_params[0].to_local().shape[0]
         if self.main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
