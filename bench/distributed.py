@@ -7,9 +7,9 @@
   `--new-tokens` each) in one process, under `--tp 2` and under `--ep 2`: ms per forward and bytes
   per forward / per generated token handed to the collectives (all-reduce of the block outputs;
   rank 0's step inputs broadcast before every forward).
-* Training: block-diffusion steps of the same model in one process and under FSDP2 on 2 ranks
-  (global batch 4 x 128 tokens): s per step and bytes per step through all-gather, reduce-scatter and
-  all-reduce.
+* Training: block-diffusion steps of the same model in one process, under FSDP2 on 2 ranks and
+  under FSDP2 with the experts split (`ep = 2`) on 2 ranks (global batch 4 x 128 tokens): s per
+  step and bytes per step through all-gather, reduce-scatter, all-to-all and all-reduce.
 Bytes are the buffers each rank hands to a collective (a ring moves (n-1)/n of an all-gather /
 reduce-scatter buffer and 2(n-1)/n of an all-reduce buffer per rank); collectives are counted by
 wrapping torch.distributed's functions in the worker. On 2 shared CPU cores the 2-process runs are
@@ -41,7 +41,7 @@ REPO = HERE.parents[1]
 class Counter:
     """Bytes handed to torch.distributed collectives, by kind (wraps the module's functions)."""
 
-    NAMES = ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single")
+    NAMES = ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
 
     def __init__(self):
         import torch.distributed as dist
@@ -103,7 +103,7 @@ def infer(folder: str, kind: str, new_tokens: int, batch: int) -> dict:
     return out
 
 
-def train(corpus: str, steps: int, preset: str) -> dict:
+def train(corpus: str, steps: int, preset: str, ep: int) -> dict:
     from clover.distributed import runtime
     from clover.training import Trainer, TrainConfig
 
@@ -113,7 +113,7 @@ def train(corpus: str, steps: int, preset: str) -> dict:
         cfg = TrainConfig(objective="block_diffusion", tokenizer=f"{corpus}/tok", preset=preset,
                           model_overrides={"vocab_size": 512}, train_files=[f"{corpus}/train.jsonl"], out_dir=out,
                           seq_len=128, batch_size=4, max_steps=steps + 1, warmup_steps=1, progress=False,
-                          block_schedule=[[1.0, [32]]], ckpt_every=0, eval_every=0)
+                          block_schedule=[[1.0, [32]]], ckpt_every=0, eval_every=0, ep=ep)
         tr = Trainer(cfg, dist=d)
         tr.train_step()  # warm-up
         before = counter.snapshot() if counter else ({}, {})
@@ -128,7 +128,7 @@ def train(corpus: str, steps: int, preset: str) -> dict:
 def worker(args) -> None:
     torch.set_num_threads(1)
     res = infer(args.folder, args.kind, args.new_tokens, args.batch) if args.kind in ("tp", "ep", "one") \
-        else train(args.corpus, args.train_steps, args.preset)
+        else train(args.corpus, args.train_steps, args.preset, args.ep)
     from clover.distributed import runtime
 
     if int(os.environ.get("RANK", "0")) == 0:
@@ -209,6 +209,7 @@ def main() -> int:
     ap.add_argument("--kind", default="one", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--corpus", help=argparse.SUPPRESS)
+    ap.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -220,7 +221,8 @@ def main() -> int:
                 "--tp 2": launch(2, ["--kind", "tp", *common]),
                 "--ep 2": launch(2, ["--kind", "ep", *common])}
         tcommon = ["--kind", "train", "--corpus", corpus, "--train-steps", str(args.train_steps), "--preset", args.preset]
-        trains = {"1 process": launch(1, tcommon), "FSDP2, 2 ranks": launch(2, tcommon)}
+        trains = {"1 process": launch(1, tcommon), "FSDP2, 2 ranks": launch(2, tcommon),
+                  "FSDP2 + ep 2, 2 ranks": launch(2, [*tcommon, "--ep", "2"])}
     base = runs["1 process"]
     print(f"Inference, {args.preset} (random weights), batch {args.batch}, {args.new_tokens} new tokens each, "
           f"block 32, fp32, CPU gloo:\n")
@@ -235,14 +237,15 @@ def main() -> int:
                   f"{'yes' if same else 'NO'} |")
     print(f"\nTraining, {args.preset}, block diffusion at block 32, global batch 4 x 128 tokens, fp32, "
           f"{args.train_steps} steps:\n")
-    print("| run | s / step | all-gather bytes / step | reduce-scatter bytes / step | all-reduce bytes / step | "
-          "losses = 1 process (1e-5 rel) |")
-    print("|---|---|---|---|---|---|")
+    print("| run | s / step | all-gather bytes / step | reduce-scatter bytes / step | all-to-all bytes / step | "
+          "all-reduce bytes / step | losses = 1 process (1e-5 rel) |")
+    print("|---|---|---|---|---|---|---|")
     tb = trains["1 process"]["losses"]
     for name, r in trains.items():
         same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], tb))
         print(f"| {name} | {r['s_per_step']:.2f} | {r.get('all_gather_single_bytes_per_step', 0):,.0f} | "
-              f"{r.get('reduce_scatter_single_bytes_per_step', 0):,.0f} | {r.get('all_reduce_bytes_per_step', 0):,.0f} "
+              f"{r.get('reduce_scatter_single_bytes_per_step', 0):,.0f} | {r.get('all_to_all_single_bytes_per_step', 0):,.0f} | "
+              f"{r.get('all_reduce_bytes_per_step', 0):,.0f} "
               f"| {'yes' if same else 'NO'} |")
     print("\nclover-35b-a3b memory plan per GPU, GiB (`clover info --preset clover-35b-a3b --plan train|serve ...`):\n")
     print("\n".join(plan_table()))

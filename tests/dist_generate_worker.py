@@ -10,6 +10,8 @@ from transformers import AutoTokenizer
 from clover.api import generate
 from clover.distributed import runtime
 from clover.distributed.parallel import attach, load_parallel
+from clover.structured import generate_json
+from distributed_utils import SCHEMA
 
 folder, out_file = sys.argv[1], sys.argv[2]
 prompts = json.loads(sys.argv[3])
@@ -25,6 +27,7 @@ for kind in ("tp", "ep"):
         for mode in modes:
             gens = generate(model, tok, prompts, max_new_tokens=20, block_size=8, mode=mode)
             results[f"{kind}/{mode}"] = [g.token_ids for g in gens]
+        results[f"{kind}/json"] = generate_json(model, tok, "A person:", SCHEMA, block_size=8, max_new_tokens=40).text
         model.driver.release()
 if d.main:
     with open(out_file, "w") as f:

@@ -33,9 +33,22 @@ def test_tp_and_ep_on_two_ranks_equal_one_process_in_every_mode(tiny, tmp_path):
     run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  str(REPO / "tests" / "dist_generate_worker.py"), tiny, str(out), json.dumps(PROMPTS), ",".join(MODES)])
     got = json.loads(out.read_text())
+    from clover.structured import generate_json
+    from distributed_utils import SCHEMA
+
+    want["json"] = generate_json(model, tok, "A person:", SCHEMA, block_size=8, max_new_tokens=40).text
+    assert json.loads(want["json"]).keys() == {"name", "age"}
     for kind in ("tp", "ep"):
-        for m in MODES:
+        for m in MODES + ["json"]:
             assert got[f"{kind}/{m}"] == want[m], (kind, m)
+
+
+def test_tp_without_torchrun_is_a_one_line_error(tiny, capsys):
+    from clover.cli import main
+
+    assert main(["generate", "--model", tiny, "--tp", "2", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node 2" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_generate_under_torchrun(tiny):

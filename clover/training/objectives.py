@@ -48,8 +48,17 @@ class Shard:
     world: int
     all_sum: Callable[[float], float]
 
+    @property
+    def empty(self) -> bool:
+        """No rows here (a batch smaller than the world: evaluation's last batch); `take` then gives
+        the first row, so this rank still runs the forward the others' collectives wait for, and
+        the caller must zero its loss."""
+        return self.lo == self.hi
+
     def take(self, x: torch.Tensor, copies: int = 1) -> torch.Tensor:
         """These rows of `x`, which holds `copies` stacked copies of the batch (complementary masking)."""
+        if self.empty:
+            return x[:1]
         if copies == 1:
             return x[self.lo:self.hi]
         batch = x.shape[0] // copies

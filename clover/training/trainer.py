@@ -394,7 +394,9 @@ class Trainer:
                 shard = self._shard(ids.shape[0])
                 with self._autocast():
                     loss, n = self._loss(ids, mask, block, gen, held_out=True, shard=shard)
-                num += (float(loss) if shard is None else shard.all_sum(float(loss))) * n
+                if shard is not None:  # the shares of the ranks (none from a rank without rows)
+                    loss = shard.all_sum(0.0 if shard.empty else float(loss))
+                num += float(loss) * n
                 den += n
             out["eval_ar_loss" if block == 1 else f"eval_bd{block}_loss"] = num / max(den, 1)
         self.model.train()
