@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 
-def add_parallel_flags(p, training: bool = False) -> None:
+def add_parallel_flags(p) -> None:
+    """--tp / --ep of the commands that run a model (`clover train` takes `ep` from TrainConfig)."""
     g = p.add_argument_group("parallelism (under torchrun; docs/distributed.md)")
-    if not training:
-        g.add_argument("--tp", type=int, default=1, metavar="N",
-                       help="tensor parallel over N processes: attention / GDN heads, shared expert and expert "
-                            "columns split, one all-reduce per block output (default 1)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel over N processes: attention / GDN heads, shared expert and expert "
+                        "columns split, one all-reduce per block output (default 1)")
     g.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert parallel over N processes: the routed experts split across them (default 1)")

@@ -132,7 +132,7 @@ def local_shape(shape, entry) -> tuple[int, ...]:
     return tuple(out)
 
 
-def take(full, shape, entry, rank: int) -> torch.Tensor:
+def take(full, entry, rank: int) -> torch.Tensor:
     """This rank's piece of a tensor; `full` is a tensor or a safetensors slice (read lazily)."""
     if entry is None:
         return full[:] if not isinstance(full, torch.Tensor) else full
@@ -189,7 +189,7 @@ def _all_reduce_output(group):
 
 def _fix_attributes(model, config, tp: int, ep: int, rank: int) -> None:
     """Module attributes that follow the local shapes; the all-reduce hooks."""
-    from ..models.modeling_clover import CloverAttention, CloverGatedDeltaNet, CloverMLP, CloverSparseMoe
+    from ..models.modeling_clover import CloverAttention, CloverGatedDeltaNet, CloverSparseMoe
 
     n = max(tp, ep)
     for module in model.modules():
@@ -207,14 +207,12 @@ def _fix_attributes(model, config, tp: int, ep: int, rank: int) -> None:
             module.split = tuple(s // tp for s in module.split)
             module.register_forward_hook(_all_reduce_output(None))
         elif isinstance(module, CloverSparseMoe):
-            if module.shared_expert is not None:
+            if module.shared_expert is not None:  # its columns split under --tp and --ep alike
                 module.shared_expert.inter //= n
             if ep > 1:
                 module.experts = ExpertShard(module.experts.gate_up_proj, module.experts.down_proj,
                                              rank * config.num_experts // ep)
             module.register_forward_hook(_all_reduce_output(None))
-        elif isinstance(module, CloverMLP):
-            pass  # its `inter` is set through its MoE
 
 
 def load_parallel(path, tp: int, ep: int, rank: int, device, dtype):
@@ -243,7 +241,7 @@ def load_parallel(path, tp: int, ep: int, rank: int, device, dtype):
             raise ValueError(f"{folder}: missing tensor {key}")
         if file not in files:
             files[file] = safe_open(folder / file, "pt")
-        piece = take(files[file].get_slice(key), p.shape, plan.get(name), rank)
+        piece = take(files[file].get_slice(key), plan.get(name), rank)
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         module._parameters[leaf] = nn.Parameter(piece.to(device=device, dtype=dtype), requires_grad=False)
@@ -391,7 +389,9 @@ def load(args):
     from ..api import load as plain_load
     from . import runtime
 
-    tp, ep = getattr(args, "tp", 1) or 1, getattr(args, "ep", 1) or 1
+    tp, ep = getattr(args, "tp", 1), getattr(args, "ep", 1)
+    if tp < 1 or ep < 1:
+        raise ValueError(f"--tp and --ep must be >= 1, got {tp} and {ep}")
     if not launched():
         if tp > 1 or ep > 1:
             raise ValueError(f"--tp/--ep {max(tp, ep)} needs that many processes: launch with "
