@@ -83,7 +83,8 @@ def test_fsdp_on_two_ranks_equals_one_process_and_resumes_on_one(reference, tmp_
 
 def test_expert_parallel_on_two_ranks_equals_no_ep(reference, tmp_path):
     """--ep 2: each rank owns half the experts (tokens exchanged by all-to-all), FSDP2 shards the
-    rest; the same losses and weights as one process; its checkpoint resumes without EP."""
+    rest; the same losses and weights as one process; its checkpoint resumes in one process, and
+    the one-process checkpoint resumes under EP."""
     cfg, one = reference
     ep = tmp_path / "ep"
     summary = json.loads(torchrun(2, ["train", "--config", str(cfg), "--out-dir", str(ep), "--ep", "2"]).stdout)
@@ -91,6 +92,13 @@ def test_expert_parallel_on_two_ranks_equals_no_ep(reference, tmp_path):
     _same_run(one, ep)
     _resume_alone(ep / "checkpoints" / "step_000010", tmp_path / "alone", cfg)
     _same_run(one, tmp_path / "alone", after_step=10)
+    # and the other way: the one-process run's step-10 checkpoint resumed on 2 ranks with EP
+    back = tmp_path / "back"
+    (back / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints" / "step_000010", back / "checkpoints" / "step_000010")
+    (back / "checkpoints" / "latest").write_text("step_000010")
+    torchrun(2, ["train", "--config", str(cfg), "--out-dir", str(back), "--ep", "2", "--resume"])
+    _same_run(one, back, after_step=10)
 
 
 def test_ep_needs_its_processes(corpus, tmp_path):

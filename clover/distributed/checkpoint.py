@@ -91,6 +91,17 @@ def load(trainer, path: Path) -> None:
     trainer.step, trainer.tokens, trainer.elapsed = int(st["step"]), int(st["tokens"]), float(st["elapsed"])
 
 
+def load_full_optimizer(trainer, osd: dict) -> None:
+    """A single-process optimiser state (parameters by index, full tensors) into the sharded
+    optimiser: indices become the parameter names, each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = trainer.param_names
+    full = {"state": {names[int(i)]: v for i, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
+    set_optimizer_state_dict(trainer.model, trainer.opt, full, options=StateDictOptions(full_state_dict=True))
+
+
 def export_hf(model, tokenizer, folder: Path, d) -> None:
     """The full model (gathered from the shards to rank 0's CPU) as one HF folder, written by rank 0
     into a temporary folder and renamed."""

@@ -222,9 +222,12 @@ class Trainer:
             n = cfg.eval_batches * cfg.batch_size
             r, m = pack(e_ids, e_mask, cfg.seq_len)
             self.eval_rows, self.eval_mask = r[:n], m[:n]
-        decay, no_decay = [], []
+        decay, no_decay, names = [], [], ([], [])
         for n, p in self.model.named_parameters():
-            (no_decay if p.dim() < 2 or "norm" in n or "calibration" in n or "bidir" in n else decay).append(p)
+            plain = p.dim() < 2 or "norm" in n or "calibration" in n or "bidir" in n
+            (no_decay if plain else decay).append(p)
+            names[plain].append(n)
+        self.param_names = names[0] + names[1]  # the optimiser's parameter order
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -298,11 +301,13 @@ class Trainer:
             from ..distributed import checkpoint
 
             return checkpoint.load(self, path)
-        if self.dist is not None:
-            raise ValueError(f"{path}: a single-process checkpoint; resume it with one process (a run under "
-                             f"torchrun resumes checkpoints written under torchrun, with any number of processes)")
         st = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
-        self.opt.load_state_dict(st["optimizer"])
+        if self.dist is not None:  # a single-process checkpoint under torchrun: its full optimiser state, sharded
+            from ..distributed.checkpoint import load_full_optimizer
+
+            load_full_optimizer(self, st["optimizer"])
+        else:
+            self.opt.load_state_dict(st["optimizer"])
         self.max_steps = int(st["max_steps"])
         self.sched.load_state_dict(st["scheduler"])
         self.gen.set_state(st["generator"])
