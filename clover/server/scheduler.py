@@ -260,6 +260,8 @@ class Scheduler:
                 self._post(job, [])
                 continue
             self.jobs.pop(id(job.seq), None)
+            with self.metrics.lock:
+                self.metrics.isolated_rows += 1
             try:
                 self._join((key, id(job)), [job], resume=True)
             except Exception as e:  # noqa: BLE001
