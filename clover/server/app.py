@@ -31,6 +31,7 @@ STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/decide")
 MAX_BODY_BYTES = 4 * 2**20  # default request-body limit: many times what fills a 32k-token context
+DRAIN_BYTES = 64 * 2**20  # of a body over the limit, read (and dropped) this much more before the 413
 
 
 @dataclass
@@ -138,30 +139,35 @@ class _CleanStream(StreamingResponse):
 
 
 class _Gate:
-    """ASGI middleware: the Bearer key on /v1/* (constant-time compare), the body-size limit (413, read
-    no further: a declared Content-Length over the limit is refused before any of the body is read) and
-    request counting."""
+    """ASGI middleware: the Bearer key on /v1/* (constant-time compare), the body-size limit (413; a
+    body over it is never kept) and request counting."""
 
     def __init__(self, app, api_key: str | None, metrics: Metrics, max_body_bytes: int = MAX_BODY_BYTES):
         self.app, self.key, self.metrics, self.max_body = app, (api_key or "").encode(), metrics, max_body_bytes
 
     async def _bounded(self, scope, receive):
-        """The whole body (at most max_body bytes) and a `receive` that replays it; None when too large."""
+        """The whole body (at most max_body bytes) and a `receive` that replays it; None when too large.
+        The rest of a body over the limit is read and dropped (up to DRAIN_BYTES more), so that the client,
+        still sending, reads the 413 instead of a broken connection; beyond that the connection is closed."""
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_body:
+        if declared.isdigit() and int(declared) > self.max_body + DRAIN_BYTES:
             return None
         chunks, size, message = [], 0, None
         while True:
             message = await receive()
             if message["type"] != "http.request":  # client gone: the app sees the disconnect
                 break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body:
+            body = message.get("body", b"")
+            size += len(body)
+            if size <= self.max_body:
+                chunks.append(body)
+            elif size > self.max_body + DRAIN_BYTES:
                 return None
             if not message.get("more_body", False):
                 message = None
                 break
+        if size > self.max_body:
+            return None
         pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
         if message is not None:
             pending.append(message)
@@ -461,6 +467,20 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- the two generation endpoints -------------------------------------------------------------------
+    longest: list[int] = []  # characters of the vocabulary's longest token, found when first needed
+
+    def tokenize(text: str, param: str, **kw) -> list[int]:
+        """Token ids of a text; a text too long to fit the context whatever it says (it needs at least
+        len / longest-token tokens) is refused before the tokenizer spends seconds on it."""
+        if len(text) > ctx:
+            if not longest:
+                longest.append(max(len(tokenizer.decode([i])) for i in range(len(tokenizer))))
+            if len(text) // max(longest[0], 1) >= ctx:
+                raise APIError(400, f"the prompt ({len(text)} characters, at least {len(text) // longest[0]} tokens) "
+                               f"fills the model's context of {ctx} tokens", param=param,
+                               code="context_length_exceeded")
+        return tokenizer(text, **kw).input_ids
+
     def encode_completion(req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
         if isinstance(prompt, str):
@@ -475,7 +495,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         vocab = model.config.vocab_size
         for p in prompts:
             if isinstance(p, str):
-                ids.append(tokenizer(p).input_ids)
+                ids.append(tokenize(p, "prompt"))
             else:
                 if any(not 0 <= t < vocab for t in p):
                     raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -501,7 +521,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         return text
 
     def encode_text(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
+        return tokenize(text, "messages", add_special_tokens=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
