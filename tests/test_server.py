@@ -19,7 +19,7 @@ from clover.engine import Engine
 from clover.cli import main
 from clover.server import Settings, create_app
 from helpers import save_tiny_model
-from server_utils import RunningServer
+from server_utils import RunningServer, client, metric, raw
 
 BLOCK = 4
 THRESH = 0.5
@@ -55,26 +55,6 @@ def reference(loaded, prompt, max_tokens, chat=False, think=False, block_size=BL
     cfg = decode_config(model, tokenizer, max_tokens, block_size, THRESH)
     cfg = replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer)))
     return result(Engine(model, cfg).generate([encode(tokenizer, prompt, chat=True, think=think)])[0], tokenizer, think)
-
-
-def client(server, **kw):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-
-def raw(server, method, path, body=None, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
-    return resp.status, dict(resp.getheaders()), text
-
-
-def metric(server, name):
-    _, _, text = raw(server, "GET", "/metrics")
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(match.group(1))
 
 
 def test_models_health_and_sync_client(server, loaded):

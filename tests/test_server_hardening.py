@@ -19,11 +19,10 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 import clover
 from clover.agent.tool_format import call_frame_ids
-from clover.api import decode_config, encode, eos_ids
+from clover.api import decode_config, eos_ids
 from clover.cli import build_parser, main
 from clover.cli import serve as serve_cli
 from clover.cli.chat import ReplyView
@@ -31,7 +30,7 @@ from clover.engine import Engine
 from clover.server import Settings, create_app
 from clover.server.scheduler import EngineKey, Job, Ticket
 from helpers import save_tiny_model
-from server_utils import RunningServer
+from server_utils import RunningServer, client, metric, raw
 
 BLOCK = 4
 THRESH = 0.5
@@ -58,24 +57,6 @@ def make_app(model, tokenizer, **kw):
 def server(loaded):
     with RunningServer(make_app(*loaded, max_body_bytes=64 * 1024)) as s:
         yield s
-
-
-def client(server, **kw):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-
-def raw(server, method, path, body=None, headers=None, timeout=60):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-    data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
-    return resp.status, dict(resp.getheaders()), text
-
-
-def metric(server, name):
-    return float(re.search(rf"^{name} (\S+)$", raw(server, "GET", "/metrics")[2], re.M).group(1))
 
 
 def solo(loaded, prompt, max_tokens):
