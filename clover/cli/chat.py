@@ -1,12 +1,13 @@
 """`clover chat`: an interactive conversation through the chat template, streamed block by block.
-Commands: /think (toggle thinking mode), /reset (forget the conversation), /exit (or Ctrl-D)."""
+Commands: /think (toggle thinking mode), /reset (forget the conversation), /exit (or Ctrl-D).
+No tools are offered, so the tool-call frame is never generated (as the server without `tools`); the
+thinking block is shown dimmed (or between [thinking] / [answer] lines off a terminal), without its tags."""
 
 from __future__ import annotations
 
 import sys
 
 from .generate import add_decoding_args, add_model_args, decoding_kwargs
-
 
 
 def register(sub) -> None:

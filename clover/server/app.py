@@ -505,7 +505,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
-        check_text(req)
+        await off_loop(check_text, req)  # walks every string of the body: off the loop too
         ids = await off_loop(encode_completion, req)
         return await respond(request, req, ids, req.max_tokens, chat=False, think=False)
 
@@ -526,7 +526,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         check_model(req)
-        check_text(req)
+        await off_loop(check_text, req)  # walks every string of the body: off the loop too
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         if not getattr(tokenizer, "chat_template", None):
