@@ -70,7 +70,7 @@ def chat_config(model, tokenizer, kwargs: dict):
     from ..api import decode_config
 
     cfg = decode_config(model, tokenizer, **kwargs)
-    return replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer)))
+    return replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer, model.config.vocab_size)))
 
 
 def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:

@@ -215,7 +215,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     metrics = Metrics()
     scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics)
     ctx = model.config.max_position_embeddings
-    no_tools = call_frame_ids(tokenizer)  # never generated when a chat request offers no tools
+    no_tools = call_frame_ids(tokenizer, model.config.vocab_size)  # never generated when a chat offers no tools
     # prompt encoding (chat template + tokenizer: CPU work that grows with the prompt) runs here, off the
     # event loop; one thread, so the tokenizer is never used by two encodings at once
     encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-encode")

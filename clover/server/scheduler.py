@@ -100,7 +100,8 @@ class Scheduler:
         """The engine config for a key; raises ValueError (-> 400) for settings the model can't run."""
         cfg = DecodeConfig(mode=key.mode, block_size=key.block_size, threshold=key.threshold, steps=key.steps,
                            max_new_tokens=max_new_tokens, eos_token_ids=() if key.ignore_eos else self.eos,
-                           sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed, key.suppress))
+                           sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed,
+                                                  suppress=key.suppress))
         cfg.validate()
         if key.block_size > self.model.config.max_block_size:
             raise ValueError(f"block_size must be in [1, {self.model.config.max_block_size}], got {key.block_size}")
