@@ -13,11 +13,12 @@
 * Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
-  a batched `step()` that raises does not say which row caused it, so each row of that engine is
-  re-prefilled from its prompt + committed tokens into an engine of its own ("solo") and goes on
-  there; a solo engine (or a batch of one) that raises ends its row with an error. Greedy rows go on
-  with the same tokens (the block in progress restarts from its masks); a sampled row restarts its
-  generator from the request's seed. A solo row never rejoins a batch.
+  a batched `step()` that raises does not say which row caused it. Rows that joined since the
+  engine's last good step are the suspects: each goes on in an engine of its own ("solo"), the others
+  are rebuilt as one batch. Without suspects (or with only suspects) every row goes solo. A moved row
+  is re-prefilled from its prompt + committed tokens; an engine of one row that raises ends that row
+  with an error. Greedy rows go on with the same tokens (the block in progress restarts from its
+  masks); a sampled row restarts its generator from the request's seed. A solo row never rejoins a batch.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Job:
     state: str = "waiting"  # waiting -> running -> done
     first_block: bool = False
     slot: object = None  # its engine's key in Scheduler.engines: the EngineKey, or (EngineKey, id) when solo
+    proven: bool = False  # has taken part in a step of its current engine that did not raise
 
 
 class Scheduler:
@@ -204,7 +206,7 @@ class Scheduler:
         for job, seq, old in zip(jobs, seqs, olds):
             if old is not None:
                 _carry_over(seq, old)
-            job.seq, job.slot = seq, slot
+            job.seq, job.slot, job.proven = seq, slot, False
             self.jobs[id(seq)] = job
         if not resume:
             with self.metrics.lock:
@@ -219,6 +221,10 @@ class Scheduler:
             traceback.print_exc()
             self._isolate(slot, e)
             return
+        for seq in engine.seqs:
+            job = self.jobs.get(id(seq))
+            if job is not None:
+                job.proven = True
         now = time.perf_counter()
         with self.metrics.lock:
             self.metrics.model_forwards += 1
@@ -248,21 +254,33 @@ class Scheduler:
             self._done(job, cancelled=False)
 
     def _isolate(self, slot, error: Exception) -> None:
-        """A step of the engine at `slot` raised: with one row, that row fails; otherwise each row goes
-        on alone in a solo engine, re-prefilled from what it has committed."""
+        """A step of the engine at `slot` raised: with one row, that row fails. Otherwise the rows that
+        joined since its last good step (suspects) go on solo and the others as one rebuilt batch; all
+        solo when that tells nothing (no suspects, or no others). Moved rows restart from what they
+        committed."""
         engine = self.engines.pop(slot)
         jobs = [self.jobs[id(s)] for s in engine.seqs if id(s) in self.jobs]
         if len(jobs) == 1:
             self._fail(jobs[0], error)
             return
         key = slot[0] if isinstance(slot, tuple) else slot
+        live = []
         for job in jobs:
             if job.seq.finished:  # it finished in the step that raised, before its tokens were posted
                 self._post(job, [])
-                continue
-            self.jobs.pop(id(job.seq), None)
-            with self.metrics.lock:
-                self.metrics.isolated_rows += 1
+            else:
+                self.jobs.pop(id(job.seq), None)
+                live.append(job)
+        with self.metrics.lock:
+            self.metrics.isolated_rows += len(live)
+        proven = [j for j in live if j.proven]
+        alone = live if len(proven) in (0, len(live)) else [j for j in live if not j.proven]
+        if len(alone) < len(live):
+            try:
+                self._join(slot, proven, resume=True)
+            except Exception:  # noqa: BLE001 - then they go solo too
+                alone = live
+        for job in alone:
             try:
                 self._join((key, id(job)), [job], resume=True)
             except Exception as e:  # noqa: BLE001
