@@ -8,11 +8,8 @@ model aliases and the lm-eval command of docs/evaluation.md. Official `openai` c
 import asyncio
 import http.client
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -490,22 +487,21 @@ def test_api_key_from_the_environment(monkeypatch):
     assert serve_cli.api_key(args) is None  # empty = unset
 
 
-def test_clover_serve_end_to_end_env_key_aliases_and_body_limit(model_dir):
-    """The real command: key from CLOVER_API_KEY (not on the command line), two served names, a small
-    body limit."""
-    env = {**os.environ, "CLOVER_API_KEY": "s3cret", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "clover", "serve", "--model", model_dir, "--port", "0", "--block-size", "4",
-           "--threads", "1", "--served-model-name", "tiny", "clover", "--max-body-bytes", "4096"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        port = int(re.search(r":(\d+) \(playground", line).group(1))
-        assert "s3cret" not in " ".join(cmd)
+def test_clover_serve_env_key_aliases_and_body_limit(model_dir, monkeypatch, capsys):
+    """`clover serve` itself (in-process; uvicorn's run is replaced by handing over the app it got):
+    the key from CLOVER_API_KEY (nothing on the command line), two served names, a small body limit."""
+    import uvicorn
 
-        class S:
-            pass
-        s = S()
-        s.port, s.url = port, f"http://127.0.0.1:{port}"
+    apps = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: (apps.append(self.config.app),
+                                                                             [s.close() for s in sockets or []]))
+    monkeypatch.setenv("CLOVER_API_KEY", "s3cret")
+    argv = ["serve", "--model", model_dir, "--port", "0", "--block-size", "4", "--threads", "1",
+            "--served-model-name", "tiny", "clover", "--max-body-bytes", "4096"]
+    assert main(argv) == 0 and "s3cret" not in " ".join(argv)
+    assert "clover serve: tiny on http://127.0.0.1:" in capsys.readouterr().out
+    monkeypatch.undo()  # uvicorn's own run again, for the test server
+    with RunningServer(apps[0]) as s:
         assert raw(s, "POST", "/v1/completions", {"prompt": "a"})[0] == 401
         c = client(s, api_key="s3cret")
         assert [m.id for m in c.models.list().data] == ["tiny", "clover"]
@@ -516,11 +512,6 @@ def test_clover_serve_end_to_end_env_key_aliases_and_body_limit(model_dir):
             c.completions.create(model="gpt-9", prompt="ab", max_tokens=4)
         status, _, text = raw(s, "POST", "/v1/completions", {"prompt": "x" * 5000}, {"Authorization": "Bearer s3cret"})
         assert_error(text, 413, status, code="request_too_large")
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 # ---- docs/evaluation.md: the lm-eval commands against `clover serve` name a model the server serves -----------
