@@ -285,8 +285,13 @@ def test_live_chunks_carry_the_block_view(server):
     (["--mode", "bogus"], "unknown mode"),
     (["--threshold", "2"], "threshold"),
     (["--model", "/nonexistent/model"], "no config.json"),
+    (["--block-size", "0"], "block_size must be >= 1, got 0"),
+    (["--block-size", "-3"], "block_size must be >= 1, got -3"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+    (["--served-model-name", ""], "--served-model-name"),
 ])
 def test_serve_flag_mistakes_are_one_line(capsys, argv, needle):
     code = main(["serve", *argv])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and err.count("\n") == 1 and err.startswith("clover serve: error:")
+    assert "Traceback" not in err
