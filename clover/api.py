@@ -29,12 +29,44 @@ class Generation:
         return {k: v for k, v in asdict(self).items() if v is not None and k not in drop}
 
 
+def resolve_device(device: str | None) -> str:
+    """A device string checked before anything loads: cpu, cuda, cuda:N (None = cuda when available)."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise ValueError(f"--device {device}: unknown device (use cpu, cuda or cuda:N)")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__}"
+                             f"{'' if torch.version.cuda else ', a CPU-only build'}); use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return str(device)
+
+
+def check_checkpoint(folder: str | Path):
+    """The CloverConfig of a checkpoint folder after checking it whole (config.json a Clover config,
+    every safetensors file complete, every tensor shaped as the config says); ValueError naming the file."""
+    from .models import CloverConfig, CloverForBlockDiffusion
+    from .utils.checkpoint import check_folder, check_shapes
+
+    _, weights = check_folder(folder)
+    config = CloverConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        check_shapes(folder, CloverForBlockDiffusion(config), weights)
+    return config
+
+
 def load(path: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a model folder; None = the shipped default model. bf16 on CUDA."""
+    """(model, tokenizer) from a model folder; None = the shipped default model. bf16 on CUDA.
+    The folder is checked first (config.json a Clover config, safetensors files whole, shapes as the
+    config says): a bad one is a ValueError naming the file, before any weight is read."""
     from transformers import AutoTokenizer
 
     from .cli import UserError
     from .models import CloverForBlockDiffusion
+    from .utils.checkpoint import load_progress
 
     folder = Path(path) if path else DEFAULT_MODEL
     if not (folder / "config.json").is_file():
@@ -43,9 +75,11 @@ def load(path: str | Path | None = None, device: str | None = None, dtype: torch
         raise UserError(f"{folder}: no config.json (not a model folder)")
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise UserError(f"{folder}: no tokenizer files (tokenizer.json); copy the model's tokenizer beside its weights")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    model = CloverForBlockDiffusion.from_pretrained(folder, dtype=dtype).to(device).eval()
+    config = check_checkpoint(folder)
+    with load_progress(folder):
+        model = CloverForBlockDiffusion.from_pretrained(folder, config=config, dtype=dtype).to(device).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 
 

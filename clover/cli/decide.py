@@ -8,17 +8,15 @@ import json
 from pathlib import Path
 
 from . import UserError, print_json
-from .generate import add_model_args
+from .options import add_model_args
 
 
 def register(sub) -> None:
-    from ..decide import MODES
-
     p = sub.add_parser("decide", help="answer linked questions about a material (joint decision mode)")
     add_model_args(p)
     p.add_argument("--material", required=True, metavar="FILE", help="a text file: the material the questions are about")
     p.add_argument("--questions", required=True, metavar="FILE.jsonl", help="one question per line (JSON)")
-    p.add_argument("--mode", default="joint", choices=MODES, help="joint (default) or independent")
+    p.add_argument("--mode", default="joint", help="joint (default) or independent")
     p.add_argument("--threshold", type=float, default=0.9, metavar="T",
                    help="commit every slot whose confidence is > T per forward (default 0.9)")
     p.add_argument("--block-size", type=int, default=32, metavar="B", help="max tokens per answer window (default 32)")
@@ -44,8 +42,10 @@ def read_questions(path: str) -> list[dict]:
 
 def run(args) -> int:
     from ..api import load
-    from ..decide import decide, parse_questions
+    from ..decide import MODES, decide, parse_questions
 
+    if args.mode not in MODES:
+        raise UserError(f"--mode must be one of {', '.join(MODES)}, got {args.mode!r}")
     material_file = Path(args.material)
     if not material_file.is_file():
         raise UserError(f"{material_file}: no such material file")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import UserError, print_json
+from .options import add_threads_arg
 
 
 def register(sub) -> None:
@@ -13,6 +14,7 @@ def register(sub) -> None:
     src.add_argument("--preset", help="a built-in preset (default: clover-35b-a3b)")
     src.add_argument("--model", help="a checkpoint folder with config.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_arg(p)
     p.add_argument("--quant", choices=["int4"], help="add the memory plan of a quantised deployment")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="int4 group size (default 128)")
     p.add_argument("--context", type=int, help="tokens of KV cache in the plan (default: the model's maximum)")

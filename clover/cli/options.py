@@ -1,0 +1,53 @@
+"""Flags shared by the subcommands that run a model (--model, --device, --threads, --seed) and the
+process set-up they imply. Nothing here imports torch: `--help` and argument errors stay instant."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer, as OpenAI's `seed`
+
+
+def seed_type(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}], got {text!r}") from None
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64-bit signed), got {value}")
+    return value
+
+
+def threads_type(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def add_threads_arg(p) -> None:
+    p.add_argument("--threads", type=threads_type, metavar="N",
+                   help="torch CPU threads (default: torch's, one per core; waits are passive, see docs/cli)")
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    add_threads_arg(p)
+
+
+def setup_process(args) -> None:
+    """Before a subcommand runs (and before it imports torch): OpenMP threads that wait passively
+    instead of spinning (a spinning thread on a busy core slows every small forward many times over;
+    an explicit OMP_WAIT_POLICY wins), and `--threads` where the command has it."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    threads = getattr(args, "threads", None)
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch loads
+        if "torch" in sys.modules:  # already loaded (the CLI called in-process, e.g. by tests)
+            sys.modules["torch"].set_num_threads(threads)
