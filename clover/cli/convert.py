@@ -32,10 +32,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..convert.convert import convert_checkpoint
-    from ..utils.checkpoint import read_config
+    from ..utils.checkpoint import check_folder
 
-    read_config(args.src, clover=False)  # a config.json that is not JSON: one line naming it
+    check_folder(args.src, clover=False)  # a bad source: one line naming the file, before torch is imported
+
+    from ..convert.convert import convert_checkpoint
+
     if args.mask_token_id is not None and args.mask_token_id < 0:
         raise UserError(f"--mask-token-id must be >= 0, got {args.mask_token_id}")
     summary = convert_checkpoint(

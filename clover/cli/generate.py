@@ -127,11 +127,12 @@ def read_schema(path: str) -> dict:
 
 
 def run_schema(args) -> int:
-    from ..api import load
+    from ..api import load, model_folder
     from ..structured import generate_json
 
     schema = read_schema(args.json_schema)
     prompts = read_prompts(args)
+    model_folder(args.model)
     for flag, given in (("--show", args.show), ("--trajectory-out", args.trajectory_out), ("--think", args.think),
                         ("--mode", args.mode != "low_confidence")):
         if given:
@@ -158,10 +159,13 @@ def run(args) -> int:
     if args.json_schema:
         return run_schema(args)
 
-    from ..api import generate, load
-    from ..engine.trajectory import FORMATS, write_trajectory
+    from ..api import generate, load, model_folder
 
     prompts = read_prompts(args)
+    model_folder(args.model)  # a bad model folder: one line, before torch is imported
+
+    from ..engine.trajectory import FORMATS, write_trajectory
+
     kwargs = decoding_kwargs(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")

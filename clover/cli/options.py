@@ -30,6 +30,15 @@ def threads_type(text: str) -> int:
     return value
 
 
+def device_type(text: str) -> str:
+    from ..api import check_device_name  # light: no torch
+
+    try:
+        return check_device_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_threads_arg(p) -> None:
     p.add_argument("--threads", type=threads_type, metavar="N",
                    help="torch CPU threads (default: torch's, one per core; waits are passive, see docs/cli)")
@@ -37,7 +46,7 @@ def add_threads_arg(p) -> None:
 
 def add_model_args(p) -> None:
     p.add_argument("--model", help="model folder (default: the shipped default model)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--device", type=device_type, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     add_threads_arg(p)
 
 

@@ -28,11 +28,15 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from ..utils.checkpoint import check_folder
+
+    check_folder(args.src)  # a bad source: one line naming the file, before torch is imported
+
     from ..api import check_checkpoint
     from ..quant.quantize import QuantizationError, quantize_checkpoint
     from .convert import parse_size
 
-    check_checkpoint(args.src)  # a bad source is one line naming the file, before anything is written
+    check_checkpoint(args.src)  # and its shapes against its config, before anything is written
     quiet = {"notice": lambda msg: None} if args.json else {}
     try:
         summary = quantize_checkpoint(
