@@ -58,10 +58,13 @@ def check_checkpoint(folder: str | Path):
     import torch
 
     from .models import CloverConfig, CloverForBlockDiffusion
-    from .utils.checkpoint import check_folder, check_shapes
+    from .utils.checkpoint import CheckpointError, check_folder, check_shapes
 
     _, weights = check_folder(folder)
-    config = CloverConfig.from_pretrained(folder)
+    try:
+        config = CloverConfig.from_pretrained(folder)
+    except ValueError as e:  # CloverConfig's own validation (layer_types, heads, ...)
+        raise CheckpointError(f"{Path(folder) / 'config.json'}: {e}") from None
     with torch.device("meta"):
         check_shapes(folder, CloverForBlockDiffusion(config), weights)
     return config

@@ -54,6 +54,7 @@ BREAKAGES = {
     "vocab": lambda d: _edit_config(d, vocab_size=200),
     "shape": lambda d: _edit_config(d, moe_intermediate_size=48),
     "llama": lambda d: _edit_config(d, model_type="llama"),
+    "layers": lambda d: _edit_config(d, layer_types=["mamba"] * 4),
     "truncated": _truncate,
     "empty": lambda d: (d / "model.safetensors").write_bytes(b""),
     "random": lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)),
@@ -72,7 +73,7 @@ def fx(tmp_path_factory) -> Path:
     Qwen3NextForCausalLM(Qwen3NextConfig(**HF_TEXT)).save_pretrained(root / "hf-good")
     for name, breakage in BREAKAGES.items():
         for src, prefix in ((good, ""), (root / "hf-good", "hf-")):
-            if prefix and name in ("vocab", "shape", "llama"):
+            if prefix and name in ("vocab", "shape", "llama", "layers"):
                 continue
             shutil.copytree(src, root / f"{prefix}{name}")
             breakage(root / f"{prefix}{name}")
@@ -85,6 +86,7 @@ CASES = {  # id: (argv with {fx} for the fixture folder, what the one line must 
     "config-not-json": (["generate", "--model", "{fx}/notjson", "--prompt", "ab"], "notjson/config.json: not a JSON config"),
     "vocab-mismatch": (["generate", "--model", "{fx}/vocab", "--prompt", "ab"], "vocab/config.json does not match the weights"),
     "shape-mismatch": (["generate", "--model", "{fx}/shape", "--prompt", "ab"], "experts.down_proj is [8, 64, 32] in the files"),
+    "config-invalid": (["generate", "--model", "{fx}/layers", "--prompt", "ab"], "layers/config.json: CloverConfig.layer_types"),
     "model-type-llama": (["generate", "--model", "{fx}/llama", "--prompt", "ab"], "clover convert"),
     "generate-truncated": (["generate", "--model", "{fx}/truncated", "--prompt", "ab"], "truncated/model.safetensors: truncated"),
     "generate-empty": (["generate", "--model", "{fx}/empty", "--prompt", "ab"], "empty/model.safetensors: empty file"),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from . import UserError, print_json
 from .options import add_threads_arg
 
@@ -28,10 +26,10 @@ def load_config(args):
     from ..models import CloverConfig, PRESETS, preset_config
 
     if args.model:
-        path = Path(args.model)
-        if not (path / "config.json").is_file():
-            raise UserError(f"{path}: no config.json (not a checkpoint folder)")
-        return args.model, CloverConfig.from_pretrained(path)
+        from ..utils.checkpoint import read_config
+
+        read_config(args.model)  # not JSON, or not a Clover config: one line naming the file
+        return args.model, CloverConfig.from_pretrained(args.model)
     name = args.preset or "clover-35b-a3b"
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")

@@ -41,7 +41,8 @@ def device_type(text: str) -> str:
 
 def add_threads_arg(p) -> None:
     p.add_argument("--threads", type=threads_type, metavar="N",
-                   help="torch CPU threads (default: torch's, one per core; waits are passive, see docs/cli)")
+                   help="torch CPU threads (default: torch's, one per core; OpenMP waits passively unless "
+                        "OMP_WAIT_POLICY says otherwise)")
 
 
 def add_model_args(p) -> None:
