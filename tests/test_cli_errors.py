@@ -107,6 +107,8 @@ CASES = {  # id: (argv with {fx} for the fixture folder, what the one line must 
                      "--seed: must be an integer in [-9223372036854775808, 9223372036854775807]"),
     "seed-too-small": (["generate", "--model", "{fx}/good", "--prompt", "ab", "--seed", str(-(2**63) - 1)], "64-bit signed"),
     "threads-zero": (["generate", "--model", "{fx}/good", "--prompt", "ab", "--threads", "0"], "--threads: must be an integer >= 1"),
+    "decide-material-not-utf8": (["decide", "--model", "{fx}/good", "--material", "{fx}/bad.txt", "--questions", "q.jsonl"],
+                                 "bad.txt: not UTF-8 text (byte 0xe9 at offset 3)"),
     "decide-mode": (["decide", "--model", "{fx}/good", "--material", "{fx}/bad.txt", "--questions", "q.jsonl", "--mode", "x"],
                     "--mode must be one of joint, independent"),
 }

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from . import UserError, print_json
-from .options import add_model_args
+from .options import add_model_args, utf8
 
 
 def register(sub) -> None:
@@ -30,7 +30,7 @@ def read_questions(path: str) -> list[dict]:
     if not file.is_file():
         raise UserError(f"{file}: no such questions file")
     questions = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(utf8(file.read_bytes(), str(file)).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -49,7 +49,7 @@ def run(args) -> int:
     material_file = Path(args.material)
     if not material_file.is_file():
         raise UserError(f"{material_file}: no such material file")
-    material = material_file.read_text(encoding="utf-8")
+    material = utf8(material_file.read_bytes(), str(material_file))
     if not material.strip():
         raise UserError(f"{material_file}: material is empty")
     questions = read_questions(args.questions)

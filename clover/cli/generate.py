@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from . import UserError, print_json
-from .options import add_model_args, seed_type
+from .options import add_model_args, seed_type, utf8
 
 STEP_COLOURS = (34, 36, 32, 33, 35, 31, 94, 96, 92, 93, 95, 91)  # ANSI: one per denoising step, cycling
 
@@ -79,13 +79,6 @@ def read_prompts(args) -> list[str]:
         except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
             raise UserError(f"--prompt: not UTF-8 text (byte 0x{ord(p[e.start]) & 0xFF:02x} at character {e.start})") from None
     return args.prompt
-
-
-def utf8(data: bytes, name: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{name}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
 
 
 class LiveView:

@@ -51,6 +51,16 @@ def add_model_args(p) -> None:
     add_threads_arg(p)
 
 
+def utf8(data: bytes, name: str) -> str:
+    """Text from bytes a user gave, or a one-line error naming where they came from."""
+    from . import UserError
+
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{name}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
 def setup_process(args) -> None:
     """Before a subcommand runs (and before it imports torch): OpenMP threads that wait passively
     instead of spinning (a spinning thread on a busy core slows every small forward many times over;
