@@ -26,9 +26,15 @@ __all__ = list(_LAZY)
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'clover' has no attribute {name!r}")
-    return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    if not name.startswith("_"):  # `clover.api`, `clover.engine`, ... as after the eager import of old
+        try:
+            return import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module 'clover' has no attribute {name!r}")
 
 
 def __dir__():

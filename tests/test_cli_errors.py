@@ -180,6 +180,7 @@ import clover
 assert "torch" not in sys.modules and "transformers" not in sys.modules
 import clover.decide
 assert callable(clover.decide) and clover.decide.__name__ == "decide"  # the function, as documented
+assert "low_confidence" in clover.engine.MODES and clover.api.DEFAULT_MODEL  # submodules as attributes, as before
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 print(type(AutoConfig.from_pretrained({d!r})).__name__, type(AutoModelForCausalLM.from_pretrained({d!r})).__name__,
       type(AutoModel.from_pretrained({d!r})).__name__, clover.CloverConfig.__name__)
