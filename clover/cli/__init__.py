@@ -2,8 +2,9 @@
 
 Each subcommand module defines `register(subparsers)`, which adds its parser and sets
 `func=run`. register() imports nothing heavy (no torch / transformers: `clover --help` and argument
-errors answer at once); run() imports what the command needs. User mistakes raise `UserError` (or a ValueError / FileNotFoundError from
-validation) and end as one line on stderr with exit code 2, never a traceback.
+errors answer at once); run() imports what the command needs. User mistakes raise `UserError` (or a
+ValueError / FileNotFoundError from validation) and end as one line on stderr with exit code 2, never
+a traceback.
 """
 
 from __future__ import annotations

@@ -22,15 +22,12 @@ class SafetensorsSource:
 
     def __init__(self, src: Path, error: type[Exception] = ValueError):
         self.src, self.error, self._open = src, error, {}
-        try:  # every file whole before the first tensor is read (a bad one is one line naming it)
+        try:  # every file checked whole before the first tensor is read (a bad one: one line naming it)
             self.weight_map = {}
             for file in weight_files(src):
                 self.weight_map.update(dict.fromkeys(read_header(file), file.name))
         except CheckpointError as e:
             raise error(str(e)) from None
-        index = src / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
 
     def _file(self, key: str):
         file = self.weight_map.get(key)
