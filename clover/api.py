@@ -35,6 +35,17 @@ def check_device_name(device: str) -> str:
     return str(device)
 
 
+def cpu_only_torch() -> str | None:
+    """The installed torch's version when it is a CPU-only build (read from its metadata: no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("torch")
+    except PackageNotFoundError:
+        return None
+    return v if v.endswith("+cpu") else None
+
+
 def resolve_device(device: str | None) -> str:
     """A device checked before anything loads: cpu, cuda, cuda:N (None = cuda when available)."""
     import torch

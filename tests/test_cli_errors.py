@@ -114,7 +114,17 @@ CASES = {  # id: (argv with {fx} for the fixture folder, what the one line must 
 }
 if not torch.cuda.is_available():
     CASES["device-cuda-without-cuda"] = (["generate", "--model", "{fx}/good", "--prompt", "ab", "--device", "cuda"],
-                                         "--device cuda: CUDA is not available on this machine")
+                                         "cuda: CUDA is not available")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_check_at_load_without_cuda(fx):
+    """The check behind the fast one (a CUDA build of torch on a machine without a GPU gets it at load)."""
+    from clover.api import resolve_device
+
+    with pytest.raises(ValueError, match="--device cuda:1: CUDA is not available on this machine"):
+        resolve_device("cuda:1")
+    assert resolve_device("cpu") == "cpu" and resolve_device(None) == "cpu"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -165,7 +175,7 @@ print(heavy)
 def test_help_and_argument_errors_import_no_torch(fx):
     argvs = [["--help"], ["generate", "--help"], ["chat", "--help"], ["serve", "--help"], ["decide", "--help"],
              ["quantize", "--help"], ["convert", "--help"], ["info", "--help"], ["eval", "--help"], ["bench", "--help"],
-             ["generate", "--seed", "x"], ["generate", "--device", "tpu"],
+             ["generate", "--seed", "x"], ["generate", "--device", "tpu"], ["generate", "--device", "cuda"],
              ["generate", "--model", str(fx / "truncated"), "--prompt", "a"],
              ["generate", "--model", str(fx / "good"), "--prompt-file", str(fx / "bad.txt")],
              ["convert", str(fx / "hf-random"), str(fx / "c")], ["quantize", str(fx / "llama"), str(fx / "q")]]

@@ -31,12 +31,17 @@ def threads_type(text: str) -> int:
 
 
 def device_type(text: str) -> str:
-    from ..api import check_device_name  # light: no torch
+    from ..api import check_device_name, cpu_only_torch  # light: no torch
 
     try:
-        return check_device_name(text)
+        device = check_device_name(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    cpu_build = cpu_only_torch()
+    if device.startswith("cuda") and cpu_build:  # known without importing torch (the full check is at load)
+        raise argparse.ArgumentTypeError(f"{device}: CUDA is not available (torch {cpu_build} is a CPU-only build); "
+                                         f"use --device cpu")
+    return device
 
 
 def add_threads_arg(p) -> None:
