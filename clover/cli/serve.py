@@ -13,7 +13,7 @@ API_KEY_ENV = "CLOVER_API_KEY"
 
 
 def register(sub) -> None:
-    from ..engine import MODES
+    from .generate import MODE_HELP
 
     p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, playground at /)")
     p.add_argument("--model", help="model folder (default: the shipped default model)")
@@ -31,7 +31,7 @@ def register(sub) -> None:
                    help="rows waiting for a slot before requests get 503 (default 256)")
     p.add_argument("--block-size", type=int, metavar="B", help="default block size (default: the model's)")
     p.add_argument("--threshold", type=float, default=0.95, metavar="T", help="default low_confidence threshold")
-    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=f"default mode, one of {', '.join(MODES)}")
+    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=f"default mode: {MODE_HELP}")
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
                    help="chat completion budget when a request gives none (default 512, capped by the context)")
     p.add_argument("--max-body-bytes", type=int, metavar="N",
