@@ -1,25 +1,67 @@
-"""Clover: block-diffusion language models on a hybrid Gated-DeltaNet / gated-attention MoE backbone."""
+"""Clover: block-diffusion language models on a hybrid Gated-DeltaNet / gated-attention MoE backbone.
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+`import clover` is cheap: the public names below are imported on first use (PEP 562), so the
+`clover` command answers `--help` and argument mistakes without loading torch or transformers.
+The Auto classes (`AutoConfig` / `AutoModel` / `AutoModelForCausalLM`) are registered by
+`clover.models` itself, which is imported here at once when transformers is already loaded and
+otherwise right after transformers is first imported (see `clover.utils.lazy`), so
+`import clover; AutoModel.from_pretrained(clover_folder)` works either way.
+"""
 
-from .models import CloverCache, CloverConfig, CloverForBlockDiffusion, CloverModel, preset_config
+import sys
+import types
+from importlib import import_module
+
+from .utils.lazy import after_import
 
 __version__ = "0.1.0"
 
-AutoConfig.register("clover", CloverConfig, exist_ok=True)
-AutoModel.register(CloverConfig, CloverModel, exist_ok=True)
-AutoModelForCausalLM.register(CloverConfig, CloverForBlockDiffusion, exist_ok=True)
+# public name -> the submodule that defines it
+_LAZY = {
+    "CloverCache": "models", "CloverConfig": "models", "CloverForBlockDiffusion": "models", "CloverModel": "models",
+    "preset_config": "models", "Generation": "api", "generate": "api", "load": "api", "decide": "decide",
+    "generate_json": "structured",
+}
+__all__ = list(_LAZY)
 
-__all__ = ["CloverCache", "CloverConfig", "CloverForBlockDiffusion", "CloverModel", "preset_config"]
 
-from .api import Generation, generate, load  # noqa: E402
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    if not name.startswith("_"):  # `clover.api`, `clover.engine`, ... as after the eager import of old
+        try:
+            return import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module 'clover' has no attribute {name!r}")
 
-__all__ += ["Generation", "generate", "load"]
 
-from .decide import decide  # noqa: E402
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
-__all__ += ["decide"]
 
-from .structured import generate_json  # noqa: E402
+class _Package(types.ModuleType):
+    """`clover.decide` is the function (as documented), although importing the `clover.decide`
+    subpackage would otherwise bind the package's attribute of that name to the subpackage."""
 
-__all__ += ["generate_json"]
+    @property
+    def decide(self):
+        return import_module(".decide", __name__).decide
+
+    @decide.setter
+    def decide(self, value):  # importlib binding the subpackage: keep the function under the name
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def _register_auto_classes() -> None:
+    try:
+        import_module(".models", __name__)  # registers the Auto classes (clover/models/__init__.py)
+    except ImportError:  # clover.models is itself mid-import (it registers when it finishes)
+        pass
+
+
+after_import("transformers", _register_auto_classes)

@@ -1,13 +1,11 @@
-"""Python API: `model, tokenizer = clover.load()` and `clover.generate(model, tokenizer, prompt)`."""
+"""Python API: `model, tokenizer = clover.load()` and `clover.generate(model, tokenizer, prompt)`.
+torch, transformers and the engine are imported by the functions that use them, so `model_folder`
+(the checks of a model folder) answers without them."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
-
-from .engine import DecodeConfig, Engine, SamplingParams, Sequence
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default"
 
@@ -29,12 +27,65 @@ class Generation:
         return {k: v for k, v in asdict(self).items() if v is not None and k not in drop}
 
 
-def load(path: str | Path | None = None, device: str | None = None, dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a model folder; None = the shipped default model. bf16 on CUDA."""
-    from transformers import AutoTokenizer
+def check_device_name(device: str) -> str:
+    """cpu, cuda or cuda:N, checked by its spelling alone (no torch)."""
+    kind, _, index = str(device).partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise ValueError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
+    return str(device)
 
+
+def cpu_only_torch() -> str | None:
+    """The installed torch's version when it is a CPU-only build (read from its metadata: no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("torch")
+    except PackageNotFoundError:
+        return None
+    return v if v.endswith("+cpu") else None
+
+
+def resolve_device(device: str | None) -> str:
+    """A device checked before anything loads: cpu, cuda, cuda:N (None = cuda when available)."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    device = check_device_name(device)
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__}"
+                             f"{'' if torch.version.cuda else ', a CPU-only build'}); use --device cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def check_checkpoint(folder: str | Path):
+    """The CloverConfig of a checkpoint folder after checking it whole (config.json a Clover config,
+    every safetensors file complete, every tensor shaped as the config says); ValueError naming the file."""
+    import torch
+
+    from .models import CloverConfig, CloverForBlockDiffusion
+    from .utils.checkpoint import CheckpointError, check_folder, check_shapes
+
+    _, weights = check_folder(folder)
+    try:
+        config = CloverConfig.from_pretrained(folder)
+    except ValueError as e:  # CloverConfig's own validation (layer_types, heads, ...)
+        raise CheckpointError(f"{Path(folder) / 'config.json'}: {e}") from None
+    with torch.device("meta"):
+        check_shapes(folder, CloverForBlockDiffusion(config), weights)
+    return config
+
+
+def model_folder(path: str | Path | None = None) -> Path:
+    """The folder `load` reads (None = the shipped default model), checked without torch: config.json
+    a Clover config, tokenizer files present, every safetensors file whole; else a one-line error."""
     from .cli import UserError
-    from .models import CloverForBlockDiffusion
+    from .utils.checkpoint import check_folder
 
     folder = Path(path) if path else DEFAULT_MODEL
     if not (folder / "config.json").is_file():
@@ -43,9 +94,26 @@ def load(path: str | Path | None = None, device: str | None = None, dtype: torch
         raise UserError(f"{folder}: no config.json (not a model folder)")
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise UserError(f"{folder}: no tokenizer files (tokenizer.json); copy the model's tokenizer beside its weights")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_folder(folder)
+    return folder
+
+
+def load(path: str | Path | None = None, device: str | None = None, dtype=None):
+    """(model, tokenizer) from a model folder; None = the shipped default model. bf16 on CUDA.
+    The folder is checked first (config.json a Clover config, safetensors files whole, shapes as the
+    config says): a bad one is a ValueError naming the file, before any weight is read."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .models import CloverForBlockDiffusion
+    from .utils.checkpoint import load_progress
+
+    folder = model_folder(path)
+    device = resolve_device(device)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    model = CloverForBlockDiffusion.from_pretrained(folder, dtype=dtype).to(device).eval()
+    config = check_checkpoint(folder)
+    with load_progress(folder):
+        model = CloverForBlockDiffusion.from_pretrained(folder, config=config, dtype=dtype).to(device).eval()
     return model, AutoTokenizer.from_pretrained(folder)
 
 
@@ -79,12 +147,14 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 
 def decode_config(model, tokenizer, max_new_tokens=128, block_size=32, threshold=0.95, mode="low_confidence",
                   steps=None, temperature=0.0, top_p=1.0, top_k=0, seed=None) -> DecodeConfig:
+    from .engine import DecodeConfig, SamplingParams
+
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     return DecodeConfig(mode=mode, block_size=block_size, threshold=threshold, steps=steps,
                         max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(model, tokenizer))
 
 
-def result(seq: Sequence, tokenizer, think: bool = False, trajectory: bool = False) -> Generation:
+def result(seq, tokenizer, think: bool = False, trajectory: bool = False) -> Generation:
     n = len(seq.token_ids)
     text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
     reasoning = None
@@ -106,6 +176,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, block_size: i
     cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode, steps, temperature, top_p, top_k, seed)
     cfg.validate()
     ids = [encode(tokenizer, p, chat or think, think) for p in batch]
+    from .engine import Engine
+
     seqs = Engine(model, cfg).generate(ids, on_step)
     out = [result(s, tokenizer, think, trajectory) for s in seqs]
     return out[0] if single else out

@@ -1,11 +1,16 @@
-"""A Clover server on a free loopback port, run by uvicorn in a thread of the test process."""
+"""A Clover server on a free loopback port, run by uvicorn in a thread of the test process, and the
+clients the server tests talk to it with (the official `openai` client, raw HTTP, a metric's value)."""
 
 from __future__ import annotations
 
+import http.client
+import json
+import re
 import socket
 import threading
 import time
 
+import openai
 import uvicorn
 
 
@@ -33,3 +38,23 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(timeout=15)
         self.sock.close()
+
+
+def client(server, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+def raw(server, method, path, body=None, headers=None, timeout=60):
+    """One HTTP request: (status, headers, body text); `body` a dict (sent as JSON), str or bytes."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, dict(resp.getheaders()), text
+
+
+def metric(server, name) -> float:
+    _, _, text = raw(server, "GET", "/metrics")
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))

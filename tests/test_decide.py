@@ -275,9 +275,9 @@ def test_server_decide_route(tiny):
         status, out = post(server, {"material": " ", "questions": MIXED})
         assert status == 400 and out["error"]["message"] == "material is empty"
         status, out = post(server, {"questions": MIXED})
-        assert status == 422 and out["error"]["param"] == "material"
+        assert status == 400 and out["error"]["param"] == "material"
         status, out = post(server, {"material": MATERIAL, "questions": MIXED, "mode": "both"})
-        assert status == 422 and out["error"]["param"] == "mode"
+        assert status == 400 and out["error"]["param"] == "mode"
 
 
 def test_layout_tokenises_as_training_text_with_the_default_tokenizer():

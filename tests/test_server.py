@@ -7,16 +7,19 @@ import json
 import re
 import threading
 import time
+from dataclasses import replace
 
 import openai
 import pytest
 
 import clover
-from clover.api import eos_ids, split_thinking
+from clover.agent.tool_format import call_frame_ids
+from clover.api import decode_config, encode, eos_ids, result, split_thinking
+from clover.engine import Engine
 from clover.cli import main
 from clover.server import Settings, create_app
 from helpers import save_tiny_model
-from server_utils import RunningServer
+from server_utils import RunningServer, client, metric, raw
 
 BLOCK = 4
 THRESH = 0.5
@@ -43,30 +46,15 @@ def server(loaded):
 
 
 def reference(loaded, prompt, max_tokens, chat=False, think=False, block_size=BLOCK):
-    """The single-request greedy output through the Python API (no server)."""
+    """The single-request greedy output through the Python API (no server). Chat without tools: the
+    server never lets the model write a tool-call frame, so neither does the reference."""
     model, tokenizer = loaded
-    return clover.generate(model, tokenizer, prompt, max_new_tokens=max_tokens, block_size=block_size,
-                           threshold=THRESH, chat=chat, think=think)
-
-
-def client(server, **kw):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-
-def raw(server, method, path, body=None, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
-    return resp.status, dict(resp.getheaders()), text
-
-
-def metric(server, name):
-    _, _, text = raw(server, "GET", "/metrics")
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(match.group(1))
+    if isinstance(prompt, str) and not (chat or think):
+        return clover.generate(model, tokenizer, prompt, max_new_tokens=max_tokens, block_size=block_size,
+                               threshold=THRESH)
+    cfg = decode_config(model, tokenizer, max_tokens, block_size, THRESH)
+    cfg = replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer)))
+    return result(Engine(model, cfg).generate([encode(tokenizer, prompt, chat=True, think=think)])[0], tokenizer, think)
 
 
 def test_models_health_and_sync_client(server, loaded):
@@ -207,24 +195,24 @@ MSG = [{"role": "user", "content": "hi"}]
 BAD = [
     # (what, path, body, status, param or code that must be named)
     ("malformed JSON", "/v1/chat/completions", '{"messages": [', 400, None),
-    ("not an object", "/v1/completions", "[1, 2]", 422, None),
-    ("wrong type", "/v1/chat/completions", {"messages": "hello"}, 422, "messages"),
-    ("wrong type max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": "many"}, 422, "max_tokens"),
-    ("negative max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": -5}, 422, "max_tokens"),
-    ("missing prompt", "/v1/completions", {"max_tokens": 5}, 422, "prompt"),
+    ("not an object", "/v1/completions", "[1, 2]", 400, None),
+    ("wrong type", "/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("wrong type max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400, "max_tokens"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "a", "max_tokens": -5}, 400, "max_tokens"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 5}, 400, "prompt"),
     ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, 404, "model"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages.0.role"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("prompt too long", "/v1/completions", {"prompt": LONG, "max_tokens": 4}, 400, "context_length_exceeded"),
     ("prompt + max_tokens too long", "/v1/completions", {"prompt": "x" * 1000, "max_tokens": 100}, 400, "max_tokens"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
-    ("temperature < 0", "/v1/completions", {"prompt": "a", "temperature": -1}, 422, "temperature"),
+    ("temperature < 0", "/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("block_size too big", "/v1/completions", {"prompt": "a", "block_size": 4096}, 400, "block_size"),
     ("unknown mode", "/v1/completions", {"prompt": "a", "mode": "telepathy"}, 400, "mode"),
     ("self_spec sampling", "/v1/completions", {"prompt": "a", "mode": "self_spec", "temperature": 0.5}, 400, None),
     ("logprobs", "/v1/completions", {"prompt": "a", "logprobs": 3}, 400, "logprobs"),
-    ("n too big", "/v1/completions", {"prompt": "a", "n": 1000}, 422, "n"),
+    ("n too big", "/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
     ("unknown route", "/v1/embeddings", {"input": "a"}, 404, None),
 ]
 
@@ -297,8 +285,13 @@ def test_live_chunks_carry_the_block_view(server):
     (["--mode", "bogus"], "unknown mode"),
     (["--threshold", "2"], "threshold"),
     (["--model", "/nonexistent/model"], "no config.json"),
+    (["--block-size", "0"], "block_size must be >= 1, got 0"),
+    (["--block-size", "-3"], "block_size must be >= 1, got -3"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+    (["--served-model-name", ""], "--served-model-name"),
 ])
 def test_serve_flag_mistakes_are_one_line(capsys, argv, needle):
     code = main(["serve", *argv])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and err.count("\n") == 1 and err.startswith("clover serve: error:")
+    assert "Traceback" not in err

@@ -146,3 +146,16 @@ def parse_tool_calls(text: str, tools: list | None = None) -> tuple[str, list[di
     if content.count("<tool_call>") > content.count("</tool_call>"):
         problems.append("unterminated tool call")
     return content.strip(), calls, problems
+
+
+CALL_FRAME = ("<tool_call>", "</tool_call>")  # atomic tokens in Clover's tokenizer (clover.data.tokenizer)
+
+
+def call_frame_ids(tokenizer, vocab_size: int | None = None) -> tuple[int, ...]:
+    """Ids of the tool-call frame tokens this tokenizer has as single tokens (below the model's
+    `vocab_size` when given): the tokens a reply may never generate when no tools are offered (the
+    decoding's `SamplingParams.suppress`). A tokenizer that spells them as several pieces gets no mask
+    (a piece like `<` is ordinary text)."""
+    vocab = tokenizer.get_vocab()
+    ids = (vocab[t] for t in CALL_FRAME if t in vocab)
+    return tuple(sorted(i for i in ids if vocab_size is None or i < vocab_size))

@@ -1,8 +1,10 @@
 """`clover` command line: one entry point, one module per subcommand.
 
 Each subcommand module defines `register(subparsers)`, which adds its parser and sets
-`func=run`. User mistakes raise `UserError` (or a ValueError / FileNotFoundError from
-validation) and end as one line on stderr with exit code 2, never a traceback.
+`func=run`. register() imports nothing heavy (no torch / transformers: `clover --help` and argument
+errors answer at once); run() imports what the command needs. User mistakes raise `UserError` (or a
+ValueError / FileNotFoundError from validation) and end as one line on stderr with exit code 2, never
+a traceback.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from .options import setup_process
+
+    setup_process(args)
     try:
         return int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:

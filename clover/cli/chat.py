@@ -1,12 +1,13 @@
 """`clover chat`: an interactive conversation through the chat template, streamed block by block.
-Commands: /think (toggle thinking mode), /reset (forget the conversation), /exit (or Ctrl-D)."""
+Commands: /think (toggle thinking mode), /reset (forget the conversation), /exit (or Ctrl-D).
+No tools are offered, so the tool-call frame is never generated (as the server without `tools`); the
+thinking block is shown dimmed (or between [thinking] / [answer] lines off a terminal), without its tags."""
 
 from __future__ import annotations
 
 import sys
 
 from .generate import add_decoding_args, add_model_args, decoding_kwargs
-
 
 
 def register(sub) -> None:
@@ -17,27 +18,80 @@ def register(sub) -> None:
     p.set_defaults(func=run, max_new_tokens=512)
 
 
+class ReplyView:
+    """What `clover chat` prints of a reply as it grows: the thinking block styled (dim on a terminal,
+    between `[thinking]` / `[answer]` lines otherwise), never its literal <think> tags, then the answer.
+    `update(text)` takes the whole decoded reply so far and returns what to write now."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, think: bool, tty: bool):
+        self.think, self.tty = think, tty
+        self.sent_reasoning = self.sent_answer = 0
+        self.in_reasoning = False
+
+    def split(self, text: str) -> tuple[str, str, bool]:
+        """(reasoning, answer, reasoning closed) of the reply so far, tags removed."""
+        if not self.think:
+            return "", text.replace(self.OPEN, "").replace(self.CLOSE, ""), True
+        head, sep, tail = text.partition(self.CLOSE)
+        reasoning = head.replace(self.OPEN, "").lstrip()
+        return (reasoning.rstrip(), tail.replace(self.OPEN, "").replace(self.CLOSE, "").lstrip(), True) if sep \
+            else (reasoning, "", False)
+
+    def update(self, text: str, final: bool = False) -> str:
+        reasoning, answer, closed = self.split(text)
+        if not (closed or final):
+            reasoning = reasoning.rstrip()  # trailing white space may be the block's end
+        out = []
+        new = reasoning[self.sent_reasoning:]
+        if new:
+            if not self.in_reasoning:
+                self.in_reasoning = True
+                out.append("\x1b[2m" if self.tty else "[thinking]\n")
+            out.append(new)
+            self.sent_reasoning = len(reasoning)
+        new = answer[self.sent_answer:]
+        if (new or final) and self.in_reasoning and (closed or final):
+            out.append("\x1b[0m\n\n" if self.tty else "\n[answer]\n")
+            self.in_reasoning = False
+        if new:
+            out.append(new)
+            self.sent_answer = len(answer)
+        return "".join(out)
+
+
+def chat_config(model, tokenizer, kwargs: dict):
+    """The decoding for a chat turn: `clover chat` offers no tools, so the tool-call frame tokens are
+    never generated (the same suppressed set as the server's requests without tools)."""
+    from dataclasses import replace
+
+    from ..agent.tool_format import call_frame_ids
+    from ..api import decode_config
+
+    cfg = decode_config(model, tokenizer, **kwargs)
+    return replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer, model.config.vocab_size)))
+
+
 def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
-    """Print the reply as blocks complete (reasoning dimmed); return the full decoded text."""
-    from ..api import decode_config, encode
+    """Print the reply as blocks complete (reasoning styled apart, without its tags); return the full
+    decoded text."""
+    from ..api import encode
     from ..engine import Engine
 
-    dim, reset = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else ("", "")
-    engine = Engine(model, decode_config(model, tokenizer, **kwargs))
-    shown, end_think = "", "</think>"
+    tty = sys.stdout.isatty()
+    dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
+    view, text = ReplyView(think, tty), ""
+    engine = Engine(model, chat_config(model, tokenizer, kwargs))
     for seq, _ in engine.stream([encode(tokenizer, messages, chat=True, think=think)]):
         text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
-        new, start = text[len(shown):], len(shown)
-        shown = text
-        close = text.find(end_think)
-        reasoning_end = 0 if not think else close + len(end_think) if close >= 0 else len(text)
-        dim_part = new[: max(0, reasoning_end - start)]
-        sys.stdout.write(f"{dim}{dim_part}{reset}{new[len(dim_part):]}" if dim_part else new)
+        sys.stdout.write(view.update(text))
         sys.stdout.flush()
+    sys.stdout.write(view.update(text, final=True))
     n = len(seq.token_ids)
     print(f"\n{dim}[{n} tokens, {n / max(seq.forward_passes, 1):.2f} tokens/forward, "
           f"{n / seq.seconds:.1f} tokens/s]{reset}")
-    return shown
+    return text
 
 
 def run(args) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from . import UserError, print_json
+from .options import add_threads_arg
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -26,10 +27,15 @@ def register(sub) -> None:
     p.add_argument("--mask-token-id", type=int, help="use this token id as the mask (default: add <|mask|>)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    add_threads_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from ..utils.checkpoint import check_folder
+
+    check_folder(args.src, clover=False)  # a bad source: one line naming the file, before torch is imported
+
     from ..convert.convert import convert_checkpoint
 
     if args.mask_token_id is not None and args.mask_token_id < 0:

@@ -8,17 +8,15 @@ import json
 from pathlib import Path
 
 from . import UserError, print_json
-from .generate import add_model_args
+from .options import add_model_args, utf8
 
 
 def register(sub) -> None:
-    from ..decide import MODES
-
     p = sub.add_parser("decide", help="answer linked questions about a material (joint decision mode)")
     add_model_args(p)
     p.add_argument("--material", required=True, metavar="FILE", help="a text file: the material the questions are about")
     p.add_argument("--questions", required=True, metavar="FILE.jsonl", help="one question per line (JSON)")
-    p.add_argument("--mode", default="joint", choices=MODES, help="joint (default) or independent")
+    p.add_argument("--mode", default="joint", help="joint (default) or independent")
     p.add_argument("--threshold", type=float, default=0.9, metavar="T",
                    help="commit every slot whose confidence is > T per forward (default 0.9)")
     p.add_argument("--block-size", type=int, default=32, metavar="B", help="max tokens per answer window (default 32)")
@@ -32,7 +30,7 @@ def read_questions(path: str) -> list[dict]:
     if not file.is_file():
         raise UserError(f"{file}: no such questions file")
     questions = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(utf8(file.read_bytes(), str(file)).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -44,12 +42,14 @@ def read_questions(path: str) -> list[dict]:
 
 def run(args) -> int:
     from ..api import load
-    from ..decide import decide, parse_questions
+    from ..decide import MODES, decide, parse_questions
 
+    if args.mode not in MODES:
+        raise UserError(f"--mode must be one of {', '.join(MODES)}, got {args.mode!r}")
     material_file = Path(args.material)
     if not material_file.is_file():
         raise UserError(f"{material_file}: no such material file")
-    material = material_file.read_text(encoding="utf-8")
+    material = utf8(material_file.read_bytes(), str(material_file))
     if not material.strip():
         raise UserError(f"{material_file}: material is empty")
     questions = read_questions(args.questions)

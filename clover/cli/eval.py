@@ -21,6 +21,7 @@ import sys
 from urllib.parse import urlparse
 
 from . import UserError
+from .options import add_threads_arg
 
 
 def register(sub) -> None:
@@ -28,7 +29,7 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--build-suite", metavar="DIR", help="write the offline suite's JSONL files to DIR and exit")
     p.add_argument("--list-tasks", action="store_true", help="list the shipped task YAMLs and exit")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    add_threads_arg(p)
     p.set_defaults(func=run, lm_eval_args=[])
     parse_known = p.parse_known_args
 
@@ -133,10 +134,6 @@ def run(args) -> int:
         other += ["--device", "auto"]  # lm-eval's default is cuda; ours is cuda when available
     if not any(a == "--include_path" or a.startswith("--include_path=") for a in other):
         other += ["--include_path", str(TASKS_DIR)]
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     return run_lm_eval(["--tasks", ",".join(tasks), *other])
 
 

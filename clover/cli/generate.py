@@ -11,28 +11,25 @@ from pathlib import Path
 
 from ..distributed.flags import add_parallel_flags
 from . import UserError, print_json
+from .options import add_model_args, seed_type, utf8
 
 STEP_COLOURS = (34, 36, 32, 33, 35, 31, 94, 96, 92, 93, 95, 91)  # ANSI: one per denoising step, cycling
 
 
-def add_model_args(p) -> None:
-    p.add_argument("--model", help="model folder (default: the shipped default model)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+MODE_HELP = "low_confidence (default), topk, entropy, margin, self_spec or ar"  # engine.MODES (a test checks)
 
 
 def add_decoding_args(p) -> None:
-    from ..engine import MODES
-
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     p.add_argument("--block-size", type=int, default=32, metavar="B")
     p.add_argument("--threshold", type=float, default=0.95, metavar="T",
                    help="low_confidence: fill every masked position with confidence > T (default 0.95)")
-    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=MODE_HELP)
     p.add_argument("--steps", type=int, metavar="S", help="topk/entropy/margin: steps per block (default B/4)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--seed", type=seed_type, metavar="S", help="sampling seed, a 64-bit signed integer")
     p.add_argument("--think", action="store_true", help="thinking mode (chat template); reasoning shown apart")
 
 
@@ -71,12 +68,18 @@ def read_prompts(args) -> list[str]:
     if bool(args.prompt) == bool(args.prompt_file):
         raise UserError("give either --prompt TEXT or --prompt-file F")
     if args.prompt_file == "-":
-        return [sys.stdin.read()]
+        stdin = getattr(sys.stdin, "buffer", None)
+        return [utf8(stdin.read(), "standard input") if stdin else sys.stdin.read()]
     if args.prompt_file:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise UserError(f"{path}: no such prompt file")
-        return [path.read_text()]
+        return [utf8(path.read_bytes(), str(path))]
+    for p in args.prompt:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise UserError(f"--prompt: not UTF-8 text (byte 0x{ord(p[e.start]) & 0xFF:02x} at character {e.start})") from None
     return args.prompt
 
 
@@ -119,11 +122,13 @@ def read_schema(path: str) -> dict:
 
 
 def run_schema(args) -> int:
+    from ..api import model_folder
     from ..distributed.parallel import load as load_sharded
     from ..structured import generate_json
 
     schema = read_schema(args.json_schema)
     prompts = read_prompts(args)
+    model_folder(args.model)
     for flag, given in (("--show", args.show), ("--trajectory-out", args.trajectory_out), ("--think", args.think),
                         ("--mode", args.mode != "low_confidence")):
         if given:
@@ -150,11 +155,14 @@ def run(args) -> int:
     if args.json_schema:
         return run_schema(args)
 
-    from ..api import generate
+    from ..api import generate, model_folder
     from ..distributed.parallel import load as load_sharded
-    from ..engine.trajectory import FORMATS, write_trajectory
 
     prompts = read_prompts(args)
+    model_folder(args.model)  # a bad model folder: one line, before torch is imported
+
+    from ..engine.trajectory import FORMATS, write_trajectory
+
     kwargs = decoding_kwargs(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")

@@ -5,10 +5,9 @@ serving with --tp / --ep (default: --ep N) across N GPUs, and whether it fits (d
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..distributed.flags import add_parallel_flags
 from . import UserError, print_json
+from .options import add_threads_arg
 
 
 def register(sub) -> None:
@@ -17,6 +16,7 @@ def register(sub) -> None:
     src.add_argument("--preset", help="a built-in preset (default: clover-35b-a3b)")
     src.add_argument("--model", help="a checkpoint folder with config.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_arg(p)
     p.add_argument("--quant", choices=["int4"], help="add the memory plan of a quantised deployment")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="int4 group size (default 128)")
     p.add_argument("--context", type=int, help="tokens of KV cache in the plan (default: the model's maximum)")
@@ -38,10 +38,10 @@ def load_config(args):
     from ..models import CloverConfig, PRESETS, preset_config
 
     if args.model:
-        path = Path(args.model)
-        if not (path / "config.json").is_file():
-            raise UserError(f"{path}: no config.json (not a checkpoint folder)")
-        return args.model, CloverConfig.from_pretrained(path)
+        from ..utils.checkpoint import read_config
+
+        read_config(args.model)  # not JSON, or not a Clover config: one line naming the file
+        return args.model, CloverConfig.from_pretrained(args.model)
     name = args.preset or "clover-35b-a3b"
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")

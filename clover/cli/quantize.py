@@ -4,6 +4,7 @@ layer by layer; the result loads transparently with from_pretrained / clover gen
 from __future__ import annotations
 
 from . import UserError, print_json
+from .options import add_threads_arg
 
 
 def register(sub) -> None:
@@ -22,13 +23,20 @@ def register(sub) -> None:
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default 2GB)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    add_threads_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from ..utils.checkpoint import check_folder
+
+    check_folder(args.src)  # a bad source: one line naming the file, before torch is imported
+
+    from ..api import check_checkpoint
     from ..quant.quantize import QuantizationError, quantize_checkpoint
     from .convert import parse_size
 
+    check_checkpoint(args.src)  # and its shapes against its config, before anything is written
     quiet = {"notice": lambda msg: None} if args.json else {}
     try:
         summary = quantize_checkpoint(

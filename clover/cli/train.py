@@ -32,6 +32,19 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with TrainConfig keys")
     p.add_argument("--resume", action="store_true", help="continue from <out_dir>/checkpoints/latest")
+    p.set_defaults(func=run)
+    parse_known = p.parse_known_args
+
+    def with_fields(arg_strings=None, namespace=None):  # TrainConfig's flags (which import torch) only for `train`
+        if not getattr(p, "_fields_added", False):
+            add_field_args(p)
+            p._fields_added = True
+        return parse_known(arg_strings, namespace)
+
+    p.parse_known_args = with_fields
+
+
+def add_field_args(p) -> None:
     _, fields = _fields()
     for f, typ in fields:
         flag = "--" + f.name.replace("_", "-")
@@ -41,7 +54,6 @@ def register(sub) -> None:
             p.add_argument(flag, dest=f.name, type=typ, default=None)
         else:
             p.add_argument(flag, dest=f.name, type=str, default=None, metavar="JSON")
-    p.set_defaults(func=run)
 
 
 def build_config(args):

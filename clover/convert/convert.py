@@ -10,7 +10,6 @@ nothing at DST.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from collections import defaultdict
@@ -22,6 +21,7 @@ from tqdm import tqdm
 
 from ..models import CloverForBlockDiffusion
 from ..utils.checkpoint_io import SafetensorsSource, ShardWriter
+from ..utils.files import staged_folder
 from .mapping import (
     SourceShapeError, clover_config_from_hf, convert_layer, diffusion_additions, disk_name, layer_of, skipped_group,
     text_name, text_prefix,
@@ -139,25 +139,8 @@ def convert_checkpoint(
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.converting-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_folder(dst, "converting") as tmp:
         summary = _convert_into(src, tmp, hf, DTYPES.get(dtype), max_shard_bytes, mask_token_id, progress, notice)
-        if dst.exists():  # --force: swap, then drop the old one
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"dst": str(dst), **summary}
 
 

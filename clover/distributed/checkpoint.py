@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..utils.files import keep_umask_mode
+
 STATE = "trainer_state.json"
 
 
@@ -59,6 +61,7 @@ def save(trainer, final: Path, tmp: Path, d) -> None:
         (tmp / STATE).write_text(json.dumps(state, indent=2, default=float))
         save_file({"generator": trainer.gen.get_state(), "torch_rng": torch.get_rng_state()},
                   str(tmp / "rng.safetensors"))
+        keep_umask_mode(tmp / "rng.safetensors")  # safetensors writes 0600
         trainer.model.config.save_pretrained(str(tmp))
         trainer.tok.save_pretrained(str(tmp))
         (tmp / "train_config.json").write_text(trainer.config_json())

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+
+def is_worker() -> bool:
+    """Under torchrun, a rank other than 0: it serves rank 0's model calls (no torch needed to ask)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
+
 
 def add_parallel_flags(p) -> None:
     """--tp / --ep of the commands that run a model (`clover train` takes `ep` from TrainConfig)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import os
 import sys
 import threading
 import weakref
@@ -374,11 +373,6 @@ def attach(model, d):
         return None
     model.driver = Driver(model, d, cache_config)
     return model
-
-
-def is_worker() -> bool:
-    """Under torchrun, a rank other than 0 (no torch needed): it serves rank 0's model calls."""
-    return launched() and int(os.environ.get("RANK", "0")) > 0
 
 
 def load(args):

@@ -17,6 +17,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit
     seed: int | None = None
+    suppress: tuple[int, ...] = ()  # token ids never chosen, in every mode (e.g. a tool-call frame without tools)
 
     def validate(self) -> None:
         if not self.temperature >= 0:
@@ -41,10 +42,12 @@ def make_generator(params: SamplingParams, device) -> torch.Generator | None:
 
 def sample(logits: torch.Tensor, params: SamplingParams, mask_token_id: int,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [..., V] -> (tokens [...], probs [..., V] fp32). The mask token is never chosen;
-    greedy ties go to the lowest token id (torch.argmax returns the first maximum)."""
+    """logits [..., V] -> (tokens [...], probs [..., V] fp32). The mask token and `params.suppress` are
+    never chosen (probability 0); greedy ties go to the lowest token id (torch.argmax returns the first maximum)."""
     logits = logits.to(torch.float32, copy=True)
     logits[..., mask_token_id] = float("-inf")
+    if params.suppress:
+        logits[..., list(params.suppress)] = float("-inf")
     if params.greedy:
         probs = torch.softmax(logits, dim=-1)
         return probs.argmax(-1), probs

@@ -11,3 +11,15 @@ __all__ = [
     "CloverPreTrainedModel",
     "preset_config",
 ]
+
+
+def _register_auto_classes() -> None:
+    """AutoConfig / AutoModel / AutoModelForCausalLM know `model_type: clover` once clover.models is imported."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    AutoConfig.register("clover", CloverConfig, exist_ok=True)
+    AutoModel.register(CloverConfig, CloverModel, exist_ok=True)
+    AutoModelForCausalLM.register(CloverConfig, CloverForBlockDiffusion, exist_ok=True)
+
+
+_register_auto_classes()

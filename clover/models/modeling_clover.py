@@ -476,6 +476,17 @@ class CloverPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["CloverDecoderLayer"]
     _supports_sdpa = True
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, with the weight files given the mode the umask gives a new
+        file (safetensors writes them 0600; a model folder should read like its config.json)."""
+        from pathlib import Path
+
+        from ..utils.files import keep_umask_mode
+
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        keep_umask_mode(*Path(save_directory).glob("model*.safetensors"))
+        return out
+
     def _init_weights(self, module):
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Conv1d)):

@@ -18,7 +18,6 @@ to DST and renamed into place only when complete.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import sys
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils.checkpoint_io import SafetensorsSource, ShardWriter
+from ..utils.files import staged_folder
 from .gptq import Hessian, gptq_quantize
 from .int4 import GROUP_SIZES, check_group_size, dequantize, quantize_rtn
 from .modules import DEFAULT_NOT_QUANTIZED, QUANT_METHOD, quantized_targets
@@ -218,11 +218,7 @@ def quantize_checkpoint(
         calib_ids = calibration_tokens(records, src, config, calib_samples, calib_seq_len)
     source = SafetensorsSource(src, QuantizationError)
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.quantizing-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_folder(dst, "quantizing") as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         stats = _quantize_into(source, writer, config, targets, group_size, method, calib_ids, notice)
         shards = writer.close()
@@ -242,16 +238,6 @@ def quantize_checkpoint(
         for path in src.iterdir():
             if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(path, tmp / path.name)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"dst": str(dst), "method": method, "group_size": group_size, "shards": shards, **stats}
 
 

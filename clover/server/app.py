@@ -1,13 +1,15 @@
 """The OpenAI-compatible HTTP layer (FastAPI): request validation, prompt encoding, OpenAI response /
 SSE chunk shapes, stop strings, thinking-mode splitting and tool calls, errors in OpenAI's shape,
-API-key gate, Prometheus metrics and the playground page. All decoding happens in `Scheduler`'s thread."""
+API-key gate, body-size limit, Prometheus metrics and the playground page. All decoding happens in
+`Scheduler`'s thread; prompt encoding (chat template, tokenizer) in one worker thread, so the event loop
+(and `/health`) never waits on a large prompt."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
-import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,20 +19,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..agent.tool_format import call_frame_ids
 from ..engine import MODES
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, error_body, new_id, now, usage
+from .protocol import (APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, error_body, new_id,
+                       now, usage)
 from .scheduler import EngineKey, Job, QueueFull, Scheduler, Ticket
 from .structured import FormatPlan, Infilled, check_reply, format_plan, infill_format, infill_tool_call
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/decide")
+MAX_BODY_BYTES = 4 * 2**20  # default request-body limit: many times what fills a 32k-token context
+DRAIN_BYTES = 64 * 2**20  # of a body over the limit, read (and dropped) this much more before the 413
 
 
 @dataclass
 class Settings:
     model_id: str = "clover"
+    aliases: tuple[str, ...] = ()  # more names clients may ask for (`--served-model-name A B ...`)
     api_key: str | None = None
     max_batch: int = 32
     max_queue: int = 256
@@ -38,6 +45,11 @@ class Settings:
     threshold: float = 0.95
     mode: str = "low_confidence"
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.model_id, *(a for a in self.aliases if a != self.model_id))
 
 
 # ---- text of one choice: decoding, thinking split, stop strings, tool calls, what may be sent yet -------
@@ -127,10 +139,42 @@ class _CleanStream(StreamingResponse):
 
 
 class _Gate:
-    """ASGI middleware: the Bearer key on /v1/* (constant-time compare) and request counting."""
+    """ASGI middleware: the Bearer key on /v1/* (constant-time compare), the body-size limit (413; a
+    body over it is never kept) and request counting."""
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics):
-        self.app, self.key, self.metrics = app, (api_key or "").encode(), metrics
+    def __init__(self, app, api_key: str | None, metrics: Metrics, max_body_bytes: int = MAX_BODY_BYTES):
+        self.app, self.key, self.metrics, self.max_body = app, (api_key or "").encode(), metrics, max_body_bytes
+
+    async def _bounded(self, scope, receive):
+        """The whole body (at most max_body bytes) and a `receive` that replays it; None when too large.
+        The rest of a body over the limit is read and dropped (up to DRAIN_BYTES more), so that the client,
+        still sending, reads the 413 instead of a broken connection; beyond that the connection is closed."""
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body + DRAIN_BYTES:
+            return None
+        chunks, size, message = [], 0, None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client gone: the app sees the disconnect
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size <= self.max_body:
+                chunks.append(body)
+            elif size > self.max_body + DRAIN_BYTES:
+                return None
+            if not message.get("more_body", False):
+                message = None
+                break
+        if size > self.max_body:
+            return None
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        if message is not None:
+            pending.append(message)
+
+        async def replay():
+            return pending.pop(0) if pending else await receive()
+        return replay
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -152,6 +196,14 @@ class _Gate:
                     body = error_body("invalid or missing API key (Authorization: Bearer KEY)",
                                       "invalid_request_error", None, "invalid_api_key")
                     return await JSONResponse(body, status_code=401)(scope, receive, counted_send)
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                replay = await self._bounded(scope, receive)
+                if replay is None:
+                    body = error_body(f"the request body is larger than this server's limit of {self.max_body} bytes "
+                                      "(clover serve --max-body-bytes)", param=None, code="request_too_large")
+                    return await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
+                        scope, receive, counted_send)
+                receive = replay
             await self.app(scope, receive, counted_send)
         finally:
             self.metrics.count_request(endpoint, status[0])
@@ -163,16 +215,24 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     metrics = Metrics()
     scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics)
     ctx = model.config.max_position_embeddings
+    no_tools = call_frame_ids(tokenizer, model.config.vocab_size)  # never generated when a chat offers no tools
+    # prompt encoding (chat template + tokenizer: CPU work that grows with the prompt) runs here, off the
+    # event loop; one thread, so the tokenizer is never used by two encodings at once
+    encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-encode")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(encoder, partial(fn, *args))
 
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
         yield
         scheduler.stop()
+        encoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Clover", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.settings = scheduler, metrics, settings
-    app.add_middleware(_Gate, api_key=settings.api_key, metrics=metrics)
+    app.add_middleware(_Gate, api_key=settings.api_key, metrics=metrics, max_body_bytes=settings.max_body_bytes)
 
     # ---- errors in OpenAI's shape -------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -190,7 +250,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-        return JSONResponse(error_body(message, param=param, code="invalid_value"), status_code=422)
+        return JSONResponse(error_body(message, param=param, code="invalid_value"), status_code=400)  # as OpenAI
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
@@ -214,8 +274,8 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_id, "object": "model", "created": now(),
-                                            "owned_by": "clover", "max_model_len": ctx}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": now(), "owned_by": "clover",
+                                            "max_model_len": ctx} for name in settings.names]}
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
@@ -225,10 +285,22 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     exclusive = asyncio.Lock()
 
     # ---- shared request handling ----------------------------------------------------------------------
-    def check_common(req) -> EngineKey:
-        if req.model is not None and req.model != settings.model_id:
-            raise APIError(404, f"the model {req.model!r} does not exist (this server has {settings.model_id!r})",
+    def check_model(req) -> None:
+        if req.model is not None and req.model not in settings.names:
+            served = ", ".join(repr(n) for n in settings.names)
+            raise APIError(404, f"the model {req.model!r} does not exist (this server has {served})",
                            param="model", code="model_not_found")
+
+    def check_text(req) -> None:
+        """Text that is not Unicode (a lone UTF-16 surrogate such as "\\ud800") anywhere in the body: 400."""
+        where = bad_text(req.model_dump(exclude_none=True))
+        if where is not None:
+            raise APIError(400, f"{where or 'body'}: the text contains a lone UTF-16 surrogate, which is not valid "
+                           "Unicode (send UTF-8 text, or a surrogate pair for characters beyond U+FFFF)",
+                           param=where or None, code="invalid_value")
+
+    def check_common(req, suppress: tuple[int, ...] = ()) -> EngineKey:
+        check_model(req)
         if getattr(req, "logprobs", None):
             raise APIError(400, "logprobs are not supported", param="logprobs")
         if getattr(req, "echo", False):
@@ -239,7 +311,8 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         key = EngineKey(mode=mode, block_size=req.block_size or settings.block_size,
                         threshold=settings.threshold if req.threshold is None else req.threshold, steps=req.steps,
                         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                        seed=req.seed if req.temperature > 0 else None, ignore_eos=req.ignore_eos)
+                        seed=req.seed if req.temperature > 0 else None, ignore_eos=req.ignore_eos,
+                        suppress=suppress)
         try:
             scheduler.config(key)
         except ValueError as e:
@@ -313,7 +386,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
 
     async def respond(request: Request, req, prompts: list[list[int]], max_tokens, chat: bool, think: bool,
                       tools: ToolPlan | None = None, fmt: FormatPlan | None = None):
-        key = check_common(req)
+        key = check_common(req, no_tools if chat and tools is None else ())
         ticket, jobs = submit(request, req, prompts, max_tokens, key)
         choices = [Choice(tokenizer, req.stop_list(), think, tools) for _ in jobs]
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
@@ -394,8 +467,21 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- the two generation endpoints -------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    longest: list[int] = []  # characters of the vocabulary's longest token, found when first needed
+
+    def tokenize(text: str, param: str, **kw) -> list[int]:
+        """Token ids of a text; a text too long to fit the context whatever it says (it needs at least
+        len / longest-token tokens) is refused before the tokenizer spends seconds on it."""
+        if len(text) > ctx:
+            if not longest:
+                longest.append(max(len(tokenizer.decode([i])) for i in range(len(tokenizer))))
+            if len(text) // max(longest[0], 1) >= ctx:
+                raise APIError(400, f"the prompt ({len(text)} characters, at least {len(text) // longest[0]} tokens) "
+                               f"fills the model's context of {ctx} tokens", param=param,
+                               code="context_length_exceeded")
+        return tokenizer(text, **kw).input_ids
+
+    def encode_completion(req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [prompt]
@@ -409,15 +495,38 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         vocab = model.config.vocab_size
         for p in prompts:
             if isinstance(p, str):
-                ids.append(tokenizer(p).input_ids)
+                ids.append(tokenize(p, "prompt"))
             else:
                 if any(not 0 <= t < vocab for t in p):
                     raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
                 ids.append(list(p))
+        return ids
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req)
+        await off_loop(check_text, req)  # walks every string of the body: off the loop too
+        ids = await off_loop(encode_completion, req)
         return await respond(request, req, ids, req.max_tokens, chat=False, think=False)
+
+    def chat_text(messages: list[dict], tools, kwargs: dict) -> str:
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                 **kwargs)
+        except Exception as e:  # a template that rejects these messages (or these chat_template_kwargs)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
+        if not isinstance(text, str):
+            raise APIError(400, "chat_template_kwargs must not change what the template returns (text)",
+                           param="chat_template_kwargs")
+        return text
+
+    def encode_text(text: str) -> list[int]:
+        return tokenize(text, "messages", add_special_tokens=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
+        check_model(req)
+        await off_loop(check_text, req)  # walks every string of the body: off the loop too
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         if not getattr(tokenizer, "chat_template", None):
@@ -433,13 +542,9 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         think = bool(kwargs.get("enable_thinking", False)) and not infill and not (plan and plan.forced)
         kwargs["enable_thinking"] = think
         messages = [m.for_template() for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, tools=plan.tools if plan else None,
-                                                 add_generation_prompt=True, tokenize=False, **kwargs)
-        except Exception as e:  # a template that rejects these messages
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
+        text = await off_loop(chat_text, messages, plan.tools if plan else None, kwargs)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+        ids = await off_loop(encode_text, text)
         if infill:
             key = check_common(req)
             budget(ids, max_tokens)
@@ -453,7 +558,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
             if done is not None:
                 return respond_infilled(req, len(ids), done)
         if plan and plan.forced:  # arguments schema outside the subset: prefill the call, generate the rest
-            ids = tokenizer(text + plan.prefix, add_special_tokens=False).input_ids
+            ids = await off_loop(encode_text, text + plan.prefix)
         return await respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan,
                              fmt=fmt if fmt and not fmt.skeleton else None)
 
@@ -504,9 +609,8 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     async def decide_route(req: DecideRequest):
         from ..decide import decide, parse_questions
 
-        if req.model is not None and req.model != settings.model_id:
-            raise APIError(404, f"the model {req.model!r} does not exist (this server has {settings.model_id!r})",
-                           param="model", code="model_not_found")
+        check_model(req)
+        check_text(req)
         questions = [q.model_dump(exclude_none=True) for q in req.questions]
         if not req.material.strip():
             raise APIError(400, "material is empty", param="material")

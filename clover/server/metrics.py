@@ -35,7 +35,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests = defaultdict(int)  # (endpoint, status) -> count
         self.prompt_tokens = self.generated_tokens = self.row_forwards = self.model_forwards = 0
-        self.finished_rows = self.cancelled_rows = self.rejected_queue_full = 0
+        self.finished_rows = self.cancelled_rows = self.failed_rows = self.isolated_rows = self.rejected_queue_full = 0
         self.queue_length = self.running_rows = 0
         self.latency = Histogram()  # request arrival -> last token
         self.first_token = Histogram()  # request arrival -> first block
@@ -72,6 +72,10 @@ class Metrics:
                 ("clover_finished_rows_total", "counter", self.finished_rows, "Rows (choices) that left the batch."),
                 ("clover_cancelled_rows_total", "counter", self.cancelled_rows,
                  "Rows cancelled because their client went away."),
+                ("clover_failed_rows_total", "counter", self.failed_rows,
+                 "Rows ended by an error in their own admission or decoding (other rows go on)."),
+                ("clover_isolated_rows_total", "counter", self.isolated_rows,
+                 "Rows moved to an engine of their own after a batched step raised."),
                 ("clover_rejected_queue_full_total", "counter", self.rejected_queue_full, "Requests answered 503."),
                 ("clover_queue_length", "gauge", self.queue_length, "Rows waiting for a batch slot."),
                 ("clover_running_rows", "gauge", self.running_rows, "Rows in the running batch."),

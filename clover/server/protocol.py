@@ -19,6 +19,34 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..agent.tool_format import ToolSpecError, function_spec, parse_tool_calls, validate_tools
 
 
+SEED_RANGE = (-2**63, 2**63 - 1)  # OpenAI's seed: a 64-bit signed integer
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def bad_text(value, path: str = "") -> str | None:
+    """The dotted path ("messages.0.content") of the first string in a decoded JSON body that holds a
+    lone UTF-16 surrogate (JSON's "\\ud800" decodes to one; it is no Unicode text and no tokenizer
+    takes it), "" for the body itself, None when all text is good. Keys are checked too; iterative, so
+    a deeply nested body cannot exhaust the stack."""
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return where
+            continue
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, (list, tuple)) else ()
+        children = []
+        for k, child in items:
+            shown = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", k) if isinstance(k, str) else k
+            at = f"{where}.{shown}" if where else str(shown)
+            if isinstance(k, str) and shown != k:
+                return at
+            children.append((at, child))
+        stack.extend(reversed(children))  # first string first
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -31,7 +59,7 @@ class _Common(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy by default (deterministic serving)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     stream: bool = False

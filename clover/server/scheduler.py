@@ -11,6 +11,14 @@
   its engine when it finishes (EOS, budget) or is cancelled (client gone, stop string): its cache
   rows are freed at once (`Engine.finish`), and an engine with no rows is dropped.
 * Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
+* Failures stay with the request that caused them. Admission: a group whose engine cannot be built
+  or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
+  a batched `step()` that raises does not say which row caused it. Rows that joined since the
+  engine's last good step are the suspects: each goes on in an engine of its own ("solo"), the others
+  are rebuilt as one batch. Without suspects (or with only suspects) every row goes solo. A moved row
+  is re-prefilled from its prompt + committed tokens; an engine of one row that raises ends that row
+  with an error. Greedy rows go on with the same tokens (the block in progress restarts from its
+  masks); a sampled row restarts its generator from the request's seed. A solo row never rejoins a batch.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class EngineKey:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    suppress: tuple[int, ...] = ()  # token ids never generated (the tool-call frame, without tools)
 
 
 class QueueFull(Exception):
@@ -70,6 +79,8 @@ class Job:
     seq: Sequence | None = None
     state: str = "waiting"  # waiting -> running -> done
     first_block: bool = False
+    slot: object = None  # its engine's key in Scheduler.engines: the EngineKey, or (EngineKey, id) when solo
+    proven: bool = False  # has taken part in a step of its current engine that did not raise
 
 
 class Scheduler:
@@ -81,7 +92,7 @@ class Scheduler:
         self.cv = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.to_cancel: list[tuple[Job, str]] = []
-        self.engines: dict[EngineKey, Engine] = {}
+        self.engines: dict[object, Engine] = {}  # EngineKey: shared engine; (EngineKey, id(job)): solo
         self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -91,7 +102,8 @@ class Scheduler:
         """The engine config for a key; raises ValueError (-> 400) for settings the model can't run."""
         cfg = DecodeConfig(mode=key.mode, block_size=key.block_size, threshold=key.threshold, steps=key.steps,
                            max_new_tokens=max_new_tokens, eos_token_ids=() if key.ignore_eos else self.eos,
-                           sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed))
+                           sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed,
+                                                  suppress=key.suppress))
         cfg.validate()
         if key.block_size > self.model.config.max_block_size:
             raise ValueError(f"block_size must be in [1, {self.model.config.max_block_size}], got {key.block_size}")
@@ -168,27 +180,51 @@ class Scheduler:
         for job in jobs:
             groups.setdefault(job.key, []).append(job)
         for key, group in groups.items():
-            engine = self.engines.get(key)
-            if engine is None:
-                engine = Engine(self.model, self.config(key, max(j.max_new_tokens for j in group)))
             try:
-                seqs = engine.add([j.prompt_ids for j in group], [j.max_new_tokens for j in group])
-            except ValueError as e:  # checked before submit; kept as a guard
-                for job in group:
-                    job.state = "done"
-                    job.ticket.post(("error", job.index, str(e)))
-                continue
-            self.engines[key] = engine
-            for job, seq in zip(group, seqs):
-                job.seq = seq
-                self.jobs[id(seq)] = job
-            with self.metrics.lock:
-                self.metrics.prompt_tokens += sum(len(j.prompt_ids) for j in group)
+                self._join(key, group)
+            except Exception as e:  # noqa: BLE001 - whatever it is, it belongs to these jobs only
+                if len(group) == 1:
+                    self._fail(group[0], e)
+                    continue
+                for job in group:  # which of them? each alone: the others are admitted
+                    try:
+                        self._join(key, [job])
+                    except Exception as e1:  # noqa: BLE001
+                        self._fail(job, e1)
 
-    def _step(self, key: EngineKey) -> None:
-        engine = self.engines[key]
+    def _join(self, slot, jobs: list[Job], resume: bool = False) -> None:
+        """Prefill jobs into the engine at `slot` (made when missing) and register them. `resume`: the
+        jobs ran before; each restarts from prompt + committed tokens with the budget it has left."""
+        engine = self.engines.get(slot)
+        if engine is None:
+            key = slot[0] if isinstance(slot, tuple) else slot
+            engine = Engine(self.model, self.config(key, max(j.max_new_tokens for j in jobs)))
+        olds = [j.seq if resume else None for j in jobs]
+        seqs = engine.add([j.prompt_ids + (old.token_ids if old else []) for j, old in zip(jobs, olds)],
+                          [old.remaining if old else j.max_new_tokens for j, old in zip(jobs, olds)])
+        self.engines[slot] = engine
+        for job, seq, old in zip(jobs, seqs, olds):
+            if old is not None:
+                _carry_over(seq, old)
+            job.seq, job.slot, job.proven = seq, slot, False
+            self.jobs[id(seq)] = job
+        if not resume:
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += sum(len(j.prompt_ids) for j in jobs)
+
+    def _step(self, slot) -> None:
+        engine = self.engines[slot]
         t0 = time.perf_counter()
-        events = engine.step()
+        try:
+            events = engine.step()
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            self._isolate(slot, e)
+            return
+        for seq in engine.seqs:
+            job = self.jobs.get(id(seq))
+            if job is not None:
+                job.proven = True
         now = time.perf_counter()
         with self.metrics.lock:
             self.metrics.model_forwards += 1
@@ -202,26 +238,62 @@ class Scheduler:
                 job.first_block = True
                 with self.metrics.lock:
                     self.metrics.first_token.observe(now - job.arrived)
-            steps = [s for _, s in seq.trajectory[len(seq.trajectory) - len(tokens):]]
-            job.ticket.post(("tokens", job.index, list(seq.token_ids), tokens, steps, seq.finish_reason,
-                             _stats(seq)))
-            if seq.finished:
-                self._done(job, cancelled=False)
+            self._post(job, tokens)
         for row, seq in enumerate(engine.seqs):
             job = self.jobs.get(id(seq))
             if job is not None and job.live:
                 job.ticket.post(("live", job.index, engine.block_view(row), _stats(seq)))
         if not engine.running:
-            del self.engines[key]
+            del self.engines[slot]
+
+    def _post(self, job: Job, tokens: list[int]) -> None:
+        seq = job.seq
+        steps = [s for _, s in seq.trajectory[len(seq.trajectory) - len(tokens):]]
+        job.ticket.post(("tokens", job.index, list(seq.token_ids), tokens, steps, seq.finish_reason, _stats(seq)))
+        if seq.finished:
+            self._done(job, cancelled=False)
+
+    def _isolate(self, slot, error: Exception) -> None:
+        """A step of the engine at `slot` raised: with one row, that row fails. Otherwise the rows that
+        joined since its last good step (suspects) go on solo and the others as one rebuilt batch; all
+        solo when that tells nothing (no suspects, or no others). Moved rows restart from what they
+        committed."""
+        engine = self.engines.pop(slot)
+        jobs = [self.jobs[id(s)] for s in engine.seqs if id(s) in self.jobs]
+        if len(jobs) == 1:
+            self._fail(jobs[0], error)
+            return
+        key = slot[0] if isinstance(slot, tuple) else slot
+        live = []
+        for job in jobs:
+            if job.seq.finished:  # it finished in the step that raised, before its tokens were posted
+                self._post(job, [])
+            else:
+                self.jobs.pop(id(job.seq), None)
+                live.append(job)
+        with self.metrics.lock:
+            self.metrics.isolated_rows += len(live)
+        proven = [j for j in live if j.proven]
+        alone = live if len(proven) in (0, len(live)) else [j for j in live if not j.proven]
+        if len(alone) < len(live):
+            try:
+                self._join(slot, proven, resume=True)
+            except Exception:  # noqa: BLE001 - then they go solo too
+                alone = live
+        for job in alone:
+            try:
+                self._join((key, id(job)), [job], resume=True)
+            except Exception as e:  # noqa: BLE001
+                self._fail(job, e)
 
     def _cancel(self, job: Job, reason: str) -> None:
-        engine = self.engines.get(job.key)
+        engine = self.engines.get(job.slot)
         if job.state != "running" or engine is None or job.seq is None:
             return
         engine.finish(job.seq, reason)
         self._done(job, cancelled=reason == "cancelled")
         if not engine.running:
-            del self.engines[job.key]
+            del self.engines[job.slot]
 
     def _done(self, job: Job, cancelled: bool) -> None:
         job.state = "done"
@@ -231,12 +303,30 @@ class Scheduler:
             with self.metrics.lock:
                 self.metrics.latency.observe(time.perf_counter() - job.arrived)
 
+    def _fail(self, job: Job, error: Exception) -> None:
+        """End one job with an error its request answers with (500, OpenAI's shape)."""
+        job.state = "done"
+        if job.seq is not None:
+            self.jobs.pop(id(job.seq), None)
+        with self.metrics.lock:
+            self.metrics.failed_rows += 1
+        job.ticket.post(("error", job.index, f"internal error while decoding this request ({type(error).__name__}); "
+                                            "other requests are not affected"))
+
     def _fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
             job.state = "done"
             job.ticket.post(("error", job.index, message))
         self.jobs.clear()
         self.engines.clear()
+
+
+def _carry_over(new: Sequence, old: Sequence) -> None:
+    """A row re-prefilled from prompt + committed tokens keeps its request's view: the original
+    prompt and budget, the tokens so far and their trajectory, forwards and start time."""
+    new.prompt_ids, new.max_new_tokens = old.prompt_ids, old.max_new_tokens
+    new.token_ids, new.trajectory = list(old.token_ids), list(old.trajectory)
+    new.blocks, new.forward_passes, new.started = old.blocks, old.forward_passes, old.started
 
 
 def _stats(seq: Sequence) -> dict:

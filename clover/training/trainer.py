@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..data.dataset import encode_files, pack
+from ..utils.files import atomic_write
 from .objectives import ar_loss, block_diffusion_loss, self_spec_loss
 
 OBJECTIVES = ("ar", "block_diffusion")
@@ -146,9 +147,7 @@ def block_sizes_at(step: int, max_steps: int, schedule: list) -> list[int]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, text)
 
 
 class Trainer:

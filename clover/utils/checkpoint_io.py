@@ -12,6 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .checkpoint import CheckpointError, read_header, weight_files
+from .files import keep_umask_mode
+
 
 class SafetensorsSource:
     """The safetensors of a checkpoint folder, read lazily; `error` is the exception type raised
@@ -19,14 +22,12 @@ class SafetensorsSource:
 
     def __init__(self, src: Path, error: type[Exception] = ValueError):
         self.src, self.error, self._open = src, error, {}
-        index = src / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
-        elif (src / "model.safetensors").is_file():
-            with safe_open(src / "model.safetensors", "pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise error(f"{src}: no model.safetensors or model.safetensors.index.json")
+        try:  # every file checked whole before the first tensor is read (a bad one: one line naming it)
+            self.weight_map = {}
+            for file in weight_files(src):
+                self.weight_map.update(dict.fromkeys(read_header(file), file.name))
+        except CheckpointError as e:
+            raise error(str(e)) from None
 
     def _file(self, key: str):
         file = self.weight_map.get(key)
@@ -67,6 +68,7 @@ class ShardWriter:
     def _flush(self) -> None:
         file = f"part-{len(self.files):05d}.safetensors"
         save_file(self.buffer, self.folder / file, metadata={"format": "pt"})
+        keep_umask_mode(self.folder / file)  # safetensors writes 0600
         self.files.append((file, list(self.buffer)))
         self.buffer, self.size = {}, 0
 

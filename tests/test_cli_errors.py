@@ -1,0 +1,299 @@
+"""The `clover` command as a user meets it: every mistake one line on stderr with exit code 2 and
+no traceback (real subprocesses); `--help` and argument errors without torch or transformers;
+`import clover` light while the Auto classes still resolve; files written with the umask's mode;
+--threads everywhere a model runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clover.cli import main
+from clover.utils.checkpoint import CheckpointError, load_progress, read_header
+from helpers import save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+       "OMP_NUM_THREADS": "1"}
+ENV.pop("CLOVER_DEBUG", None)
+HF_TEXT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
+               layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+
+
+def clover_cli(*argv, stdin: bytes | None = None) -> tuple[int, str]:
+    """Run `python -m clover ARGV` as a user would: (exit code, stderr)."""
+    p = subprocess.run([sys.executable, "-m", "clover", *map(str, argv)], input=stdin, capture_output=True, env=ENV,
+                       timeout=300)
+    return p.returncode, p.stderr.decode("utf-8", errors="replace")
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _truncate(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+BREAKAGES = {
+    "notjson": lambda d: (d / "config.json").write_text("{ not json"),
+    "vocab": lambda d: _edit_config(d, vocab_size=200),
+    "shape": lambda d: _edit_config(d, moe_intermediate_size=48),
+    "llama": lambda d: _edit_config(d, model_type="llama"),
+    "layers": lambda d: _edit_config(d, layer_types=["mamba"] * 4),
+    "truncated": _truncate,
+    "empty": lambda d: (d / "model.safetensors").write_bytes(b""),
+    "random": lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)),
+}
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> Path:
+    """A good tiny Clover model, one broken copy per BREAKAGES entry, and a Qwen3-Next source for convert
+    (good, truncated, empty, random bytes, config not JSON)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    root = tmp_path_factory.mktemp("fx")
+    good = Path(save_tiny_model(root / "good"))
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(Qwen3NextConfig(**HF_TEXT)).save_pretrained(root / "hf-good")
+    for name, breakage in BREAKAGES.items():
+        for src, prefix in ((good, ""), (root / "hf-good", "hf-")):
+            if prefix and name in ("vocab", "shape", "llama", "layers"):
+                continue
+            shutil.copytree(src, root / f"{prefix}{name}")
+            breakage(root / f"{prefix}{name}")
+    (root / "bad.txt").write_bytes(b"caf\xe9 \xff\n")
+    return root
+
+
+GEN = ["--max-new-tokens", "4", "--block-size", "4"]
+CASES = {  # id: (argv with {fx} for the fixture folder, what the one line must name)
+    "config-not-json": (["generate", "--model", "{fx}/notjson", "--prompt", "ab"], "notjson/config.json: not a JSON config"),
+    "vocab-mismatch": (["generate", "--model", "{fx}/vocab", "--prompt", "ab"], "vocab/config.json does not match the weights"),
+    "shape-mismatch": (["generate", "--model", "{fx}/shape", "--prompt", "ab"], "experts.down_proj is [8, 64, 32] in the files"),
+    "config-invalid": (["generate", "--model", "{fx}/layers", "--prompt", "ab"], "layers/config.json: CloverConfig.layer_types"),
+    "model-type-llama": (["generate", "--model", "{fx}/llama", "--prompt", "ab"], "clover convert"),
+    "generate-truncated": (["generate", "--model", "{fx}/truncated", "--prompt", "ab"], "truncated/model.safetensors: truncated"),
+    "generate-empty": (["generate", "--model", "{fx}/empty", "--prompt", "ab"], "empty/model.safetensors: empty file"),
+    "generate-random": (["generate", "--model", "{fx}/random", "--prompt", "ab"], "random/model.safetensors: not a safetensors"),
+    "quantize-truncated": (["quantize", "{fx}/truncated", "{fx}/q", "--group-size", "32"], "model.safetensors: truncated"),
+    "quantize-empty": (["quantize", "{fx}/empty", "{fx}/q", "--group-size", "32"], "model.safetensors: empty file"),
+    "quantize-random": (["quantize", "{fx}/random", "{fx}/q", "--group-size", "32"], "model.safetensors: not a safetensors"),
+    "quantize-config-not-json": (["quantize", "{fx}/notjson", "{fx}/q"], "config.json: not a JSON config"),
+    "quantize-llama": (["quantize", "{fx}/llama", "{fx}/q"], "is not a Clover model"),
+    "convert-truncated": (["convert", "{fx}/hf-truncated", "{fx}/c"], "hf-truncated/model.safetensors: truncated"),
+    "convert-empty": (["convert", "{fx}/hf-empty", "{fx}/c"], "hf-empty/model.safetensors: empty file"),
+    "convert-random": (["convert", "{fx}/hf-random", "{fx}/c"], "hf-random/model.safetensors: not a safetensors"),
+    "convert-config-not-json": (["convert", "{fx}/hf-notjson", "{fx}/c"], "hf-notjson/config.json: not a JSON config"),
+    "device-tpu": (["generate", "--model", "{fx}/good", "--prompt", "ab", "--device", "tpu"], "--device: unknown device 'tpu'"),
+    "prompt-not-utf8": (["generate", "--model", "{fx}/good", "--prompt", os.fsdecode(b"caf\xe9")], "--prompt: not UTF-8"),
+    "prompt-file-not-utf8": (["generate", "--model", "{fx}/good", "--prompt-file", "{fx}/bad.txt"], "bad.txt: not UTF-8"),
+    "seed-too-big": (["generate", "--model", "{fx}/good", "--prompt", "ab", "--seed", str(2**64)],
+                     "--seed: must be an integer in [-9223372036854775808, 9223372036854775807]"),
+    "seed-too-small": (["generate", "--model", "{fx}/good", "--prompt", "ab", "--seed", str(-(2**63) - 1)], "64-bit signed"),
+    "threads-zero": (["generate", "--model", "{fx}/good", "--prompt", "ab", "--threads", "0"], "--threads: must be an integer >= 1"),
+    "decide-material-not-utf8": (["decide", "--model", "{fx}/good", "--material", "{fx}/bad.txt", "--questions", "q.jsonl"],
+                                 "bad.txt: not UTF-8 text (byte 0xe9 at offset 3)"),
+    "decide-mode": (["decide", "--model", "{fx}/good", "--material", "{fx}/bad.txt", "--questions", "q.jsonl", "--mode", "x"],
+                    "--mode must be one of joint, independent"),
+}
+if not torch.cuda.is_available():
+    CASES["device-cuda-without-cuda"] = (["generate", "--model", "{fx}/good", "--prompt", "ab", "--device", "cuda"],
+                                         "cuda: CUDA is not available")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_check_at_load_without_cuda(fx):
+    """The check behind the fast one (a CUDA build of torch on a machine without a GPU gets it at load)."""
+    from clover.api import resolve_device
+
+    with pytest.raises(ValueError, match="--device cuda:1: CUDA is not available on this machine"):
+        resolve_device("cuda:1")
+    assert resolve_device("cpu") == "cpu" and resolve_device(None) == "cpu"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistake_is_one_line_exit_2(fx, case):
+    argv, needle = CASES[case]
+    argv = [a.replace("{fx}", str(fx)) for a in argv]
+    if argv[0] == "generate":
+        argv += GEN
+    code, err = clover_cli(*argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"clover {argv[0]}: error: ") and needle in lines[0], lines[0]
+    assert not (fx / "q").exists() and not (fx / "c").exists()  # nothing half-written
+
+
+def test_non_utf8_standard_input_is_one_line(fx):
+    code, err = clover_cli("generate", "--model", fx / "good", "--prompt-file", "-", *GEN, stdin=b"\xff\xfe")
+    assert code == 2 and err.strip() == "clover generate: error: standard input: not UTF-8 text (byte 0xff at offset 0)"
+
+
+def test_checkpoint_checks_read_only_headers(fx):
+    """The same checks as a library: CheckpointError (a ValueError), and a good file passes."""
+    assert read_header(fx / "good" / "model.safetensors")["lm_head.weight"] == ("F32", (128, 64))
+    for name in ("truncated", "empty", "random"):
+        with pytest.raises(CheckpointError, match=f"{name}/model.safetensors"):
+            read_header(fx / name / "model.safetensors")
+    import clover
+
+    with pytest.raises(ValueError, match="is not a Clover model"):
+        clover.load(fx / "llama", device="cpu")
+
+
+# ---- fast help, light import ------------------------------------------------------------------------
+LIGHT = """
+import sys
+from clover.cli import main
+for argv in {argvs!r}:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, 2), (argv, code)
+heavy = sorted(m for m in ("torch", "transformers", "numpy") if m in sys.modules)
+print(heavy)
+"""
+
+
+def test_help_and_argument_errors_import_no_torch(fx):
+    argvs = [["--help"], ["generate", "--help"], ["chat", "--help"], ["serve", "--help"], ["decide", "--help"],
+             ["quantize", "--help"], ["convert", "--help"], ["info", "--help"], ["eval", "--help"], ["bench", "--help"],
+             ["generate", "--seed", "x"], ["generate", "--device", "tpu"], ["generate", "--device", "cuda"],
+             ["generate", "--model", str(fx / "truncated"), "--prompt", "a"],
+             ["generate", "--model", str(fx / "good"), "--prompt-file", str(fx / "bad.txt")],
+             ["convert", str(fx / "hf-random"), str(fx / "c")], ["quantize", str(fx / "llama"), str(fx / "q")]]
+    p = subprocess.run([sys.executable, "-c", LIGHT.format(argvs=argvs)], capture_output=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()
+    assert p.stdout.decode().strip().splitlines()[-1] == "[]"
+
+
+AUTO = """
+import sys
+import clover
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+import clover.decide
+assert callable(clover.decide) and clover.decide.__name__ == "decide"  # the function, as documented
+assert "low_confidence" in clover.engine.MODES and clover.api.DEFAULT_MODEL  # submodules as attributes, as before
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+print(type(AutoConfig.from_pretrained({d!r})).__name__, type(AutoModelForCausalLM.from_pretrained({d!r})).__name__,
+      type(AutoModel.from_pretrained({d!r})).__name__, clover.CloverConfig.__name__)
+"""
+
+
+@pytest.mark.parametrize("transformers_first", [False, True])
+def test_import_clover_is_light_and_registers_auto_classes(fx, transformers_first):
+    code = AUTO.format(d=str(fx / "good"))
+    if transformers_first:
+        code = code.replace('assert "torch" not in sys.modules and "transformers" not in sys.modules', "")
+        code = "import transformers\n" + code
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()
+    assert p.stdout.decode().split() == ["CloverConfig", "CloverForBlockDiffusion", "CloverModel", "CloverConfig"]
+
+
+def test_mode_help_names_every_engine_mode():
+    from clover.cli.generate import MODE_HELP
+    from clover.engine import MODES
+
+    assert sorted(m.strip() for m in MODE_HELP.replace(" (default)", "").replace(" or ", ", ").split(",")) == sorted(MODES)
+
+
+# ---- threads, wait policy, progress bar --------------------------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "chat", "decide", "quantize", "convert", "info", "eval"])
+def test_every_model_command_takes_threads(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--threads N" in capsys.readouterr().out
+
+
+def test_threads_flag_and_passive_waits(fx, capsys, monkeypatch):
+    from clover.cli.options import setup_process
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    try:
+        code = main(["generate", "--model", str(fx / "good"), "--prompt", "ab", *GEN, "--threads", "2", "--json"])
+        assert code == 0 and torch.get_num_threads() == 2 and os.environ["OMP_NUM_THREADS"] == "2"
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert "Loading weights" not in capsys.readouterr().err  # stderr is no terminal here
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice wins
+    setup_process(type("A", (), {"threads": None})())
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+class _Terminal:
+    def isatty(self):
+        return True
+
+
+def test_loading_bar_only_on_a_terminal_for_long_loads(fx):
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    with load_progress(fx / "good", stream=_Terminal()) as shown:  # 1.2 MB: too small to show
+        assert not shown and not hf_logging.is_progress_bar_enabled()
+    with load_progress(fx / "good", stream=_Terminal(), min_bytes=1000) as shown:
+        assert shown and hf_logging.is_progress_bar_enabled()
+    with load_progress(fx / "good", stream=sys.stderr, min_bytes=0) as shown:  # captured: no terminal
+        assert not shown
+    assert hf_logging.is_progress_bar_enabled() == was
+
+
+# ---- file modes ----------------------------------------------------------------------------------------
+def _modes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_convert_and_quantize_write_the_umask_mode(fx, tmp_path, capsys, umask_022):
+    assert main(["convert", str(fx / "hf-good"), str(tmp_path / "c"), "--json"]) == 0
+    assert main(["quantize", str(fx / "good"), str(tmp_path / "q"), "--group-size", "32", "--json"]) == 0
+    for out in ("c", "q"):
+        modes = _modes(tmp_path / out)
+        assert any(name.endswith(".safetensors") for name in modes)
+        assert set(modes.values()) == {0o644}, (out, {k: oct(v) for k, v in modes.items()})
+    os.umask(0o027)  # follows the umask, not a fixed 0644
+    assert main(["convert", str(fx / "hf-good"), str(tmp_path / "c"), "--force", "--json"]) == 0
+    assert set(_modes(tmp_path / "c").values()) == {0o640}
+
+
+def test_train_and_save_pretrained_write_the_umask_mode(tmp_path, umask_022):
+    from clover.data.tokenizer import train_tokenizer
+    from clover.training import Trainer, TrainConfig
+
+    texts = [f"abc {i} def {i * 7}" for i in range(40)]
+    train_tokenizer(texts, 300, tmp_path / "tok")
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    cfg = TrainConfig(objective="ar", tokenizer=str(tmp_path / "tok"), preset="clover-tiny",
+                      train_files=[str(tmp_path / "train.jsonl")], out_dir=str(tmp_path / "run"), seq_len=16,
+                      batch_size=2, max_steps=2, warmup_steps=1, log_every=1, eval_every=0, ckpt_every=2, progress=False)
+    Trainer(cfg).fit()
+    modes = _modes(tmp_path / "run")
+    assert "final/model.safetensors" in modes and any(k.startswith("checkpoints/") for k in modes)
+    assert set(modes.values()) == {0o644}, {k: oct(v) for k, v in modes.items()}
