@@ -123,7 +123,6 @@ def read_schema(path: str) -> dict:
 
 def run_schema(args) -> int:
     from ..api import model_folder
-    from ..distributed.parallel import load as load_sharded
     from ..structured import generate_json
 
     schema = read_schema(args.json_schema)
@@ -134,6 +133,8 @@ def run_schema(args) -> int:
         if given:
             raise UserError(f"{flag} does not apply to --json-schema")
     decoding_kwargs(args)
+    from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
+
     model, tokenizer = load_sharded(args)  # clover.load in one process
     results = [generate_json(model, tokenizer, p, schema, chat=args.chat, threshold=args.threshold,
                              block_size=args.block_size, max_new_tokens=args.max_new_tokens) for p in prompts]
@@ -156,7 +157,6 @@ def run(args) -> int:
         return run_schema(args)
 
     from ..api import generate, model_folder
-    from ..distributed.parallel import load as load_sharded
 
     prompts = read_prompts(args)
     model_folder(args.model)  # a bad model folder: one line, before torch is imported
@@ -166,6 +166,8 @@ def run(args) -> int:
     kwargs = decoding_kwargs(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
+    from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
+
     model, tokenizer = load_sharded(args)  # clover.load in one process
     with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", leave=False,
               disable=True if args.show else None, file=sys.stderr) as bar:  # None: on terminals only
