@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..distributed.flags import add_parallel_flags
 from . import UserError, print_json
 from .options import add_model_args, seed_type, utf8
 
@@ -59,6 +60,7 @@ def register(sub) -> None:
     p.add_argument("--trajectory-out", metavar="FILE", help="picture of the fill order (.html or .png)")
     p.add_argument("--json-schema", metavar="FILE",
                    help="write JSON that follows this schema (keys laid out, values infilled; see docs/structured.md)")
+    add_parallel_flags(p)
     p.set_defaults(func=run)
 
 
@@ -120,7 +122,7 @@ def read_schema(path: str) -> dict:
 
 
 def run_schema(args) -> int:
-    from ..api import load, model_folder
+    from ..api import model_folder
     from ..structured import generate_json
 
     schema = read_schema(args.json_schema)
@@ -131,7 +133,9 @@ def run_schema(args) -> int:
         if given:
             raise UserError(f"{flag} does not apply to --json-schema")
     decoding_kwargs(args)
-    model, tokenizer = load(args.model, args.device)
+    from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
+
+    model, tokenizer = load_sharded(args)  # clover.load in one process
     results = [generate_json(model, tokenizer, p, schema, chat=args.chat, threshold=args.threshold,
                              block_size=args.block_size, max_new_tokens=args.max_new_tokens) for p in prompts]
     if args.json:
@@ -152,7 +156,7 @@ def run(args) -> int:
     if args.json_schema:
         return run_schema(args)
 
-    from ..api import generate, load, model_folder
+    from ..api import generate, model_folder
 
     prompts = read_prompts(args)
     model_folder(args.model)  # a bad model folder: one line, before torch is imported
@@ -162,7 +166,9 @@ def run(args) -> int:
     kwargs = decoding_kwargs(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
-    model, tokenizer = load(args.model, args.device)
+    from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
+
+    model, tokenizer = load_sharded(args)  # clover.load in one process
     with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", leave=False,
               disable=True if args.show else None, file=sys.stderr) as bar:  # None: on terminals only
         progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))

@@ -1,7 +1,11 @@
-"""`clover info`: parameter counts and memory figures, computed on the meta device."""
+"""`clover info`: parameter counts and memory figures, computed on the meta device.
+
+`--plan train|serve --gpus N --gpu-mem G`: the per-GPU memory of training under FSDP2 or of
+serving with --tp / --ep (default: --ep N) across N GPUs, and whether it fits (docs/distributed.md)."""
 
 from __future__ import annotations
 
+from ..distributed.flags import add_parallel_flags
 from . import UserError, print_json
 from .options import add_threads_arg
 
@@ -18,7 +22,15 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, help="tokens of KV cache in the plan (default: the model's maximum)")
     p.add_argument("--batch", type=int, default=1, help="sequences held at once in the plan (default 1)")
     p.add_argument("--quantize-head", action="store_true", help="plan with lm_head in int4 too")
-    p.add_argument("--gpu-memory", type=float, default=16.0, help="GPU memory in GiB to plan for (default 16)")
+    p.add_argument("--gpu-memory", "--gpu-mem", type=float, default=None,
+                   help="GPU memory in GiB to plan for (default 16 for --quant, 80 for --plan)")
+    p.add_argument("--plan", choices=["train", "serve"], help="per-GPU memory plan across --gpus GPUs")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of the plan (default 1)")
+    p.add_argument("--seq-len", type=int, default=4096, help="train plan: tokens per row (default 4096)")
+    p.add_argument("--micro-batch", type=int, default=1, help="train plan: rows per GPU per micro-batch (default 1)")
+    p.add_argument("--train-block", type=int, default=32, help="train plan: diffusion block size (default 32)")
+    p.add_argument("--no-recompute", action="store_true", help="train plan: keep every layer's activations")
+    add_parallel_flags(p)
     p.set_defaults(func=run)
 
 
@@ -41,6 +53,8 @@ def run(args) -> int:
 
     name, config = load_config(args)
     stats = {"model": name, **model_stats(config)}
+    if args.plan:
+        return _parallel_plan(args, name, config, stats)
     plan = _quant_plan(args, config)
     if plan is not None:
         stats["quant_plan"] = plan
@@ -81,6 +95,8 @@ def _quant_plan(args, config):
         return None
     from ..models.stats import int4_memory_plan
 
+    if args.gpu_memory is None:
+        args.gpu_memory = 16.0
     if args.context is not None and args.context < 1:
         raise UserError(f"--context must be >= 1, got {args.context}")
     if args.batch < 1:
@@ -94,3 +110,50 @@ def _quant_plan(args, config):
                                 int(args.gpu_memory * 1024**3), args.batch)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def _parallel_plan(args, name, config, stats) -> int:
+    from ..models.stats import serve_memory_plan, train_memory_plan
+
+    if args.quant:
+        raise UserError("--plan and --quant are separate plans: give one")
+    for flag, value in (("gpus", args.gpus), ("batch", args.batch), ("seq-len", args.seq_len),
+                        ("micro-batch", args.micro_batch), ("train-block", args.train_block)):
+        if value < 1:
+            raise UserError(f"--{flag} must be >= 1, got {value}")
+    if args.context is not None and args.context < 1:
+        raise UserError(f"--context must be >= 1, got {args.context}")
+    gib = 1024**3
+    budget = args.gpu_memory if args.gpu_memory is not None else 80.0
+    if budget <= 0:
+        raise UserError(f"--gpu-mem must be > 0 GiB, got {budget}")
+    try:
+        if args.plan == "train":
+            if args.tp != 1 or args.ep != 1:
+                raise UserError("the train plan is FSDP2 over --gpus (no --tp / --ep)")
+            plan = train_memory_plan(config, args.gpus, int(budget * gib), args.seq_len, args.micro_batch,
+                                     args.train_block, not args.no_recompute)
+        else:
+            ep = None if args.tp == 1 and args.ep == 1 else args.ep
+            plan = serve_memory_plan(config, args.gpus, int(budget * gib), args.context, args.batch, args.tp, ep)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print_json({"model": name, **plan})
+        return 0
+    print(f"{name}: {args.plan} plan, {plan['parallel']} ({plan['total_params']:,} params, "
+          f"{plan['params_per_rank']:,} per GPU)")
+    rows = (["weight_bytes", "grad_bytes", "optimizer_bytes", "gathered_bytes", "activation_bytes", "logits_bytes"]
+            if args.plan == "train" else ["weight_bytes", "kv_cache_bytes", "gdn_state_bytes", "logits_bytes"])
+    notes = {"weight_bytes": "fp32 master shard" if args.plan == "train" else "bf16 shard",
+             "grad_bytes": "fp32 shard", "optimizer_bytes": "AdamW moments, fp32 shard",
+             "gathered_bytes": "bf16 params of 2 layers + root, fp32 grads of 1 layer + root",
+             "activation_bytes": (f"{plan.get('micro_batch')} x {plan.get('seq_len')} tokens, "
+                                  f"{'with' if plan.get('recompute') else 'without'} recomputation"),
+             "kv_cache_bytes": f"{plan.get('batch')} x {plan.get('context', 0):,} tokens",
+             "gdn_state_bytes": f"{plan.get('batch')} sequences", "logits_bytes": "one head output"}
+    for key in rows + ["runtime_overhead_bytes", "total_bytes"]:
+        label = key.removesuffix("_bytes").replace("_", " ")
+        print(f"  {label:<18} {plan[key] / gib:>9.2f} GiB  {notes.get(key, '')}")
+    print(f"  fits? {plan['answer']}")
+    return 0

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 
+from ..distributed.flags import add_parallel_flags
 from . import UserError
 
 API_KEY_ENV = "CLOVER_API_KEY"
@@ -38,6 +39,7 @@ def register(sub) -> None:
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_parallel_flags(p)  # under torchrun: rank 0 serves HTTP, the others hold their shards (docs/distributed.md)
     p.set_defaults(func=run)
 
 
@@ -88,17 +90,20 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args) -> int:
+    from ..distributed.flags import is_worker
+
     check_args(args)
-    sock = bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
+    sock = None if is_worker() else bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
     import torch
     import uvicorn
 
-    from ..api import eos_ids, load
+    from ..api import eos_ids
+    from ..distributed.parallel import load as load_sharded
     from ..server import Settings, create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.model, args.device)
+    model, tokenizer = load_sharded(args)  # clover.load in one process; ranks > 0 never return
     block_size = args.block_size or model.config.block_size
     if block_size > model.config.max_block_size:
         raise UserError(f"--block-size must be in [1, {model.config.max_block_size}], got {block_size}")

@@ -2,6 +2,11 @@
 
 Options come from a TOML config file (`--config`, keys = TrainConfig fields) and flags; flags win.
 List/dict options take JSON on the command line, e.g. --block-schedule '[[0.2,[1]],[1.0,[4,8]]]'.
+
+Across processes: `torchrun --nproc-per-node N -m clover train --config ...` shards the model with
+FSDP2 and each rank trains on its rows of every global batch (`batch_size` stays the global batch);
+checkpoints are sharded (torch.distributed.checkpoint) and resume on any number of processes;
+only rank 0 prints and writes metrics (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -79,9 +84,16 @@ def build_config(args):
 
 
 def run(args) -> int:
+    from ..distributed import runtime
     from ..training.trainer import Trainer
 
     cfg = build_config(args)
-    summary = Trainer(cfg, resume=args.resume).fit()
-    print_json(summary)
+    d = runtime.from_env(cfg.device)  # None unless launched by torchrun with several processes
+    try:
+        summary = Trainer(cfg, resume=args.resume, dist=d).fit()
+    finally:
+        if d is not None:
+            runtime.shutdown()
+    if d is None or d.main:
+        print_json(summary)
     return 0

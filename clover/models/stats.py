@@ -114,3 +114,127 @@ def int4_memory_plan(config: CloverConfig, group_size: int = 128, context: int |
         "active_expert_bytes_per_token": active_expert_bytes,
         "answer": answer,
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory plans across GPUs (clover/distributed, docs/distributed.md)
+# ------------------------------------------------------------------------------------------------
+def _meta_params(config: CloverConfig) -> dict[str, tuple[int, ...]]:
+    from .modeling_clover import CloverForBlockDiffusion
+
+    with torch.device("meta"):
+        model = CloverForBlockDiffusion(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def activation_bytes_per_token(config: CloverConfig, block: int) -> dict:
+    """bf16 activations one decoder layer keeps for its backward, per token of the training layout
+    ([x_t ; x_0]: 2 tokens per position), by kind of layer; an estimate from the tensors the
+    forward saves (fp32 where the code computes in fp32: router, GDN q/k/g/beta, chunk states)."""
+    c = config
+    h, k, inter, si, e = c.hidden_size, c.num_experts_per_tok, c.moe_intermediate_size, \
+        c.shared_expert_intermediate_size, c.num_experts
+    qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    kd, vd = c.linear_num_key_heads * dk, hv * dv
+    conv = 2 * kd + vd
+    common = 2 * (3 * h)  # two norm outputs + the residual
+    moe = 4 * 2 * e + 2 * (k * h + k * 2 * inter + k * inter + k * h) + 2 * (2 * si + si + h)
+    attn = 2 * ((2 * qd + 2 * kvd) + (qd + kvd) + 3 * qd)  # qkv, roped q/k, attention out, gated, o_proj in
+    gdn = (2 * ((conv + vd + 2 * hv) + 2 * conv + 2 * vd)  # in_proj out, conv out + act, core / normed
+           + 4 * (2 * hv * dk + hv * dv + 2 * hv)  # q, k (per value head), v, g, beta in fp32
+           + 4 * hv * dk * dv / max(block, 1))  # the chunk-start states (one per window)
+    return {"full_attention": common + attn + moe, "linear_attention": common + gdn + moe}
+
+
+def train_memory_plan(config: CloverConfig, gpus: int = 8, budget_bytes: int = 80 * GIB, seq_len: int = 4096,
+                      micro_batch: int = 1, block: int = 32, recompute: bool = True) -> dict:
+    """Per-GPU memory of `clover train` under FSDP2 over `gpus` ranks (clover/distributed/fsdp.py):
+    fp32 master weights, fp32 gradients and AdamW's two fp32 moments, each sharded along dim 0
+    (ceil(dim0 / gpus) rows per rank, FSDP's padding included); bf16 all-gathered parameters of two
+    decoder layers at a time (the running one and the prefetched next) and of the root group
+    (embeddings, head), the unsharded fp32 gradients of one layer before its reduce-scatter;
+    activations of `micro_batch` rows of `seq_len` tokens in the [x_t ; x_0] layout (2 seq_len
+    tokens per row), with per-layer recomputation (each layer keeps its input; one layer's
+    internals live at a time) or without (every layer keeps its internals); the head's logits of
+    the noisy half (bf16 logits, fp32 log-softmax and its gradient)."""
+    if gpus < 1 or seq_len < 1 or micro_batch < 1:
+        raise ValueError("gpus, seq_len and micro_batch must be >= 1")
+    shapes = _meta_params(config)
+    shard_elems = sum(-(-s[0] // gpus) * _numel(s[1:]) for s in shapes.values())
+    total = sum(_numel(s) for s in shapes.values())
+    layer = [0] * config.num_hidden_layers
+    for name, s in shapes.items():
+        if name.startswith("model.layers."):
+            layer[int(name.split(".")[2])] += _numel(s)
+    root = total - sum(layer)
+    biggest = max(layer)
+    weights, grads, optim = 4 * shard_elems, 4 * shard_elems, 8 * shard_elems
+    gathered = 2 * (2 * biggest) + 2 * root + 4 * biggest + 4 * root
+    tokens = micro_batch * 2 * seq_len
+    per_tok = activation_bytes_per_token(config, block)
+    kinds = config.layer_types
+    keep_inputs = len(kinds) * tokens * config.hidden_size * 2
+    if recompute:
+        acts = keep_inputs + tokens * max(per_tok[k] for k in set(kinds))
+    else:
+        acts = keep_inputs + tokens * sum(per_tok[k] for k in kinds)
+    logits = micro_batch * seq_len * config.vocab_size * (2 + 4 + 4)
+    total_bytes = round(weights + grads + optim + gathered + acts + logits + RUNTIME_OVERHEAD_BYTES)
+    return _verdict({
+        "plan": "train", "gpus": gpus, "parallel": f"FSDP2 over {gpus}", "seq_len": seq_len,
+        "micro_batch": micro_batch, "block_size": block, "recompute": recompute,
+        "total_params": total, "params_per_rank": shard_elems,
+        "weight_bytes": weights, "grad_bytes": grads, "optimizer_bytes": optim,
+        "gathered_bytes": gathered, "activation_bytes": round(acts), "logits_bytes": logits,
+        "runtime_overhead_bytes": RUNTIME_OVERHEAD_BYTES, "total_bytes": total_bytes,
+    }, budget_bytes)
+
+
+def serve_memory_plan(config: CloverConfig, gpus: int = 8, budget_bytes: int = 80 * GIB, context: int | None = None,
+                      batch: int = 1, tp: int = 1, ep: int | None = None) -> dict:
+    """Per-GPU memory of `clover generate/serve --tp/--ep` (clover/distributed/parallel.py): bf16
+    weights of one rank's shard, counted from the same shard plan the loader reads (the largest
+    rank), K/V of `batch` sequences of `context` tokens and their GDN states (split by --tp,
+    replicated under --ep), the runtime overhead and one block of logits."""
+    from ..distributed.parallel import check_parallel, local_shape, shard_plan
+
+    if ep is None:
+        ep = gpus if tp == 1 else 1
+    if max(tp, ep) != gpus:
+        raise ValueError(f"--tp {tp} / --ep {ep} do not use {gpus} GPUs (one of them must equal --gpus)")
+    check_parallel(config, tp, ep)
+    context = context or config.max_position_embeddings
+    shapes = _meta_params(config)
+    plan = shard_plan(config, tp, ep, 0)
+    params = sum(_numel(local_shape(s, plan.get(n))) for n, s in shapes.items())
+    s = model_stats(config)
+    weights = 2 * params
+    kv = s["kv_bytes_per_token"] * context * batch // tp
+    gdn = s["gdn_state_bytes"] * batch // tp
+    logits = config.block_size * config.vocab_size * 6 * batch
+    total = weights + kv + gdn + RUNTIME_OVERHEAD_BYTES + logits
+    return _verdict({
+        "plan": "serve", "gpus": gpus, "tp": tp, "ep": ep,
+        "parallel": f"tensor parallel {tp}" if tp > 1 else (f"expert parallel {ep}" if ep > 1 else "one GPU"),
+        "context": context, "batch": batch, "total_params": s["total_params"], "params_per_rank": params,
+        "weight_bytes": weights, "kv_cache_bytes": kv, "gdn_state_bytes": gdn, "logits_bytes": logits,
+        "runtime_overhead_bytes": RUNTIME_OVERHEAD_BYTES, "total_bytes": total,
+    }, budget_bytes)
+
+
+def _verdict(plan: dict, budget_bytes: int) -> dict:
+    total = plan["total_bytes"]
+    plan["budget_bytes"] = budget_bytes
+    plan["fits"] = total <= budget_bytes
+    plan["answer"] = (f"{'yes' if plan['fits'] else 'no'}: {total / GIB:.1f} GiB per GPU of {budget_bytes / GIB:.0f} GiB"
+                      + (f", {(budget_bytes - total) / GIB:.1f} GiB to spare" if plan["fits"]
+                         else f", {(total - budget_bytes) / GIB:.1f} GiB over"))
+    return plan

@@ -26,21 +26,58 @@ several tokens per step. Wrong predictions are left alone, so uncertainty stays 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ..models.modeling_clover import window_ids
 
 
-def ar_loss(model, ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Mean next-token CE over targets with loss_mask (targets = ids[:, 1:]). Returns (loss, count)."""
+@dataclass(frozen=True)
+class Shard:
+    """This process's rows [lo, hi) of a global batch (data parallel, clover/distributed) and the
+    sum over processes. The objectives draw every random number for the WHOLE batch (so the
+    generator advances as in one process), run the model on these rows only and return this
+    shard's share of the global mean (divided by the global count): the shares of all processes
+    add up to the loss one process computes on the whole batch."""
+
+    lo: int
+    hi: int
+    world: int
+    all_sum: Callable[[float], float]
+
+    @property
+    def empty(self) -> bool:
+        """No rows here (a batch smaller than the world: evaluation's last batch); `take` then gives
+        the first row, so this rank still runs the forward the others' collectives wait for, and
+        the caller must zero its loss."""
+        return self.lo == self.hi
+
+    def take(self, x: torch.Tensor, copies: int = 1) -> torch.Tensor:
+        """These rows of `x`, which holds `copies` stacked copies of the batch (complementary masking)."""
+        if self.empty:
+            return x[:1]
+        if copies == 1:
+            return x[self.lo:self.hi]
+        batch = x.shape[0] // copies
+        return torch.cat([x[c * batch + self.lo: c * batch + self.hi] for c in range(copies)])
+
+
+def ar_loss(model, ids: torch.Tensor, loss_mask: torch.Tensor, shard: Shard | None = None) -> tuple[torch.Tensor, int]:
+    """Mean next-token CE over targets with loss_mask (targets = ids[:, 1:]). Returns (loss, count);
+    with a `shard`, its share of the loss and the global count."""
+    if shard is not None:
+        n_all = int(loss_mask[:, 1:].sum())
+        ids, loss_mask = shard.take(ids), shard.take(loss_mask)
     logits = model(ids).logits
     # targets shifted left and padded (the last column has none) instead of slicing the logits: a
     # [B, L-1, V] slice would be copied to flatten it and its gradient zero-filled at full size
     tgt = F.pad(ids[:, 1:], (0, 1))
     m = F.pad(loss_mask[:, 1:], (0, 1))
     ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
-    n = int(m.sum())
+    n = int(m.sum()) if shard is None else n_all
     return (ce * m).sum() / max(n, 1), n
 
 
@@ -82,9 +119,11 @@ def sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, comple
     return xt, masked, weight
 
 
-def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible, conf_weight=0.0, stats=None):
+def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible, conf_weight=0.0, stats=None, shard=None):
     """The ELBO estimate, plus the confidence term when `conf_weight` > 0 (its mean entropy and the
-    share of masked targets it covers go to `stats` when given)."""
+    share of masked targets it covers go to `stats` when given). With a `shard` the inputs are its
+    rows, `n_eligible` is global and the confidence term's count of right predictions is summed
+    over the processes."""
     tgt = torch.zeros_like(ids)
     tgt[:, :-1] = ids[:, 1:]
     ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
@@ -94,26 +133,31 @@ def diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible, conf_wei
     logp = logits.float().log_softmax(-1)
     right = masked & (logp.argmax(-1) == tgt)
     entropy = -(logp.exp() * logp).sum(-1)
-    n_right = int(right.sum())
+    n_right = int(right.sum()) if shard is None else int(shard.all_sum(int(right.sum())))
     conf = (entropy * right).sum() / max(n_right, 1)
     if stats is not None:
-        stats["conf_entropy"] = float(conf.detach())
-        stats["right_share"] = n_right / max(int(masked.sum()), 1)
+        n_masked = int(masked.sum()) if shard is None else int(shard.all_sum(int(masked.sum())))
+        stats["conf_entropy"] = float(conf.detach()) if shard is None else shard.all_sum(float(conf.detach()))
+        stats["right_share"] = n_right / max(n_masked, 1)
     return elbo + conf_weight * conf
 
 
 def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None,
-                         complementary=False, suffix_frac=0.0, conf_weight=0.0, stats=None) -> tuple[torch.Tensor, int]:
+                         complementary=False, suffix_frac=0.0, conf_weight=0.0, stats=None,
+                         shard: Shard | None = None) -> tuple[torch.Tensor, int]:
     """Vectorised [x_t ; x_0] loss (see module docstring). Returns (loss, eligible targets)."""
     if block == 1:
-        return ar_loss(model, ids, loss_mask)
+        return ar_loss(model, ids, loss_mask, shard)
     mask_id = model.config.mask_token_id
     xt, masked, weight = sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary,
                                       suffix_frac)
     x0 = torch.cat([ids, ids]) if complementary else ids
-    logits = model(x0, noisy_input_ids=xt, block_size=block).logits
     n = int(loss_mask[:, 1:].sum()) * (2 if complementary else 1)
-    return diffusion_loss_from_logits(logits, x0, masked, weight, n, conf_weight, stats), n
+    if shard is not None:
+        copies = 2 if complementary else 1
+        x0, xt, masked, weight = (shard.take(t, copies) for t in (x0, xt, masked, weight))
+    logits = model(x0, noisy_input_ids=xt, block_size=block).logits
+    return diffusion_loss_from_logits(logits, x0, masked, weight, n, conf_weight, stats, shard), n
 
 
 def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible):
@@ -132,23 +176,26 @@ def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible
     return diffusion_loss_from_logits(logits, ids, masked, weight, n_eligible), logits
 
 
-def self_spec_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None) -> tuple[torch.Tensor, int]:
+def self_spec_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None,
+                   shard: Shard | None = None) -> tuple[torch.Tensor, int]:
     """Self-speculation samples (design-notes section 3): a prefix committed causally (clean block
     size 1, as `self_spec` decoding commits it) followed by ONE noisy window of `block` columns at a
     random place, noised by the same rules as `sample_noise`. Costs a forward over the prefix for one
     window's loss, so it is mixed in at a small rate (`self_spec_frac`)."""
     batch, length = ids.shape
     if length < block + 2:
-        return ar_loss(model, ids, loss_mask)
+        return ar_loss(model, ids, loss_mask, shard)
     s = int(torch.randint(1, length - block, (1,), generator=generator, device=ids.device))
     t = t_min + (t_max - t_min) * torch.rand(batch, 1, generator=generator, device=ids.device)
     eligible = loss_mask[:, s + 1 : s + block + 1]
     masked = (torch.rand(batch, block, generator=generator, device=ids.device) < t) & eligible
     window = ids[:, s : s + block].clone()
     window[:, 1:] = window[:, 1:].masked_fill(masked[:, :-1], model.config.mask_token_id)
+    n = int(eligible.sum())
+    if shard is not None:
+        ids, window, masked, t = (shard.take(x) for x in (ids, window, masked, t))
     logits = model(torch.cat([ids[:, :s], window], dim=1), block_size=block, draft_len=block,
                    clean_block_size=1).logits[:, s:]
     tgt = ids[:, s + 1 : s + block + 1]
     ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
-    n = int(eligible.sum())
     return (ce * masked / t).sum() / max(n, 1), n

@@ -11,6 +11,12 @@ batch order and the noise come from one seeded generator whose state is saved).
 
 Outputs in `out_dir`: metrics.jsonl (one record per logged step / eval), loss.png, final/ (model +
 tokenizer), checkpoints/.
+
+Under `torchrun` with several processes (`dist`, clover/distributed, docs/distributed.md) the model
+is sharded with FSDP2, every rank draws the same global batch and noise from the seeded generator
+and runs its own rows of it (the losses and weights equal one process's on the whole batch, up to
+fp32 reduction order), checkpoints go through torch.distributed.checkpoint (`step_NNNNNN/dcp/`),
+and only rank 0 prints and writes files. With one process nothing of this runs.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class TrainConfig:
     device: str = "cpu"
     seed: int = 0
     threads: int = 0  # torch.set_num_threads (0: leave)
+    recompute: bool = False  # recompute each decoder layer in the backward (activation checkpointing)
+    ep: int = 1  # expert parallel over this many processes (under torchrun: all of them; clover/distributed/expert.py)
     # block diffusion
     t_min: float = 0.1
     t_max: float = 1.0
@@ -143,12 +151,19 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, dist=None):
         from ..data.tokenizer import load_tokenizer
         from ..models import CloverForBlockDiffusion, preset_config
 
         cfg.validate()
         self.cfg = cfg
+        self.dist = dist  # clover.distributed.runtime.Dist, or None: one process
+        self.main = dist is None or dist.main
+        if cfg.ep != 1 and (dist is None or cfg.ep != dist.world):
+            raise ValueError(f"ep = {cfg.ep} needs torchrun with {cfg.ep} processes "
+                             f"(this run has {1 if dist is None else dist.world})")
+        if dist is not None and cfg.batch_size < dist.world:
+            raise ValueError(f"batch_size {cfg.batch_size} < {dist.world} processes: every rank needs rows")
         try:  # no "Writing model shards" bars between our own
             from transformers.utils import logging as hf_logging
 
@@ -159,13 +174,17 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.out = Path(cfg.out_dir)
         self.ckdir = self.out / "checkpoints"
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(cfg.device) if dist is None else dist.device
         self.tok = load_tokenizer(cfg.tokenizer)
         torch.manual_seed(cfg.seed)
         latest = self._latest() if resume else None
         if resume and latest is None:
             raise ValueError(f"--resume: no checkpoint in {self.ckdir}")
-        if latest is not None:
+        if latest is not None and self._sharded_checkpoint(latest):
+            from ..models import CloverConfig
+
+            self.model = CloverForBlockDiffusion(CloverConfig.from_pretrained(str(latest)))  # weights: _load_state
+        elif latest is not None:
             self.model = CloverForBlockDiffusion.from_pretrained(str(latest), dtype=torch.float32)
         elif cfg.init:
             self.model = CloverForBlockDiffusion.from_pretrained(cfg.init, dtype=torch.float32)
@@ -180,6 +199,20 @@ class Trainer:
         if self.model.config.vocab_size < len(self.tok):
             raise ValueError(f"model vocab {self.model.config.vocab_size} < tokenizer size {len(self.tok)}")
         self.model.to(self.device).train()
+        if cfg.recompute:  # each layer keeps its input only and reruns its forward in the backward
+            from torch.distributed._composable import checkpoint
+
+            for layer in self.model.model.layers:
+                checkpoint(layer)
+        self.expert_params = []
+        if dist is not None:
+            from ..distributed.fsdp import shard_model
+
+            if cfg.ep > 1:
+                from ..distributed.expert import apply_expert_parallel
+
+                self.expert_params = apply_expert_parallel(self.model, dist)
+            shard_model(self.model, dist, cfg.bf16, self.expert_params)
         ids, mask = encode_files(cfg.train_files, self.tok, cfg.chat_eos_pad)  # held-out rows: unpadded
         self.rows, self.rmask = pack(ids, mask, cfg.seq_len)
         self.eval_rows = None
@@ -188,9 +221,12 @@ class Trainer:
             n = cfg.eval_batches * cfg.batch_size
             r, m = pack(e_ids, e_mask, cfg.seq_len)
             self.eval_rows, self.eval_mask = r[:n], m[:n]
-        decay, no_decay = [], []
+        decay, no_decay, names = [], [], ([], [])
         for n, p in self.model.named_parameters():
-            (no_decay if p.dim() < 2 or "norm" in n or "calibration" in n or "bidir" in n else decay).append(p)
+            plain = p.dim() < 2 or "norm" in n or "calibration" in n or "bidir" in n
+            (no_decay if plain else decay).append(p)
+            names[plain].append(n)
+        self.param_names = names[0] + names[1]  # the optimiser's parameter order
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -203,8 +239,12 @@ class Trainer:
         self.elapsed = 0.0
         if latest is not None:
             self._load_state(latest)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "train_config.json").write_text(self.config_json())
+
+    def config_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self.cfg), indent=2)
 
     # ---------------------------------------------------------------- checkpoints
     def _latest(self) -> Path | None:
@@ -212,13 +252,27 @@ class Trainer:
         if not f.exists():
             return None
         p = self.ckdir / f.read_text().strip()
-        return p if (p / "trainer_state.pt").exists() else None
+        return p if (p / "trainer_state.pt").exists() or self._sharded_checkpoint(p) else None
+
+    @staticmethod
+    def _sharded_checkpoint(path: Path) -> bool:
+        return (path / "dcp").is_dir()
 
     def save_checkpoint(self) -> Path:
-        self.ckdir.mkdir(parents=True, exist_ok=True)
         name = f"step_{self.step:06d}"
         final = self.ckdir / name
         tmp = self.ckdir / f".{name}.tmp"
+        if self.dist is not None:  # sharded, through torch.distributed.checkpoint
+            from ..distributed import checkpoint
+
+            if self.main:
+                self.ckdir.mkdir(parents=True, exist_ok=True)
+            checkpoint.save(self, final, tmp, self.dist)
+            if self.main:
+                self._point_latest(name, final)
+            self.dist.barrier()
+            return final
+        self.ckdir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(str(tmp), safe_serialization=True)
         self.tok.save_pretrained(str(tmp))  # a checkpoint is a whole model folder: `clover generate --model` it
@@ -228,19 +282,31 @@ class Trainer:
             "generator": self.gen.get_state(), "torch_rng": torch.get_rng_state(),
         }
         torch.save(state, tmp / "trainer_state.pt")
-        (tmp / "train_config.json").write_text(json.dumps(dataclasses.asdict(self.cfg), indent=2))
+        (tmp / "train_config.json").write_text(self.config_json())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        self._point_latest(name, final)
+        return final
+
+    def _point_latest(self, name: str, final: Path) -> None:
         _atomic_write(self.ckdir / "latest", name)
         olds = sorted(p for p in self.ckdir.glob("step_*") if p.is_dir() and p != final)
         for p in olds[: max(0, len(olds) - (self.cfg.keep_ckpts - 1))]:
             shutil.rmtree(p, ignore_errors=True)
-        return final
 
     def _load_state(self, path: Path) -> None:
+        if self._sharded_checkpoint(path):  # written under torchrun, by any number of processes
+            from ..distributed import checkpoint
+
+            return checkpoint.load(self, path)
         st = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
-        self.opt.load_state_dict(st["optimizer"])
+        if self.dist is not None:  # a single-process checkpoint under torchrun: its full optimiser state, sharded
+            from ..distributed.checkpoint import load_full_optimizer
+
+            load_full_optimizer(self, st["optimizer"])
+        else:
+            self.opt.load_state_dict(st["optimizer"])
         self.max_steps = int(st["max_steps"])
         self.sched.load_state_dict(st["scheduler"])
         self.gen.set_state(st["generator"])
@@ -251,14 +317,22 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
-    def _loss(self, ids, mask, block, gen, held_out=False, stats=None):
+    def _loss(self, ids, mask, block, gen, held_out=False, stats=None, shard=None):
         """The training loss; `held_out`: the plain ELBO (random masks, no confidence term) whatever
-        the training mix, so every run's held-out loss compares."""
+        the training mix, so every run's held-out loss compares. `shard`: this rank's rows (under
+        torchrun), the loss then its share of the global batch's."""
         if self.cfg.objective == "ar" or block == 1:
-            return ar_loss(self.model, ids, mask)
+            return ar_loss(self.model, ids, mask, shard)
         suffix_frac, conf_weight = (0.0, 0.0) if held_out else (self.cfg.suffix_frac, self.cfg.conf_weight)
         return block_diffusion_loss(self.model, ids, mask, block, self.cfg.t_min, self.cfg.t_max, gen,
-                                    self.cfg.complementary, suffix_frac, conf_weight, stats)
+                                    self.cfg.complementary, suffix_frac, conf_weight, stats, shard)
+
+    def _shard(self, batch: int):
+        if self.dist is None:
+            return None
+        from ..distributed.fsdp import batch_shard
+
+        return batch_shard(self.dist, batch)
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -267,7 +341,8 @@ class Trainer:
             sizes = block_sizes_at(self.step, self.max_steps, cfg.block_schedule)
             block = sizes[int(torch.randint(len(sizes), (1,), generator=self.gen))]
         total, ntok, stats = 0.0, 0, {}
-        for _ in range(cfg.grad_accum):
+        shard = self._shard(cfg.batch_size)
+        for micro in range(cfg.grad_accum):
             idx = torch.randint(self.rows.shape[0], (cfg.batch_size,), generator=self.gen)
             ids, mask = self.rows[idx], self.rmask[idx]
             if cfg.random_phase and block > 1:  # vary where the window boundaries fall
@@ -275,15 +350,29 @@ class Trainer:
                 ids, mask = ids[:, crop:], mask[:, crop:]
             ids, mask = ids.to(self.device), mask.to(self.device)
             spec = cfg.self_spec_frac > 0 and block > 1 and float(torch.rand(1, generator=self.gen)) < cfg.self_spec_frac
+            if shard is not None:  # FSDP reduces the gradients after the last micro-batch only
+                self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
             with self._autocast():
                 if spec:
-                    loss, _ = self_spec_loss(self.model, ids, mask, block, cfg.t_min, cfg.t_max, self.gen)
+                    loss, _ = self_spec_loss(self.model, ids, mask, block, cfg.t_min, cfg.t_max, self.gen, shard)
                 else:
-                    loss, _ = self._loss(ids, mask, block, self.gen, stats=stats)
-            (loss / cfg.grad_accum).backward()
-            total += float(loss.detach()) / cfg.grad_accum
+                    loss, _ = self._loss(ids, mask, block, self.gen, stats=stats, shard=shard)
+            if shard is None:
+                (loss / cfg.grad_accum).backward()
+                total += float(loss.detach()) / cfg.grad_accum
+            else:  # FSDP averages the gradients over ranks: the sum of the shares is the batch's loss
+                (loss * shard.world / cfg.grad_accum).backward()
+                total += shard.all_sum(float(loss.detach())) / cfg.grad_accum
             ntok += ids.numel()
+        if self.expert_params:  # complete on their owner, but scaled by the world size like every loss share
+            from ..distributed.expert import scale_grads
+
+            scale_grads(self.expert_params, shard.world)
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if shard is not None:
+            from ..distributed.fsdp import full_tensor
+
+            gnorm = full_tensor(gnorm)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -306,8 +395,11 @@ class Trainer:
             for i in range(0, self.eval_rows.shape[0], bs):
                 ids = self.eval_rows[i:i + bs].to(self.device)
                 mask = self.eval_mask[i:i + bs].to(self.device)
+                shard = self._shard(ids.shape[0])
                 with self._autocast():
-                    loss, n = self._loss(ids, mask, block, gen, held_out=True)
+                    loss, n = self._loss(ids, mask, block, gen, held_out=True, shard=shard)
+                if shard is not None:  # the shares of the ranks (none from a rank without rows)
+                    loss = shard.all_sum(0.0 if shard.empty else float(loss))
                 num += float(loss) * n
                 den += n
             out["eval_ar_loss" if block == 1 else f"eval_bd{block}_loss"] = num / max(den, 1)
@@ -332,6 +424,8 @@ class Trainer:
             times.append(time.time() - t0)
         self.opt.zero_grad(set_to_none=True)
         per_step = sum(times[1:]) / len(sizes) * cfg.grad_accum
+        if self.dist is not None:  # rank 0's timing: every rank must plan the same number of steps
+            per_step = self.dist.broadcast(per_step)
         self.max_steps = max(cfg.warmup_steps + 1, int(cfg.time_budget / per_step))
         self._log({"calibration": True, "seconds_per_step": per_step, "max_steps": self.max_steps})
         return self.max_steps
@@ -354,6 +448,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
     def _log(self, rec: dict) -> None:
+        if not self.main:
+            return
         with (self.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -361,11 +457,11 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
-        if self.step == 0 and (self.out / "metrics.jsonl").exists():
+        if self.main and self.step == 0 and (self.out / "metrics.jsonl").exists():
             (self.out / "metrics.jsonl").unlink()
         if cfg.time_budget > 0 and self.step == 0:
             self.calibrate_budget()
-        bar = tqdm(total=self.max_steps, initial=self.step, disable=not cfg.progress, dynamic_ncols=True,
+        bar = tqdm(total=self.max_steps, initial=self.step, disable=not (cfg.progress and self.main), dynamic_ncols=True,
                    desc=cfg.objective)
         window_t, window_tok, losses, extras = time.time(), 0, [], {}
         last_eval = {}
@@ -374,6 +470,8 @@ class Trainer:
             t0 = time.time()
             rec = self.train_step()
             dt = time.time() - t0
+            if self.dist is not None and cfg.time_budget > 0:  # one clock, so every rank plans the same steps
+                dt = self.dist.broadcast(dt)
             self.elapsed += dt
             window_tok += rec["tokens_step"]
             losses.append(rec["loss"])
@@ -408,15 +506,27 @@ class Trainer:
             self._log({"step": self.step, **last_eval})
         self.save_checkpoint()
         final = self.out / "final"
-        self.model.save_pretrained(str(final))
-        self.tok.save_pretrained(str(final))
+        if self.dist is not None:  # the shards gathered into one HF folder
+            from ..distributed.checkpoint import export_hf
+
+            export_hf(self.model, self.tok, final, self.dist)
+        else:
+            self.model.save_pretrained(str(final))
+            self.tok.save_pretrained(str(final))
         self.plot()
         summary = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
                    "tokens_per_s": self.tokens / max(self.elapsed, 1e-9), **last_eval, "final": str(final)}
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.dist is not None:
+            summary["world_size"] = self.dist.world
+        if self.expert_params:  # what each rank held: its experts of each MoE layer
+            summary["experts_per_rank"] = self.expert_params[0].to_local().shape[0]
+        if self.main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
     def plot(self) -> Path | None:
+        if not self.main:
+            return None
         return plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
 
 
