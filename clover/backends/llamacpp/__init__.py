@@ -1,0 +1,213 @@
+"""llama.cpp back end: the build `make llamacpp` makes (llama-cpp-python 0.3.36's sdist from PyPI,
+its vendored llama.cpp built with cmake) and a thin runner over llama-cpp-python's low-level API.
+
+Layout of a build folder (`build/llamacpp` by default, or $CLOVER_LLAMACPP):
+
+    llama_cpp_python-0.3.36/          the unpacked sdist (its `llama_cpp` Python package is used as is)
+    stock/bin/                        libllama.so, libggml*.so, llama-simple (stock, unpatched)
+
+`LlamaCppModel` runs an exported GGUF (clover export-gguf) with one llama.cpp sequence per batch
+row: `decode` evaluates a token list per row at the row's next positions and returns every
+column's logits, so AR steps and all-logits batches of 8/16/32 tokens are the same call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SDIST = "llama_cpp_python-0.3.36"
+REPO = Path(__file__).resolve().parents[3]
+
+
+class LlamaCppError(RuntimeError):
+    """The build is missing or llama.cpp refused something (a one-line message)."""
+
+
+def find_build(path: str | Path | None = None) -> Path | None:
+    """The build folder (argument, $CLOVER_LLAMACPP, then <repo>/build/llamacpp), or None."""
+    for cand in (path, os.environ.get("CLOVER_LLAMACPP"), REPO / "build" / "llamacpp"):
+        if cand and (Path(cand) / "stock" / "bin" / "libllama.so").is_file() and (Path(cand) / SDIST / "llama_cpp").is_dir():
+            return Path(cand)
+    return None
+
+
+_LIB = None
+
+
+def bindings(path: str | Path | None = None):
+    """llama-cpp-python's ctypes module, bound to the build's libllama (loaded once per process)."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    build = find_build(path)
+    if build is None:
+        raise LlamaCppError("no llama.cpp build: run `make llamacpp` (or set CLOVER_LLAMACPP to a build folder)")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(build / "stock" / "bin")
+    sys.path.insert(0, str(build / SDIST))
+    try:
+        import llama_cpp.llama_cpp as lib
+    except ModuleNotFoundError as e:
+        raise LlamaCppError(f"llama-cpp-python's Python layer needs {e.name}: pip install -e '.[llamacpp]'") from None
+    global _SILENT
+    _SILENT = lib.llama_log_callback(_silent)  # kept referenced: llama.cpp calls it for as long as it runs
+    lib.llama_log_set(_SILENT, ctypes.c_void_p())
+    lib.llama_backend_init()
+    _LIB = lib
+    return lib
+
+
+def _silent(level, text, user_data):  # llama.cpp's log: dropped (errors come back as return codes)
+    return None
+
+
+_SILENT = None
+
+
+KV_TYPES = {"f32": 0, "f16": 1}  # enum ggml_type
+
+
+class LlamaCppModel:
+    """One GGUF in llama.cpp: `rows` sequences (seq ids 0..rows-1), f32 logits for every column."""
+
+    def __init__(self, gguf_path: str | Path, rows: int = 1, n_ctx: int = 2048, threads: int = 1,
+                 n_batch: int = 512, kv_type: str = "f16", flash_attn: bool | None = None,
+                 build: str | Path | None = None):
+        lib = bindings(build)
+        self.lib = lib
+        mparams = lib.llama_model_default_params()
+        mparams.use_mmap = True
+        self.model = lib.llama_model_load_from_file(str(gguf_path).encode(), mparams)
+        if not self.model:
+            raise LlamaCppError(f"{gguf_path}: llama.cpp could not load it")
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx * rows
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = rows
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        if kv_type not in KV_TYPES:
+            raise LlamaCppError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]  # llama.cpp's default K/V cache is f16
+        if flash_attn is not None:  # None: llama.cpp's default (auto)
+            cparams.flash_attn_type = 1 if flash_attn else 0
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise LlamaCppError(f"{gguf_path}: llama.cpp could not create a context")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.rows = rows
+        self.lens = [0] * rows  # tokens in each row's sequence
+        self.memory = lib.llama_get_memory(self.ctx)
+        self._batch = lib.llama_batch_init(n_batch, 0, 1)
+        self.n_batch = n_batch
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.lib.llama_batch_free(self._batch)
+            self.lib.llama_free(self.ctx)
+            self.lib.llama_model_free(self.model)
+            self.ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the ctypes functions may already be gone
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def set_threads(self, threads: int) -> None:
+        self.lib.llama_set_n_threads(self.ctx, threads, threads)
+
+    def reset(self) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+        self.lens = [0] * self.rows
+
+    def decode(self, tokens: list[list[int]], logits: str = "all") -> list[np.ndarray]:
+        """Append tokens[r] to row r (rows with no tokens are skipped) in one llama_decode; returns
+        per row the logits [len(tokens[r]), V] ("all") or of the last column only ("last")."""
+        lib, batch = self.lib, self._batch
+        total = sum(len(t) for t in tokens)
+        if total > self.n_batch:
+            raise LlamaCppError(f"{total} tokens in one decode exceed n_batch={self.n_batch}")
+        n = 0
+        spans = []
+        for row, toks in enumerate(tokens):
+            start = n
+            for j, tok in enumerate(toks):
+                batch.token[n] = int(tok)
+                batch.pos[n] = self.lens[row] + j
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = row
+                batch.logits[n] = logits == "all" or j == len(toks) - 1
+                n += 1
+            spans.append((start, n))
+        batch.n_tokens = n
+        rc = lib.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode returned {rc}")
+        out = []
+        for row, (start, end) in enumerate(spans):
+            self.lens[row] += end - start
+            cols = range(start, end) if logits == "all" else ([end - 1] if end > start else [])
+            rows = [np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
+                    for i in cols]
+            out.append(np.stack(rows) if rows else np.zeros((0, self.n_vocab), np.float32))
+        return out
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        raw = text.encode("utf-8")
+        buf = (self.lib.llama_token * (len(raw) + 8))()
+        n = self.lib.llama_tokenize(self.vocab, raw, len(raw), buf, len(buf), False, special)
+        if n < 0:
+            raise LlamaCppError(f"llama_tokenize needs {-n} slots")
+        return list(buf[:n])
+
+
+def greedy_ar(model: LlamaCppModel, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int, ...] = ()) -> list[int]:
+    """Greedy AR decoding of one row in llama.cpp (prefill, then one token per decode)."""
+    model.reset()
+    out: list[int] = []
+    step = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        logits = model.decode([step], logits="last")[0][-1]
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        if tok in eos:
+            break
+        step = [tok]
+    return out
+
+
+QUANT_FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def quantize_file(src: str | Path, dst: str | Path, kind: str, lib_dir: str | Path | None = None, threads: int = 2) -> dict:
+    """llama.cpp's own quantizer (llama_model_quantize) on an exported file; dst via temp + rename."""
+    lib = bindings(lib_dir)
+    dst = Path(dst)
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, QUANT_FTYPES[kind])
+    params.nthread = threads
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    rc = lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0:
+        tmp.unlink(missing_ok=True)
+        raise LlamaCppError(f"llama_model_quantize({kind}) returned {rc}")
+    os.replace(tmp, dst)
+    import gguf
+
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(dst)).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return {"path": str(dst), "outtype": kind, "arch": "qwen3next", "bytes": dst.stat().st_size, "tensor_types": counts}
