@@ -189,6 +189,32 @@ def greedy_ar(model: LlamaCppModel, prompt_ids: list[int], max_new_tokens: int, 
     return out
 
 
+# Prompts for parity / agreement checks and the benchmark (plain text, as `clover generate` takes them).
+SAMPLE_PROMPTS = [
+    "Shall I compare thee", "Sort: 41 7 93 28 65 12 80\n", "The capital of France is", "Once upon a time",
+    "def add(a, b):\n", "Question: what is 17 + 25?\nAnswer:", "The quick brown fox", "In 1492, Columbus",
+    "Translate to French: good morning\n", "List three colours:", "Water boils at", "My favourite food is",
+    "import numpy as np\n", "Dear Sir or Madam,\n", "The meaning of life", "Reverse: a b c d\n",
+    "Count: 1 2 3 4", "Roses are red,", "Once more unto the breach", "Q: Who wrote Hamlet?\nA:",
+]
+
+
+def teacher_forced_agreement(reference: str | Path, candidate: str | Path, prompts: list[str], new_tokens: int,
+                             build: str | Path | None = None) -> float:
+    """Share of positions where `candidate`'s greedy token equals `reference`'s, both reading the
+    reference's greedy continuation of each prompt (one mismatch does not derail the rest)."""
+    hits = total = 0
+    with LlamaCppModel(reference, build=build) as ref, LlamaCppModel(candidate, build=build) as cand:
+        for prompt in prompts:
+            ids = ref.tokenize(prompt)
+            cont = greedy_ar(ref, ids, new_tokens)
+            cand.reset()
+            logits = cand.decode([ids + cont[:-1]])[0][len(ids) - 1 :]
+            hits += int((logits.argmax(-1) == np.asarray(cont)).sum())
+            total += len(cont)
+    return hits / total
+
+
 QUANT_FTYPES = {"q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
 
