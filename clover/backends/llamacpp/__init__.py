@@ -133,6 +133,12 @@ class LlamaCppModel:
         self.lib.llama_memory_clear(self.memory, True)
         self.lens = [0] * self.rows
 
+    def fork(self, src: int, dst: int) -> None:
+        """Row dst becomes a copy of row src (K/V and GDN state), e.g. a scratch row for a draft."""
+        self.lib.llama_memory_seq_rm(self.memory, dst, -1, -1)
+        self.lib.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        self.lens[dst] = self.lens[src]
+
     def decode(self, tokens: list[list[int]], logits: str = "all") -> list[np.ndarray]:
         """Append tokens[r] to row r (rows with no tokens are skipped) in one llama_decode; returns
         per row the logits [len(tokens[r]), V] ("all") or of the last column only ("last")."""
