@@ -47,8 +47,9 @@ model: install
 	$(BIN)/python recipes/default/make_model.py $(if $(RESUME),--resume,)
 
 # llama.cpp back end (docs/llamacpp.md): fetch the pinned llama-cpp-python sdist from PyPI, build its
-# vendored llama.cpp (libllama + llama-simple, ~10 min on 2 cores) into build/llamacpp, run its tests.
+# vendored llama.cpp (libllama + llama-simple) and a copy patched for block diffusion into build/llamacpp
+# (~20 min on 2 cores), run their tests.
 llamacpp: install
 	$(BIN)/pip install -q -e ".[llamacpp]"
 	PIP=$(abspath $(BIN))/pip clover/backends/llamacpp/build.sh build/llamacpp
-	CLOVER_LLAMACPP=build/llamacpp $(BIN)/python -m pytest -q -x tests/test_gguf_export.py tests/test_llamacpp.py
+	CLOVER_LLAMACPP=build/llamacpp $(BIN)/python -m pytest -q -x tests/test_gguf_export.py tests/test_llamacpp.py tests/test_llamacpp_diffusion.py

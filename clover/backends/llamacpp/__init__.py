@@ -14,6 +14,7 @@ column's logits, so AR steps and all-logits batches of 8/16/32 tokens are the sa
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -28,57 +29,68 @@ class LlamaCppError(RuntimeError):
     """The build is missing or llama.cpp refused something (a one-line message)."""
 
 
-def find_build(path: str | Path | None = None) -> Path | None:
-    """The build folder (argument, $CLOVER_LLAMACPP, then <repo>/build/llamacpp), or None."""
+VARIANTS = ("stock", "clover")  # build sub-folders: unpatched llama.cpp, and with patches/clover-block-diffusion.patch
+
+
+def find_build(path: str | Path | None = None, variant: str = "stock") -> Path | None:
+    """The build folder (argument, $CLOVER_LLAMACPP, then <repo>/build/llamacpp) holding `variant`, or None."""
     for cand in (path, os.environ.get("CLOVER_LLAMACPP"), REPO / "build" / "llamacpp"):
-        if cand and (Path(cand) / "stock" / "bin" / "libllama.so").is_file() and (Path(cand) / SDIST / "llama_cpp").is_dir():
+        if cand and (Path(cand) / variant / "bin" / "libllama.so").is_file() and (Path(cand) / SDIST / "llama_cpp").is_dir():
             return Path(cand)
     return None
 
 
-_LIB = None
-
-
-def bindings(path: str | Path | None = None):
-    """llama-cpp-python's ctypes module, bound to the build's libllama (loaded once per process)."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    build = find_build(path)
-    if build is None:
-        raise LlamaCppError("no llama.cpp build: run `make llamacpp` (or set CLOVER_LLAMACPP to a build folder)")
-    os.environ["LLAMA_CPP_LIB_PATH"] = str(build / "stock" / "bin")
-    sys.path.insert(0, str(build / SDIST))
-    try:
-        import llama_cpp.llama_cpp as lib
-    except ModuleNotFoundError as e:
-        raise LlamaCppError(f"llama-cpp-python's Python layer needs {e.name}: pip install -e '.[llamacpp]'") from None
-    global _SILENT
-    _SILENT = lib.llama_log_callback(_silent)  # kept referenced: llama.cpp calls it for as long as it runs
-    lib.llama_log_set(_SILENT, ctypes.c_void_p())
-    lib.llama_backend_init()
-    _LIB = lib
-    return lib
+_LIBS: dict[str, object] = {}
+_SILENT = None
 
 
 def _silent(level, text, user_data):  # llama.cpp's log: dropped (errors come back as return codes)
     return None
 
 
-_SILENT = None
+def bindings(path: str | Path | None = None, variant: str = "stock"):
+    """llama-cpp-python's ctypes module bound to the build's libllama of `variant` (once per process
+    and variant: the module file is loaded once per library, so stock and patched run side by side)."""
+    if variant in _LIBS:
+        return _LIBS[variant]
+    build = find_build(path, variant)
+    if build is None:
+        what = "" if variant == "stock" else f" with the {variant} variant"
+        raise LlamaCppError(f"no llama.cpp build{what}: run `make llamacpp` (or set CLOVER_LLAMACPP to a build folder)")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(build / variant / "bin")
+    if str(build / SDIST) not in sys.path:
+        sys.path.insert(0, str(build / SDIST))
+    try:
+        import llama_cpp  # noqa: F401  (the package its module imports helpers from)
+    except ModuleNotFoundError as e:
+        raise LlamaCppError(f"llama-cpp-python's Python layer needs {e.name}: pip install -e '.[llamacpp]'") from None
+    spec = importlib.util.spec_from_file_location(f"_clover_llama_cpp_{variant}", build / SDIST / "llama_cpp" / "llama_cpp.py")
+    lib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lib)
+    global _SILENT
+    if _SILENT is None:
+        _SILENT = lib.llama_log_callback(_silent)  # kept referenced: llama.cpp calls it for as long as it runs
+    lib.llama_log_set(_SILENT, ctypes.c_void_p())
+    lib.llama_backend_init()
+    if variant == "clover":
+        lib._lib.llama_clover_set_block_size.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib._lib.llama_clover_set_block_size.restype = None
+    _LIBS[variant] = lib
+    return lib
 
 
 KV_TYPES = {"f32": 0, "f16": 1}  # enum ggml_type
 
 
 class LlamaCppModel:
-    """One GGUF in llama.cpp: `rows` sequences (seq ids 0..rows-1), f32 logits for every column."""
+    """One GGUF in llama.cpp: `rows` sequences (seq ids 0..rows-1), f32 logits for any column.
+    `variant="clover"` loads the patched library, whose `set_block` turns on block diffusion."""
 
     def __init__(self, gguf_path: str | Path, rows: int = 1, n_ctx: int = 2048, threads: int = 1,
                  n_batch: int = 512, kv_type: str = "f16", flash_attn: bool | None = None,
-                 build: str | Path | None = None):
-        lib = bindings(build)
-        self.lib = lib
+                 kv_unified: bool = False, variant: str = "stock", build: str | Path | None = None):
+        lib = bindings(build, variant)
+        self.lib, self.variant = lib, variant
         mparams = lib.llama_model_default_params()
         mparams.use_mmap = True
         self.model = lib.llama_model_load_from_file(str(gguf_path).encode(), mparams)
@@ -90,6 +102,7 @@ class LlamaCppModel:
         cparams.n_seq_max = rows
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
+        cparams.kv_unified = kv_unified  # one K/V pool: a copied sequence shares its cells (no copy)
         if kv_type not in KV_TYPES:
             raise LlamaCppError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         cparams.type_k = cparams.type_v = KV_TYPES[kv_type]  # llama.cpp's default K/V cache is f16
@@ -102,10 +115,11 @@ class LlamaCppModel:
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.rows = rows
-        self.lens = [0] * rows  # tokens in each row's sequence
+        self.lens = [0] * rows  # tokens in each sequence
         self.memory = lib.llama_get_memory(self.ctx)
         self._batch = lib.llama_batch_init(n_batch, 0, 1)
         self.n_batch = n_batch
+        self.block = 0
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
@@ -129,46 +143,65 @@ class LlamaCppModel:
     def set_threads(self, threads: int) -> None:
         self.lib.llama_set_n_threads(self.ctx, threads, threads)
 
+    def set_block(self, block_size: int) -> None:
+        """Block diffusion (patched library): with block_size > 1 every sequence's tokens in one
+        decode are one block of that size (block-causal attention, in-block GDN softmax branch
+        scaled by c(block_size), right conv inside the block); <= 1: the causal LM."""
+        block = block_size if block_size > 1 else 0
+        if block == self.block:
+            return
+        if block and self.variant != "clover":
+            raise LlamaCppError("block diffusion needs the patched llama.cpp (variant='clover', make llamacpp)")
+        if self.variant == "clover":
+            self.lib._lib.llama_clover_set_block_size(self.ctx, block)
+        self.lib.llama_set_causal_attn(self.ctx, not block)
+        self.block = block
+
     def reset(self) -> None:
         self.lib.llama_memory_clear(self.memory, True)
         self.lens = [0] * self.rows
 
     def fork(self, src: int, dst: int) -> None:
-        """Row dst becomes a copy of row src (K/V and GDN state), e.g. a scratch row for a draft."""
+        """Sequence dst becomes a copy of src (K/V and GDN state), e.g. a scratch row for a draft."""
         self.lib.llama_memory_seq_rm(self.memory, dst, -1, -1)
         self.lib.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
         self.lens[dst] = self.lens[src]
 
-    def decode(self, tokens: list[list[int]], logits: str = "all") -> list[np.ndarray]:
-        """Append tokens[r] to row r (rows with no tokens are skipped) in one llama_decode; returns
-        per row the logits [len(tokens[r]), V] ("all") or of the last column only ("last")."""
+    def drop(self, seq: int) -> None:
+        self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        self.lens[seq] = 0
+
+    def decode(self, tokens: list[list[int]], logits: str | list[int] = "all", seq_ids: list[int] | None = None) -> list[np.ndarray]:
+        """Append tokens[i] to sequence seq_ids[i] (default i) in one llama_decode; returns per entry
+        the logits of its last k columns [k, V]: k = all of them ("all"), 1 ("last"), or logits[i]."""
         lib, batch = self.lib, self._batch
+        seq_ids = list(range(len(tokens))) if seq_ids is None else seq_ids
+        keep = [len(t) if logits == "all" else min(1, len(t)) if logits == "last" else k
+                for t, k in zip(tokens, logits if isinstance(logits, list) else [0] * len(tokens))]
         total = sum(len(t) for t in tokens)
         if total > self.n_batch:
             raise LlamaCppError(f"{total} tokens in one decode exceed n_batch={self.n_batch}")
         n = 0
-        spans = []
-        for row, toks in enumerate(tokens):
-            start = n
+        for seq, toks, k in zip(seq_ids, tokens, keep):
             for j, tok in enumerate(toks):
                 batch.token[n] = int(tok)
-                batch.pos[n] = self.lens[row] + j
+                batch.pos[n] = self.lens[seq] + j
                 batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = row
-                batch.logits[n] = logits == "all" or j == len(toks) - 1
+                batch.seq_id[n][0] = seq
+                batch.logits[n] = j >= len(toks) - k
                 n += 1
-            spans.append((start, n))
         batch.n_tokens = n
         rc = lib.llama_decode(self.ctx, batch)
         if rc != 0:
             raise LlamaCppError(f"llama_decode returned {rc}")
-        out = []
-        for row, (start, end) in enumerate(spans):
-            self.lens[row] += end - start
-            cols = range(start, end) if logits == "all" else ([end - 1] if end > start else [])
-            rows = [np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
-                    for i in cols]
-            out.append(np.stack(rows) if rows else np.zeros((0, self.n_vocab), np.float32))
+        n_out = sum(keep)
+        flat = (np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)).copy()
+                if n_out else np.zeros((0, self.n_vocab), np.float32))
+        out, at = [], 0
+        for seq, toks, k in zip(seq_ids, tokens, keep):
+            self.lens[seq] += len(toks)
+            out.append(flat[at : at + k])
+            at += k
         return out
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
