@@ -260,26 +260,21 @@ def write_metadata(writer, ckpt: Checkpoint, outtype: str) -> None:
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                           "q4_k": gguf.LlamaFileType.MOSTLY_BF16}[outtype])
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.moe_intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_rope_freq_base(float(c.rope_theta))
-    writer.add_rope_dimension_count(c.rotary_dim)
-    writer.add_layer_norm_rms_eps(float(c.rms_norm_eps))
-    writer.add_expert_count(c.num_experts)
-    writer.add_expert_used_count(c.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
-    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    writer.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
-    writer.add_ssm_state_size(c.linear_key_head_dim)
-    writer.add_ssm_group_count(c.linear_num_key_heads)
-    writer.add_ssm_time_step_rank(c.linear_num_value_heads)
-    writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    hparams = {  # GGUFWriter.add_<name>: value, the qwen3next.* keys llama.cpp reads
+        "context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers, "feed_forward_length": c.moe_intermediate_size,
+        "head_count": c.num_attention_heads, "head_count_kv": c.num_key_value_heads,
+        "key_length": c.head_dim, "value_length": c.head_dim, "rope_freq_base": float(c.rope_theta),
+        "rope_dimension_count": c.rotary_dim, "layer_norm_rms_eps": float(c.rms_norm_eps),
+        "expert_count": c.num_experts, "expert_used_count": c.num_experts_per_tok,
+        "expert_feed_forward_length": c.moe_intermediate_size,
+        "expert_shared_feed_forward_length": c.shared_expert_intermediate_size,
+        "ssm_conv_kernel": c.linear_conv_kernel_dim, "ssm_state_size": c.linear_key_head_dim,
+        "ssm_group_count": c.linear_num_key_heads, "ssm_time_step_rank": c.linear_num_value_heads,
+        "ssm_inner_size": c.linear_value_head_dim * c.linear_num_value_heads,
+    }
+    for name, value in hparams.items():
+        getattr(writer, f"add_{name}")(value)
     # gguf 0.19 on PyPI has no add_recurrent_layers; llama.cpp reads this bool array per layer
     writer.add_array(f"{ARCH}.attention.recurrent_layers", [kind == "linear_attention" for kind in c.layer_types])
     # the block-diffusion side: ignored by stock llama.cpp, read by Clover's runner

@@ -86,7 +86,7 @@ class LlamaCppRunner:
     """Presents `CloverForBlockDiffusion`'s forward / new_cache to the engine, computed by llama.cpp."""
 
     def __init__(self, gguf_path: str | Path, config, max_rows: int = 8, threads: int = 1, n_ctx: int | None = None,
-                 parity: bool = False, build: str | Path | None = None):
+                 parity: bool = False, variant: str = "clover", build: str | Path | None = None):
         self.config = config
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -95,7 +95,7 @@ class LlamaCppRunner:
         extra = dict(kv_type="f32", flash_attn=False) if parity else {}
         # each row may hold a committed sequence, a backup (self_spec) and a scratch (draft) at once
         self.cpp = LlamaCppModel(gguf_path, rows=3 * max_rows, n_ctx=n_ctx, threads=threads, kv_unified=True,
-                                 variant="clover", build=build, **extra)
+                                 variant=variant, build=build, **extra)
         self.free = list(range(3 * max_rows))
 
     def close(self) -> None:
