@@ -40,6 +40,18 @@ class LlamaCppCache:
         self.seqs = [runner.take_seq() for _ in range(rows)]
         self.recording: dict | None = None
 
+    def release(self) -> None:
+        """Hand every sequence (and backup) back to the runner; the engine drops a finished cache."""
+        for s in self.seqs + list((self.recording or {}).get("backup", {}).values()):
+            self.runner.give_seq(s)
+        self.seqs, self.recording = [], None
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown
+            pass
+
     @property
     def lens(self) -> torch.Tensor:
         return torch.tensor([self.runner.cpp.lens[s] for s in self.seqs])
