@@ -124,6 +124,8 @@ class LlamaCppRunner:
         return seq
 
     def give_seq(self, seq: int) -> None:
+        if self.cpp.ctx is None:  # closed: a cache outliving its runner has nothing left to free
+            return
         self.cpp.drop(seq)
         self.free.append(seq)
 
