@@ -93,3 +93,22 @@ def test_greedy_generation_equals_torch_engine(pair, name, mode):
     same = sum(a == b for a, b in zip(ref, got))
     assert same == 20, f"{mode}: {same}/20 prompts identical"
     assert np.mean([len(t) for t in got]) > 1
+
+
+def test_cli_generate_backend_llamacpp_equals_torch():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "clover", "generate", "--prompt", SAMPLE_PROMPTS[1], "--prompt", SAMPLE_PROMPTS[5],
+            "--max-new-tokens", "24", "--block-size", "8", "--json", "--device", "cpu"]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    outs = []
+    for extra in ([], ["--backend", "llamacpp"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append([g["text"] for g in json.loads(r.stdout)])
+    assert outs[0] == outs[1]
+    r = subprocess.run(base + ["--gguf", "x.gguf"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "--gguf needs --backend llamacpp" in r.stderr
