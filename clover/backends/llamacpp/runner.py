@@ -127,7 +127,7 @@ class LlamaCppRunner:
         if self.cpp.ctx is None:  # closed: a cache outliving its runner has nothing left to free
             return
         self.cpp.drop(seq)
-        self.free.append(seq)
+        self.free.insert(0, seq)  # LIFO: a draft's scratch keeps its id, so llama.cpp can reuse the graph
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> LlamaCppCache:
         return LlamaCppCache(self, batch_size)
