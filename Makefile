@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned first: pip then takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install demo test e2e bench clean model
+.PHONY: install demo test e2e bench clean model llamacpp
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,3 +45,11 @@ clean:
 model: install
 	$(BIN)/pip install -q -e ".[train]"
 	$(BIN)/python recipes/default/make_model.py $(if $(RESUME),--resume,)
+
+# llama.cpp back end (docs/llamacpp.md): fetch the pinned llama-cpp-python sdist from PyPI, build its
+# vendored llama.cpp (libllama + llama-simple) and a copy patched for block diffusion into build/llamacpp
+# (~20 min on 2 cores), run their tests.
+llamacpp: install
+	$(BIN)/pip install -q -e ".[llamacpp]"
+	PIP=$(abspath $(BIN))/pip clover/backends/llamacpp/build.sh build/llamacpp
+	CLOVER_LLAMACPP=build/llamacpp $(BIN)/python -m pytest -q -x tests/test_gguf_export.py tests/test_llamacpp.py tests/test_llamacpp_diffusion.py

@@ -61,6 +61,10 @@ def register(sub) -> None:
     p.add_argument("--json-schema", metavar="FILE",
                    help="write JSON that follows this schema (keys laid out, values infilled; see docs/structured.md)")
     add_parallel_flags(p)
+    p.add_argument("--backend", choices=["torch", "llamacpp"], default="torch",
+                   help="llamacpp: run the model in the patched llama.cpp build (make llamacpp; docs/llamacpp.md)")
+    p.add_argument("--gguf", metavar="FILE", help="--backend llamacpp: the model's exported GGUF (default: export "
+                   "the model folder to a temporary f32 file)")
     p.set_defaults(func=run)
 
 
@@ -150,11 +154,31 @@ def run_schema(args) -> int:
     return 0
 
 
+def load_model(args, rows: int):
+    """(model, tokenizer): PyTorch (sharded under torchrun with --tp / --ep), or the llama.cpp
+    runner behind the same interface."""
+    if getattr(args, "backend", "torch") != "llamacpp":
+        from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
+
+        return load_sharded(args)  # clover.load in one process
+    from ..backends.llamacpp import LlamaCppError
+    from ..backends.llamacpp.runner import load_runner
+
+    try:
+        return load_runner(args.model, args.gguf, max_rows=rows)
+    except LlamaCppError as e:
+        raise UserError(str(e)) from None
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
     if args.json_schema:
+        if args.backend != "torch":
+            raise UserError("--json-schema runs on the PyTorch back end only")
         return run_schema(args)
+    if args.gguf and args.backend != "llamacpp":
+        raise UserError("--gguf needs --backend llamacpp")
 
     from ..api import generate, model_folder
 
@@ -166,9 +190,7 @@ def run(args) -> int:
     kwargs = decoding_kwargs(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
-    from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
-
-    model, tokenizer = load_sharded(args)  # clover.load in one process
+    model, tokenizer = load_model(args, len(prompts))
     with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", leave=False,
               disable=True if args.show else None, file=sys.stderr) as bar:  # None: on terminals only
         progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))

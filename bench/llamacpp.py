@@ -1,0 +1,206 @@
+"""Step times of stock llama.cpp (an exported GGUF, llama-cpp-python's low-level API) against our
+PyTorch eager step at the same dims, and greedy decoding speed on the sample prompts.
+
+    python bench/llamacpp.py [--repeats 20] [--context 256] [--threads 1 2]
+
+Needs the `make llamacpp` build. Every candidate of one table runs alternately (A B C A B C ...,
+clover.utils.timing), so load from other processes hits all alike; each cell is the median, with
+the floor (fastest run) beside it. Block steps are all-logits decodes of B tokens after a cached
+prefix: for llama.cpp on a scratch sequence copied from the committed one (untimed), for Clover the
+draft-window forward (not committed). llama.cpp runs with its defaults (f16 K/V, flash attention auto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from clover.api import DEFAULT_MODEL, load
+from clover.backends.gguf_export import export_gguf
+from clover.backends.llamacpp import LlamaCppModel, find_build, greedy_ar
+from clover.backends.llamacpp.runner import LlamaCppRunner
+from clover.models import CloverForBlockDiffusion, preset_config
+from clover.utils.timing import time_alternately
+
+BLOCKS = (8, 16, 32)
+
+
+def timed(fn, samples: list):
+    def run():
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return run
+
+
+def models(tmp: Path):
+    """(label, model folder): the shipped default model and a random clover-small (8 layers, 16 experts)."""
+    yield "default (hidden 256, 4 layers, 8 experts)", DEFAULT_MODEL
+    small = tmp / "clover-small"
+    torch.manual_seed(0)
+    CloverForBlockDiffusion(preset_config("clover-small")).save_pretrained(small)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DEFAULT_MODEL / f, small / f)
+    yield "clover-small (hidden 256, 8 layers, 16 experts)", small
+
+
+def step_table(label, folder, tmp, args):
+    files = {}
+    for outtype in ("f32", "bf16", "q4_0"):
+        files[outtype] = tmp / f"{folder.name}-{outtype}.gguf"
+        export_gguf(folder, files[outtype], outtype)
+    model, _ = load(folder, "cpu")
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(2, vocab, (1, args.context), generator=g)
+    step_ids = torch.randint(2, vocab, (1, max(BLOCKS)), generator=g)
+    print(f"\n**{label}**, cached prefix of {args.context} tokens; ms per step, median (floor)\n")
+    head = ["threads", "clover torch f32 AR"] + [f"clover torch f32 {b}-tok" for b in BLOCKS]
+    for t in files:
+        head += [f"stock llama.cpp {t} AR"] + [f"stock llama.cpp {t} {b}-tok" for b in BLOCKS]
+    for t in ("f32", "bf16"):
+        head += [f"our llama.cpp runner {t} AR"] + [f"our llama.cpp runner {t} {b}-tok draft" for b in BLOCKS]
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        cache = model.new_cache(1, capacity=args.context + 2 * max(BLOCKS))
+        with torch.inference_mode():
+            model(prefix, cache=cache)
+        snap = cache.snapshot()
+        cands, samples, setups = {}, {}, {}
+
+        def add(name, fn, setup=None):
+            samples[name] = []
+            cands[name] = timed(fn, samples[name])
+            if setup:
+                setups[name] = setup
+
+        one = step_ids[:, :1]
+        add("torch AR", lambda: model(one, cache=cache), lambda: cache.restore(snap))
+        for b in BLOCKS:
+            blk = step_ids[:, :b]
+            add(f"torch {b}", lambda blk=blk, b=b: model(blk, cache=cache, block_size=b, draft_len=b))
+        cpps = {}
+        for t, path in files.items():
+            cpp = cpps[t] = LlamaCppModel(path, rows=2, threads=threads, n_ctx=args.context + 2 * max(BLOCKS))
+            cpp.decode([prefix[0].tolist(), []], logits="last")
+            toks = step_ids[0].tolist()
+            add(f"{t} AR", lambda cpp=cpp: cpp.decode([[], toks[:1]], logits="all"), lambda cpp=cpp: cpp.fork(0, 1))
+            for b in BLOCKS:
+                add(f"{t} {b}", lambda cpp=cpp, b=b: cpp.decode([[], toks[:b]], logits="all"), lambda cpp=cpp: cpp.fork(0, 1))
+        runners = []
+        for t in ("f32", "bf16"):  # our runner (patched llama.cpp, llama.cpp's default settings) on the same files
+            runner = LlamaCppRunner(files[t], model.config, max_rows=2, threads=threads, n_ctx=args.context + 4 * max(BLOCKS))
+            runners.append(runner)
+            base, live = runner.new_cache(1), runner.new_cache(1)
+            runner(prefix, cache=base, logits_to_keep=1)
+            add(f"runner {t} AR", lambda r=runner, c=live: r(one, cache=c, logits_to_keep=1),
+                lambda r=runner, b=base, c=live: r.cpp.fork(b.seqs[0], c.seqs[0]))
+            for b in BLOCKS:
+                blk = step_ids[:, :b]
+                add(f"runner {t} {b}", lambda r=runner, c=base, blk=blk, b=b: r(blk, cache=c, block_size=b, draft_len=b,
+                                                                                 logits_to_keep=b))
+        with torch.inference_mode():
+            time_alternately(cands, repeats=args.repeats, warmup=3, setup=lambda name: setups.get(name, lambda: None)())
+        for cpp in cpps.values():
+            cpp.close()
+        for runner in runners:
+            runner.close()
+        cells = [f"{statistics.median(s[3:]) * 1e3:.2f} ({min(s[3:]) * 1e3:.2f})" for s in samples.values()]
+        rows.append([str(threads)] + cells)
+    # one table per thread count would be wide either way: transpose (candidates as rows)
+    print("| step | " + " | ".join(f"{r[0]} thread{'s' if r[0] != '1' else ''}" for r in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for i, name in enumerate(head[1:]):
+        print(f"| {name} | " + " | ".join(r[i + 1] for r in rows) + " |")
+
+
+def decode_table(tmp, args):
+    """Greedy tokens/s and tokens per forward on the held-out task prompts (one at a time, each to
+    EOS or its task's answer budget): Clover's modes on PyTorch and on our llama.cpp runner, and
+    stock llama.cpp's AR decode of the same bf16 file."""
+    from clover.api import encode, eos_ids
+    from clover.data.tasks import plain_prompt
+    from clover.engine import DecodeConfig, Engine
+    from clover.eval import pareto
+
+    model, tok = load(DEFAULT_MODEL, "cpu")
+    torch.set_num_threads(1)
+    exs = pareto.examples(args.per_task)
+    jobs = [(encode(tok, plain_prompt(ex)), ex["budget"]) for ex in exs]
+    eos = eos_ids(model, tok)
+    bf16 = tmp / "default-bf16.gguf"
+    runner = LlamaCppRunner(bf16, model.config, max_rows=1, threads=1)
+    modes = [("ar", 1), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32), ("self_spec", 8)]
+    print(f"\n**Greedy decoding, shipped default model, {len(jobs)} held-out task prompts ({args.per_task} per task) "
+          "one at a time, to EOS or the task's budget, 1 thread** (median of "
+          f"{args.decode_repeats} interleaved rounds)\n")
+    print("| decoder | mode | B | tokens/s | tokens per forward |")
+    print("|---|---|---:|---:|---:|")
+
+    def clover_run(m, mode, bs):
+        def go():
+            cfg = DecodeConfig(mode=mode, block_size=bs, eos_token_ids=eos)
+            toks = fwd = 0
+            for ids, budget in jobs:
+                cfg.max_new_tokens = budget
+                seq = Engine(m, cfg).generate([ids])[0]
+                toks, fwd = toks + len(seq.token_ids), fwd + seq.forward_passes
+            return toks, fwd
+        return go
+
+    cpp = LlamaCppModel(bf16, threads=1)
+
+    def stock_run():
+        toks = 0
+        for ids, budget in jobs:
+            toks += len(greedy_ar(cpp, ids, budget, eos))
+        return toks, toks
+
+    runs = {("PyTorch f32", "ar", 1): clover_run(model, "ar", 1), ("PyTorch f32", "low_confidence", 16): clover_run(model, "low_confidence", 16)}
+    runs.update({("our llama.cpp runner bf16", m, b): clover_run(runner, m, b) for m, b in modes})
+    runs[("stock llama.cpp bf16", "ar", 1)] = stock_run
+    results = {k: [] for k in runs}
+    for _ in range(args.decode_repeats):
+        for k, fn in runs.items():
+            start = time.perf_counter()
+            with torch.inference_mode():
+                toks, fwd = fn()
+            results[k].append((toks / (time.perf_counter() - start), toks / max(fwd, 1)))
+    for (name, mode, bs), rs in results.items():
+        print(f"| {name} | {mode} | {bs} | {statistics.median(r[0] for r in rs):.1f} | {rs[-1][1]:.2f} |")
+    cpp.close()
+    runner.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--per-task", type=int, default=2, help="task prompts per synthetic task (default 2)")
+    ap.add_argument("--decode-repeats", type=int, default=3, help="interleaved rounds of the decode table")
+    args = ap.parse_args()
+    if find_build() is None or find_build(variant="clover") is None:
+        print("bench/llamacpp.py: no llama.cpp build (make llamacpp)", file=sys.stderr)
+        return 2
+    print(f"`python bench/llamacpp.py --repeats {args.repeats} --context {args.context} --threads "
+          f"{' '.join(map(str, args.threads))} --per-task {args.per_task} --decode-repeats {args.decode_repeats}` "
+          f"(llama.cpp from llama-cpp-python 0.3.36's sdist, torch {torch.__version__})")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for label, folder in models(tmp):
+            step_table(label, Path(folder), tmp, args)
+        decode_table(tmp, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

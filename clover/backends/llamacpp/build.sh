@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build stock llama.cpp for Clover's llama.cpp back end (`make llamacpp`, docs/llamacpp.md): fetch the
+# pinned llama-cpp-python sdist from PyPI (its vendored llama.cpp has the qwen3next architecture),
+# check its hash, unpack it and build only libllama (shared) and llama-simple, cmake Release; then the
+# same source with patches/clover-block-diffusion.patch applied (block diffusion for the engine's
+# llama.cpp runner), libllama only, into clover/.
+# Usage: build.sh [BUILD_DIR] (default build/llamacpp); PIP (default pip), JOBS (default 2).
+set -euo pipefail
+PATCH=$(cd "$(dirname "$0")" && pwd)/patches/clover-block-diffusion.patch
+VERSION=0.3.36
+SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+OUT=${1:-build/llamacpp}
+PIP=${PIP:-pip}
+JOBS=${JOBS:-2}
+SDIST=llama_cpp_python-$VERSION
+mkdir -p "$OUT"
+cd "$OUT"
+if [ ! -f "$SDIST.tar.gz" ]; then
+  $PIP download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d .
+fi
+echo "$SHA256  $SDIST.tar.gz" | sha256sum -c --quiet -
+if [ ! -d "$SDIST/vendor/llama.cpp" ]; then
+  tar xzf "$SDIST.tar.gz"
+fi
+GEN=()
+command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
+configure() {  # source dir, build dir
+  if [ ! -f "$2/CMakeCache.txt" ]; then
+    cmake -S "$1" -B "$2" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+      -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >/dev/null
+  fi
+}
+configure "$SDIST/vendor/llama.cpp" stock
+cmake --build stock -j "$JOBS" --target llama llama-simple
+echo "stock llama.cpp built in $OUT/stock/bin"
+# the patched copy: re-made whenever the patch changes
+if [ ! -f clover-src/.patch.sha256 ] || ! sha256sum -c --quiet clover-src/.patch.sha256 2>/dev/null; then
+  rm -rf clover-src
+  cp -rp "$SDIST/vendor/llama.cpp" clover-src  # -p: unpatched files keep their times, no rebuild
+  (cd clover-src && patch -p1 --quiet < "$PATCH")
+  (cd clover-src && sha256sum "$PATCH" > .patch.sha256)
+fi
+configure clover-src clover
+cmake --build clover -j "$JOBS" --target llama
+echo "patched llama.cpp (Clover block diffusion) built in $OUT/clover/bin"
