@@ -21,6 +21,7 @@ def add_model_args(p) -> None:
 
 def add_decoding_args(p) -> None:
     from ..engine import MODES
+    from ..engine.runner import RUNNERS
 
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     p.add_argument("--block-size", type=int, default=32, metavar="B")
@@ -33,6 +34,8 @@ def add_decoding_args(p) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, metavar="S")
     p.add_argument("--think", action="store_true", help="thinking mode (chat template); reasoning shown apart")
+    p.add_argument("--runner", default="eager", choices=RUNNERS,
+                   help="eager (default) or compiled: torch.compile'd decode steps (compiles once per shape)")
 
 
 def decoding_kwargs(args) -> dict:
@@ -41,10 +44,10 @@ def decoding_kwargs(args) -> dict:
 
     kw = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
               mode=args.mode, steps=args.steps, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed)
+              seed=args.seed, runner=args.runner)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     DecodeConfig(mode=args.mode, block_size=args.block_size, threshold=args.threshold, steps=args.steps,
-                 max_new_tokens=args.max_new_tokens, sampling=sampling).validate()
+                 max_new_tokens=args.max_new_tokens, sampling=sampling, runner=args.runner).validate()
     return kw
 
 
