@@ -352,8 +352,9 @@ class CloverGatedDeltaNet(nn.Module):
                 if cache.recording:
                     cache.recorded[self.layer_idx] = (cache.conv[self.layer_idx].clone(), cache.state[self.layer_idx].clone(),
                                                       stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
-                cache.state[self.layer_idx] = state
-                cache.conv[self.layer_idx] = cast(ext[..., n : n + self.kernel - 1], cache.dtype)
+                # written in place: the cache tensors keep their storage and strides (static shapes)
+                cache.state[self.layer_idx].copy_(state)
+                cache.conv[self.layer_idx].copy_(ext[..., n : n + self.kernel - 1])
         if n < length:
             out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state,
                                       output_final_state=False)
