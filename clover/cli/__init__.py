@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-COMMANDS = ["info", "generate", "chat", "serve", "convert", "quantize", "train", "train_tokenizer", "bench", "decide", "eval"]
+COMMANDS = ["info", "generate", "chat", "serve", "convert", "quantize", "train", "train_tokenizer", "bench", "decide", "eval", "tune"]
 
 
 class UserError(Exception):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .policies import SCORES, make_policy
+from .runner import RUNNERS, make_runner
 from .sampling import SamplingParams, make_generator, sample
 from .sequence import Sequence
 
@@ -41,6 +42,7 @@ class DecodeConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: tuple[int, ...] = ()
     prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
+    runner: str = "eager"  # how the model is called: "eager" or "compiled" (engine/runner.py)
 
     def validate(self) -> None:
         """Checks that need no model (so a CLI can fail before loading one)."""
@@ -51,6 +53,8 @@ class DecodeConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self.sampling.validate()
+        if self.runner not in RUNNERS:
+            raise ValueError(f"unknown runner {self.runner!r} (known: {', '.join(RUNNERS)})")
         if self.mode == "self_spec" and not self.sampling.greedy:
             raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
         if self.mode in SCORES:
@@ -64,6 +68,7 @@ class Engine:
         if cfg.block_size > mc.max_block_size:
             raise ValueError(f"block_size must be in [1, {mc.max_block_size}], got {cfg.block_size}")
         self.model, self.cfg = model, cfg
+        self.runner = make_runner(cfg.runner, model)
         self.policy = make_policy(cfg.mode, cfg.block_size, cfg.threshold, cfg.steps) if cfg.mode in SCORES else None
         self.width = 1 if cfg.mode == "ar" else cfg.block_size  # columns of the per-row window
         self.clean_bs = cfg.block_size if self.policy else 1  # AR and self-spec commit causally
@@ -99,7 +104,7 @@ class Engine:
         seqs = [Sequence(self.added + i, list(p), n) for i, (p, n) in enumerate(zip(prompts, budgets))]
         self.added += len(seqs)
         longest = max(len(p) + n for p, n in zip(prompts, budgets))
-        cache = self.model.new_cache(len(seqs), capacity=longest + self.width)
+        cache = self.runner.new_cache(len(seqs), capacity=longest + self.width)
         pending = self._prefill(seqs, cache)
         window = torch.full((len(seqs), self.width), self.mask_id, dtype=torch.long, device=self.device)
         window[:, 0] = torch.tensor([p[-1] for p in prompts], device=self.device)
@@ -135,8 +140,8 @@ class Engine:
         chunk = max(self.clean_bs, self.cfg.prefill_chunk // self.clean_bs * self.clean_bs)
         cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]
         for a, b in zip(cuts[:-2], cuts[1:-1]):
-            self.model(ids[:, a:b], cache=cache, clean_block_size=self.clean_bs,
-                       pad_mask=pad[:, a:b] if pad[:, a:b].any() else None, logits_to_keep=1)
+            self.runner.forward(ids[:, a:b], cache, clean_block_size=self.clean_bs,
+                                pad=pad[:, a:b] if pad[:, a:b].any() else None, keep=1)
         a = cuts[-2]
         return ids[:, a:], pad[:, a:] if pad[:, a:].any() else None
 
@@ -195,9 +200,9 @@ class Engine:
             self.pending = None
         for s in self.seqs:
             s.forward_passes += 1
-        return self.model(ids, cache=self.cache, block_size=self.cfg.block_size if draft_len else None,
-                          draft_len=draft_len, clean_block_size=self.clean_bs, pad_mask=pad,
-                          logits_to_keep=keep, logits_index=index).logits
+        return self.runner.forward(ids, self.cache, block_size=self.cfg.block_size if draft_len else None,
+                                   draft_len=draft_len, clean_block_size=self.clean_bs, pad=pad, keep=keep,
+                                   index=index)
 
     def _sample(self, logits):
         return sample(logits, self.cfg.sampling, self.mask_id, self.generator)
