@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .engine import DecodeConfig, Engine, SamplingParams, Sequence
+from .errors import UserError
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default"
 
@@ -33,7 +34,6 @@ def load(path: str | Path | None = None, device: str | None = None, dtype: torch
     """(model, tokenizer) from a model folder; None = the shipped default model. bf16 on CUDA."""
     from transformers import AutoTokenizer
 
-    from .cli import UserError
     from .models import CloverForBlockDiffusion
 
     folder = Path(path) if path else DEFAULT_MODEL

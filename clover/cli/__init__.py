@@ -15,9 +15,7 @@ import sys
 
 COMMANDS = ["info", "generate", "chat", "serve", "convert", "quantize", "train", "train_tokenizer", "bench", "decide", "eval", "tune"]
 
-
-class UserError(Exception):
-    """A mistake in what the user asked for: reported as one line, exit code 2."""
+from ..errors import UserError  # noqa: F401 - its home is clover/errors.py; `clover.cli.UserError` stays
 
 
 def print_json(obj) -> None:

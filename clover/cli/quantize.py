@@ -26,7 +26,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..quant.quantize import QuantizationError, quantize_checkpoint
+    from ..convert.quantize import QuantizationError, quantize_checkpoint
     from .convert import parse_size
 
     quiet = {"notice": lambda msg: None} if args.json else {}
