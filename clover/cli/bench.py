@@ -137,12 +137,11 @@ def run_decode(args) -> int:
     ar_lengths = []  # tokens per prompt of our ar mode (transformers' twin makes as many)
 
     def engine_run(name, cfg):
-        cfg.block_size, cfg.eos_token_ids = args.block_size, eos
+        cfg = cfg.with_(block_size=args.block_size, eos_token_ids=eos)
         def go():
             lengths, forwards = [], 0
             for prompt, n in jobs:
-                cfg.max_new_tokens = n
-                seq = Engine(model, cfg).generate([prompt])[0]
+                seq = Engine(model, cfg.with_(max_new_tokens=n)).generate([prompt])[0]
                 lengths.append(len(seq.token_ids))
                 forwards += seq.forward_passes
             last[name] = (sum(lengths), forwards)

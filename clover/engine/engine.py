@@ -17,7 +17,7 @@ requests may join between steps (`add`), so a server can batch continuously.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,8 +31,12 @@ from .sequence import Sequence
 MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeConfig:
+    """How to decode: every decoding default lives here once (`DEFAULTS`); the API, the server's
+    Settings and EngineKey, the lm-eval model and the benchmarks take theirs from it. Frozen: derive
+    a variant with `dataclasses.replace` / `with_`."""
+
     mode: str = "low_confidence"
     block_size: int = 32
     threshold: float = 0.95
@@ -42,6 +46,9 @@ class DecodeConfig:
     eos_token_ids: tuple[int, ...] = ()
     prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
     runner: str = "eager"  # how the model is called: "eager" or "compiled" (engine/runner.py)
+
+    def with_(self, **changes) -> "DecodeConfig":
+        return replace(self, **changes)
 
     def validate(self) -> None:
         """Checks that need no model (so a CLI can fail before loading one)."""
@@ -58,6 +65,9 @@ class DecodeConfig:
             raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
         if self.mode in SCORES:
             make_policy(self.mode, self.block_size, self.threshold, self.steps)
+
+
+DEFAULTS = DecodeConfig()
 
 
 class Engine:

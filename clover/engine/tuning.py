@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD = 32, 0.95
+from .engine import DEFAULTS
+
+DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD = DEFAULTS.block_size, DEFAULTS.threshold
 
 
 def cache_file() -> Path:

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine import DEFAULTS
 from .choice import Choice
 from .metrics import Metrics
 from .protocol import APIError, error_body
@@ -35,9 +36,9 @@ class Settings:
     api_key: str | None = None
     max_batch: int = 32
     max_queue: int = 256
-    block_size: int = 32
-    threshold: float = 0.95
-    mode: str = "low_confidence"
+    block_size: int = DEFAULTS.block_size
+    threshold: float = DEFAULTS.threshold
+    mode: str = DEFAULTS.mode
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
 

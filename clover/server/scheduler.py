@@ -33,19 +33,19 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from ..engine import DecodeConfig, Engine, SamplingParams, Sequence
+from ..engine import DEFAULTS, DecodeConfig, Engine, SamplingParams, Sequence
 from .metrics import Metrics
 
 
 @dataclass(frozen=True)
 class EngineKey:
-    mode: str = "low_confidence"
-    block_size: int = 32
-    threshold: float = 0.95
-    steps: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    mode: str = DEFAULTS.mode
+    block_size: int = DEFAULTS.block_size
+    threshold: float = DEFAULTS.threshold
+    steps: int | None = DEFAULTS.steps
+    temperature: float = DEFAULTS.sampling.temperature
+    top_p: float = DEFAULTS.sampling.top_p
+    top_k: int = DEFAULTS.sampling.top_k
     seed: int | None = None
     ignore_eos: bool = False
     suppress: tuple[int, ...] = ()  # token ids never generated (the tool-call frame, without tools)
