@@ -3,7 +3,7 @@
 Each benchmark is a pair in BENCHMARKS: `register(parser)` adding its flags and `run(args)`.
 Add one (e.g. `pareto`) by writing those two functions and one line in BENCHMARKS; `--json FILE`
 writes the results there, a bare `--json` prints them as one object on stdout (`write_json`). Timings follow
-design-notes section 5: warm up, run candidates alternately in one process, report medians.
+clover/utils/timing.py: warm up, run candidates alternately in one process, report medians.
 """
 
 from __future__ import annotations
