@@ -42,15 +42,17 @@ def _gen(g) -> dict:
     return {"ids": g.token_ids, "forwards": g.forward_passes, "finish": g.finish_reason}
 
 
-def generate_cases(model, tok, block_size: int, threshold: float, max_new: int) -> dict:
+def generate_cases(model, tok, block_size: int, threshold: float, max_new: int, singles: bool = True) -> dict:
+    """Every mode on the prompt batch (and, with `singles`, on the first prompt alone)."""
     import clover
 
     out = {}
     for mode, extra in MODES:
         name = mode + ("+" + ",".join(f"{k}={v}" for k, v in extra.items()) if extra else "")
         kw = dict(max_new_tokens=max_new, block_size=block_size, threshold=threshold, mode=mode, **extra)
-        out[name] = {"single": _gen(clover.generate(model, tok, PROMPTS[0], **kw)),
-                     "batch": [_gen(g) for g in clover.generate(model, tok, PROMPTS, **kw)]}
+        out[name] = {"batch": [_gen(g) for g in clover.generate(model, tok, PROMPTS, **kw)]}
+        if singles:
+            out[name]["single"] = _gen(clover.generate(model, tok, PROMPTS[0], **kw))
     budgets = {"ids": [], "forwards": []}
     from clover.api import decode_config
     from clover.engine import Engine
@@ -146,7 +148,7 @@ def record() -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, tok = clover.load(device="cpu")
-    out = {"default": {"generate": generate_cases(model, tok, 32, 0.95, 40)}}
+    out = {"default": {"generate": generate_cases(model, tok, 32, 0.95, 24, singles=False)}}
     with tempfile.TemporaryDirectory() as folder:
         tiny, ttok = clover.load(save_tiny_model(folder), device="cpu")
         out["tiny"] = {"generate": generate_cases(tiny, ttok, 4, 0.5, 20), "decide": decide_cases(tiny, ttok),
