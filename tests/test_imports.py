@@ -3,6 +3,7 @@ no circle between modules, no circle between the packages named below, and no im
 layer into a lower one (cli -> server / eval -> engine -> models -> ops)."""
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import clover
@@ -48,6 +49,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
+@cache
 def graph() -> dict[str, set[str]]:
     mods = modules()
     return {name: imports(name, path, set(mods)) for name, path in mods.items()}
