@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from clover.engine import DecodeConfig, Engine  # noqa: E402
 from clover.models import CloverForBlockDiffusion, preset_config  # noqa: E402
 from clover.quant.modules import Int4Weight  # noqa: E402
-from clover.quant.quantize import quantize_checkpoint  # noqa: E402
+from clover.convert.quantize import quantize_checkpoint  # noqa: E402
 from clover.training.objectives import block_diffusion_loss  # noqa: E402
 
 SCRATCH = Path("/tmp/quant_bench")
@@ -124,7 +124,7 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         from clover.data import tasks
-        from clover.quant.quantize import _records, calibration_tokens
+        from clover.convert.quantize import _records, calibration_tokens
 
         if not (args.model / "config.json").is_file():
             print(f"bench/quant.py: no model at {args.model} (pass --model DIR or --random clover-small)", file=sys.stderr)

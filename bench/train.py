@@ -3,7 +3,7 @@
     python bench/train.py [--preset clover-small] [--batch 8] [--seq 256] [--repeats 3] [--threads 1]
 
 One training step = forward + loss + backward + AdamW step, fp32, random weights of identical shapes
-and random tokens. Candidates run alternately in one process (medians; design-notes section 5):
+and random tokens. Candidates run alternately in one process (medians; clover/utils/timing.py):
 * clover AR step (the `ar` objective, the same maths as transformers);
 * transformers Qwen3NextForCausalLM AR step;
 * clover block-diffusion step at block 32 (the [x_t ; x_0] layout: twice the columns, no twin).

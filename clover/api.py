@@ -84,7 +84,7 @@ def check_checkpoint(folder: str | Path):
 def model_folder(path: str | Path | None = None) -> Path:
     """The folder `load` reads (None = the shipped default model), checked without torch: config.json
     a Clover config, tokenizer files present, every safetensors file whole; else a one-line error."""
-    from .cli import UserError
+    from .errors import UserError
     from .utils.checkpoint import check_folder
 
     folder = Path(path) if path else DEFAULT_MODEL
@@ -146,12 +146,13 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 
 
 def decode_config(model, tokenizer, max_new_tokens=128, block_size=32, threshold=0.95, mode="low_confidence",
-                  steps=None, temperature=0.0, top_p=1.0, top_k=0, seed=None) -> DecodeConfig:
+                  steps=None, temperature=0.0, top_p=1.0, top_k=0, seed=None, runner="eager") -> DecodeConfig:
     from .engine import DecodeConfig, SamplingParams
 
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     return DecodeConfig(mode=mode, block_size=block_size, threshold=threshold, steps=steps,
-                        max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(model, tokenizer))
+                        max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(model, tokenizer),
+                        runner=runner)
 
 
 def result(seq, tokenizer, think: bool = False, trajectory: bool = False) -> Generation:
@@ -167,13 +168,15 @@ def result(seq, tokenizer, think: bool = False, trajectory: bool = False) -> Gen
 def generate(model, tokenizer, prompts, max_new_tokens: int = 128, block_size: int = 32, threshold: float = 0.95,
              mode: str = "low_confidence", steps: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, chat: bool = False, think: bool = False,
-             trajectory: bool = False, on_step=None):
+             trajectory: bool = False, on_step=None, runner: str = "eager"):
     """Generate for one prompt (a string or a list of chat messages) -> Generation, or for a list of
-    prompts (one batch, each row finishing on its own) -> list[Generation]. See DecodeConfig for modes;
+    prompts (one batch, each row finishing on its own) -> list[Generation]. See DecodeConfig for modes
+    and runners (runner="compiled": torch.compile'd steps, engine/runner.py);
     think=True uses the chat template in thinking mode and returns the reasoning apart."""
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     batch = [prompts] if single else list(prompts)
-    cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode, steps, temperature, top_p, top_k, seed)
+    cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode, steps, temperature, top_p, top_k, seed,
+                        runner)
     cfg.validate()
     ids = [encode(tokenizer, p, chat or think, think) for p in batch]
     from .engine import Engine

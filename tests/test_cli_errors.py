@@ -215,6 +215,13 @@ def test_mode_help_names_every_engine_mode():
     assert sorted(m.strip() for m in MODE_HELP.replace(" (default)", "").replace(" or ", ", ").split(",")) == sorted(MODES)
 
 
+def test_runner_choices_are_the_engine_runners():
+    from clover.cli.generate import RUNNER_CHOICES
+    from clover.engine.runner import RUNNERS
+
+    assert tuple(RUNNER_CHOICES) == tuple(RUNNERS)
+
+
 # ---- threads, wait policy, progress bar --------------------------------------------------------------
 @pytest.mark.parametrize("command", ["generate", "chat", "decide", "quantize", "convert", "info", "eval"])
 def test_every_model_command_takes_threads(command, capsys):

@@ -16,10 +16,11 @@ from clover.models import CloverForBlockDiffusion, preset_config
 from clover.models.stats import int4_memory_plan
 from clover.ops.moe import grouped_experts
 from clover.quant import Int4Experts, Int4Linear, dequantize, pack_int4, quantize_rtn, set_int4_kernel, unpack_int4
+from clover.convert.quantize import quantize_checkpoint
+from clover.models.modeling_clover import CloverExperts
 from clover.quant.gptq import Hessian, gptq_quantize, output_error
 from clover.quant.int4 import cpu_kernel_available
-from clover.quant.modules import Int4Weight
-from clover.quant.quantize import quantize_checkpoint
+from clover.quant.modules import DEFAULT_NOT_QUANTIZED, Int4Weight, quantized_targets
 
 G = 32  # clover-tiny's smallest input dimension is 32
 
@@ -231,3 +232,13 @@ def test_info_cli_quant_json(capsys):
     assert cli(["info", "--preset", "clover-35b-a3b", "--quant", "int4", "--context", "4096", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["quant_plan"]["context"] == 4096 and out["quant_plan"]["answer"].startswith("not entirely")
+
+
+def test_quantized_targets_find_every_experts_module_without_importing_the_model_class():
+    """quant/modules.py tells routed experts by their fused shape (it must not import the model file):
+    it finds exactly the CloverExperts modules, and every nn.Linear not excluded."""
+    model = CloverForBlockDiffusion(preset_config("clover-tiny", eos_token_id=1))
+    found = dict(quantized_targets(model, DEFAULT_NOT_QUANTIZED))
+    experts = {n for n, m in model.named_modules() if isinstance(m, CloverExperts)}
+    assert experts and {n for n, m in found.items() if not isinstance(m, torch.nn.Linear)} == experts
+    assert all(isinstance(m, (torch.nn.Linear, CloverExperts)) for m in found.values())

@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..engine import DEFAULTS
 from . import toolbox
 from .tool_format import function_spec, normalize_messages, parse_tool_calls
 
@@ -317,7 +318,8 @@ def prompt_renderer(tokenizer) -> Callable[[list[dict], list[dict]], str]:
     return render
 
 
-def model_generator(model, tokenizer, mode: str = "low_confidence", threshold: float = 0.95, block_size: int = 32,
+def model_generator(model, tokenizer, mode: str = DEFAULTS.mode, threshold: float = DEFAULTS.threshold,
+                    block_size: int = DEFAULTS.block_size,
                     max_new_tokens: int = MAX_NEW_TOKENS) -> Callable[[list[str]], list[Turn]]:
     """prompts -> greedy assistant turns from the decoding engine (one batch, up to EOS)."""
     import torch
@@ -336,8 +338,8 @@ def model_generator(model, tokenizer, mode: str = "low_confidence", threshold: f
     return generate
 
 
-def run_benchmark(model, tokenizer, n: int = 70, seed: int = BENCH_SEED, mode: str = "low_confidence",
-                  threshold: float = 0.95, block_size: int = 32, max_new_tokens: int = MAX_NEW_TOKENS,
+def run_benchmark(model, tokenizer, n: int = 70, seed: int = BENCH_SEED, mode: str = DEFAULTS.mode,
+                  threshold: float = DEFAULTS.threshold, block_size: int = DEFAULTS.block_size, max_new_tokens: int = MAX_NEW_TOKENS,
                   batch: int = 1, max_rounds: int = MAX_ROUNDS, progress=None) -> dict:
     """The whole benchmark for one decoding setting: settings, METRICS overall and per kind, and the
     per-case records (transcripts included)."""

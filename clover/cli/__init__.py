@@ -15,11 +15,9 @@ import json
 import os
 import sys
 
-COMMANDS = ["info", "generate", "chat", "serve", "convert", "quantize", "train", "train_tokenizer", "bench", "decide", "eval", "export_gguf"]
+COMMANDS = ["info", "generate", "chat", "serve", "convert", "quantize", "train", "train_tokenizer", "bench", "decide", "eval", "export_gguf", "tune"]
 
-
-class UserError(Exception):
-    """A mistake in what the user asked for: reported as one line, exit code 2."""
+from ..errors import UserError  # noqa: F401 - its home is clover/errors.py; `clover.cli.UserError` stays
 
 
 def print_json(obj) -> None:

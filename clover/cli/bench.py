@@ -3,7 +3,7 @@
 Each benchmark is a pair in BENCHMARKS: `register(parser)` adding its flags and `run(args)`.
 Add one (e.g. `pareto`) by writing those two functions and one line in BENCHMARKS; `--json FILE`
 writes the results there, a bare `--json` prints them as one object on stdout (`write_json`). Timings follow
-design-notes section 5: warm up, run candidates alternately in one process, report medians.
+clover/utils/timing.py: warm up, run candidates alternately in one process, report medians.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import sys
 
 from . import UserError
+from .generate import block_size_arg, resolve_auto_block_size
 
 
 def register(sub) -> None:
@@ -76,7 +77,8 @@ def add_decode_flags(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=64, help="story: prompt length")
     p.add_argument("--max-new-tokens", type=int, default=128, help="story: tokens per run")
     p.add_argument("--per-task", type=int, default=2, metavar="N", help="tasks: prompts per synthetic task (default 2)")
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=block_size_arg, default=32,
+                   help="block size, or auto: the one `clover tune` stored for this model and machine")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
 
@@ -121,6 +123,7 @@ def run_decode(args) -> int:
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    resolve_auto_block_size(args)
     model, jobs, eos, described, random_weights = decode_workload(args)
     configs = {
         "low_confidence t=0.90": DecodeConfig(threshold=0.90),
@@ -128,16 +131,17 @@ def run_decode(args) -> int:
         "self_spec": DecodeConfig(mode="self_spec"),
         "ar": DecodeConfig(mode="ar"),
     }
+    if getattr(args, "threshold", None) not in (None, 0.90, 0.95):  # --block-size auto tuned another threshold
+        configs = {f"low_confidence t={args.threshold:.2f} (tuned)": DecodeConfig(threshold=args.threshold), **configs}
     last = {}  # name -> (tokens, forwards) of the latest run, summed over the workload's prompts
     ar_lengths = []  # tokens per prompt of our ar mode (transformers' twin makes as many)
 
     def engine_run(name, cfg):
-        cfg.block_size, cfg.eos_token_ids = args.block_size, eos
+        cfg = cfg.with_(block_size=args.block_size, eos_token_ids=eos)
         def go():
             lengths, forwards = [], 0
             for prompt, n in jobs:
-                cfg.max_new_tokens = n
-                seq = Engine(model, cfg).generate([prompt])[0]
+                seq = Engine(model, cfg.with_(max_new_tokens=n)).generate([prompt])[0]
                 lengths.append(len(seq.token_ids))
                 forwards += seq.forward_passes
             last[name] = (sum(lengths), forwards)

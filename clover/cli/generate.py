@@ -4,6 +4,7 @@ the denoising (`--show`), and optionally a picture of the fill order (`--traject
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -17,11 +18,14 @@ STEP_COLOURS = (34, 36, 32, 33, 35, 31, 94, 96, 92, 93, 95, 91)  # ANSI: one per
 
 
 MODE_HELP = "low_confidence (default), topk, entropy, margin, self_spec or ar"  # engine.MODES (a test checks)
+RUNNER_CHOICES = ("eager", "compiled")  # engine.runner.RUNNERS (a test checks)
 
 
 def add_decoding_args(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
-    p.add_argument("--block-size", type=int, default=32, metavar="B")
+    p.add_argument("--block-size", type=block_size_arg, default=32, metavar="B",
+                   help="block size, or auto: the setting `clover tune` stored for this model and machine "
+                        "(block size and threshold; 32 / 0.95 where nothing is tuned)")
     p.add_argument("--threshold", type=float, default=0.95, metavar="T",
                    help="low_confidence: fill every masked position with confidence > T (default 0.95)")
     p.add_argument("--mode", default="low_confidence", metavar="MODE", help=MODE_HELP)
@@ -31,18 +35,41 @@ def add_decoding_args(p) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=seed_type, metavar="S", help="sampling seed, a 64-bit signed integer")
     p.add_argument("--think", action="store_true", help="thinking mode (chat template); reasoning shown apart")
+    p.add_argument("--runner", default="eager", choices=RUNNER_CHOICES,
+                   help="eager (default) or compiled: torch.compile'd decode steps (compiles once per shape)")
+
+
+def block_size_arg(text: str):
+    """argparse type of --block-size: a positive int or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
+def resolve_auto_block_size(args) -> None:
+    """--block-size auto -> the tuned block size (and threshold) for --model on this machine."""
+    if args.block_size == "auto":
+        from ..api import DEFAULT_MODEL
+        from ..engine.tuning import resolve_block_size
+
+        args.block_size, args.threshold = resolve_block_size("auto", args.model or DEFAULT_MODEL, args.device)
 
 
 def decoding_kwargs(args) -> dict:
     """Engine settings from the flags, validated before any model is loaded."""
     from ..engine import DecodeConfig, SamplingParams
 
+    resolve_auto_block_size(args)
+
     kw = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
               mode=args.mode, steps=args.steps, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed)
+              seed=args.seed, runner=args.runner)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     DecodeConfig(mode=args.mode, block_size=args.block_size, threshold=args.threshold, steps=args.steps,
-                 max_new_tokens=args.max_new_tokens, sampling=sampling).validate()
+                 max_new_tokens=args.max_new_tokens, sampling=sampling, runner=args.runner).validate()
     return kw
 
 

@@ -33,7 +33,7 @@ def run(args) -> int:
     check_folder(args.src)  # a bad source: one line naming the file, before torch is imported
 
     from ..api import check_checkpoint
-    from ..quant.quantize import QuantizationError, quantize_checkpoint
+    from ..convert.quantize import QuantizationError, quantize_checkpoint
     from .convert import parse_size
 
     check_checkpoint(args.src)  # and its shapes against its config, before anything is written

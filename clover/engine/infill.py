@@ -285,18 +285,18 @@ class Row:
 
 
 # ---- denoising ------------------------------------------------------------------------------------------
-def _forward(model, cache, pending, clean_bs: int, window: torch.Tensor | None) -> torch.Tensor:
+def _forward(runner, cache, pending, clean_bs: int, window: torch.Tensor | None) -> torch.Tensor:
     """One model call on [pending clean segment ; draft window] (no window: commit the segment only)."""
     clean, clean_pad = pending if pending is not None else (None, None)
     if window is None:
-        return model(clean, cache=cache, clean_block_size=clean_bs, pad_mask=clean_pad, logits_to_keep=1).logits
+        return runner.forward(clean, cache, clean_block_size=clean_bs, pad=clean_pad, keep=1)
     ids, pad, width = window, None, window.shape[1]
     if clean is not None:
         ids = torch.cat([clean, window], dim=1)
         if clean_pad is not None:
             pad = torch.cat([clean_pad, torch.zeros_like(window, dtype=torch.bool)], dim=1)
-    return model(ids, cache=cache, block_size=width, draft_len=width, clean_block_size=clean_bs,
-                 pad_mask=pad, logits_to_keep=width).logits
+    return runner.forward(ids, cache, block_size=width, draft_len=width, clean_block_size=clean_bs, pad=pad,
+                          keep=width)
 
 
 @torch.no_grad()
@@ -331,7 +331,7 @@ def denoise(model, rows: list[Row], threshold: float) -> int:
             window = torch.full((len(rows), width), mask, dtype=torch.long)
             for i, ((tokens, _), a) in enumerate(zip(regions, anchors)):
                 window[i, : len(tokens)] = torch.tensor([a] + tokens[:-1]) if tokens else torch.tensor([a])
-            logits = _forward(model, cache, pending, clean_bs, window.to(device)).float()
+            logits = _forward(engine.runner, cache, pending, clean_bs, window.to(device)).float()
             pending, calls = None, calls + 1
             logits[..., mask] = float("-inf")
             logp = torch.log_softmax(logits, -1).cpu()  # column j predicts region position j
@@ -344,7 +344,7 @@ def denoise(model, rows: list[Row], threshold: float) -> int:
                 for s, p in sure or [max(proposals, key=lambda sp: sp[1][2])]:
                     row.commit(s, p)
         if pending is not None:  # nothing to denoise here and too long to absorb: commit the previous window alone
-            _forward(model, cache, pending, clean_bs, None)
+            _forward(engine.runner, cache, pending, clean_bs, None)
             calls += 1
             for r in rows:
                 r.forwards += 1

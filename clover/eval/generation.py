@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from ..engine import DecodeConfig, Engine, SamplingParams
+from ..engine import DEFAULTS, DecodeConfig, Engine, SamplingParams
 
 
-def generate_until(model, tokenizer, contexts: list[str], budgets: list[int], until: list[str], mode="low_confidence",
-                   block_size=32, threshold=0.95, steps=None, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+def generate_until(model, tokenizer, contexts: list[str], budgets: list[int], until: list[str], mode=DEFAULTS.mode,
+                   block_size=DEFAULTS.block_size, threshold=DEFAULTS.threshold, steps=None, temperature=0.0, top_p=1.0, top_k=0, seed=None,
                    eos_token_ids=()):
     """One batch: each row gets its own token budget, leaves the batch once its text contains a stop
     string, and its text is cut before the first stop string. Returns (texts, engine Sequences)."""

@@ -26,6 +26,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from ..engine import DEFAULTS
+
 LIKELIHOODS = ("ar", "elbo")
 
 
@@ -37,7 +39,8 @@ def _bool(v) -> bool:
 class CloverLM(TemplateLM):
     last = None  # the latest instance (so `clover eval` can report its generation statistics)
 
-    def __init__(self, pretrained=None, block_size: int = 32, threshold: float = 0.95, mode: str = "low_confidence",
+    def __init__(self, pretrained=None, block_size: int = DEFAULTS.block_size, threshold: float = DEFAULTS.threshold,
+                 mode: str = DEFAULTS.mode,
                  max_batch: int = 16, steps: int | None = None, likelihood: str = "ar", likelihood_block_size=None,
                  elbo_samples: int = 16, elbo_seed: int = 1234, elbo_eps: float = 1e-3, max_length=None,
                  device=None, dtype=None, batch_size=None, max_batch_size=None, max_gen_toks: int = 256, **kwargs):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+from ..ops.utils import cast
 
 
 class CloverCache:
@@ -96,9 +97,9 @@ class CloverCache:
 
     def restore(self, snap: dict) -> None:
         self.lens = snap["lens"].clone()
-        for i in self.conv:
-            self.conv[i] = snap["conv"][i].clone()
-            self.state[i] = snap["state"][i].clone()
+        for i in self.conv:  # in place: the cache tensors keep their storage (static shapes)
+            self.conv[i].copy_(snap["conv"][i])
+            self.state[i].copy_(snap["state"][i])
 
     def start_recording(self) -> None:
         self.recording = True
@@ -116,9 +117,9 @@ class CloverCache:
             n = k.shape[1]
             live = (torch.arange(n, device=self.device)[None, :] < keep[:, None]).to(g.dtype)
             _, state = fused_recurrent_gated_delta_rule(q, k, v, g * live[..., None], beta * live[..., None], 1.0, state_before)
-            self.state[i] = state
-            full = torch.cat([conv_before, stream], dim=-1)  # [B, C, K-1+n]
+            self.state[i].copy_(state)  # in place, as the forward writes them
+            full = torch.cat([cast(conv_before, stream.dtype), stream], dim=-1)  # [B, C, K-1+n]
             idx = keep[:, None] + torch.arange(kernel - 1, device=self.device)[None, :]  # last K-1 kept inputs
-            self.conv[i] = full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1))
+            self.conv[i].copy_(full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1)))
         self.recording = False
         self.recorded = {}

@@ -30,7 +30,7 @@ from ..ops.gated_delta_rule import (
     chunk_gated_delta_rule_from_states,
     gated_delta_rule,
 )
-from ..ops.moe import grouped_experts
+from ..ops.moe import grouped_experts, grouped_experts_op
 from ..ops.short_conv import block_short_conv
 from ..ops.utils import cast
 from ..quant import apply_quantization
@@ -83,7 +83,10 @@ def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
-def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad, device) -> Layout:
+def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad, device, static: bool = False) -> Layout:
+    """`static`: the attention layers read the cache's whole capacity (masked past each row's
+    length) instead of the longest row's prefix, so shapes stay fixed while rows grow (compiled
+    runner) and no host sync reads the lengths."""
     num_clean = length - draft_len
     wid = window_ids(num_clean, clean_bs, device)
     if draft_len:
@@ -99,7 +102,7 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
     if pad is not None:  # padded queries look at themselves only, so no row is empty
         eye = torch.eye(length, dtype=torch.bool, device=device)[None] & pad[:, :, None]
         new, same = new | eye, same | eye
-    prefix = cache.max_len() if cache is not None else 0
+    prefix = (cache.capacity if static else cache.max_len()) if cache is not None else 0
     if prefix:
         old = (torch.arange(prefix, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
         new = torch.cat([old, new], dim=-1)
@@ -215,10 +218,21 @@ class CloverAttention(nn.Module):
         n = layout.num_clean
         if n == 0:
             return
-        rows, cols = torch.nonzero(~layout.pad[:, :n] if layout.pad is not None else torch.ones(k.shape[0], n, dtype=torch.bool, device=k.device), as_tuple=True)
-        slots = layout.positions[rows, cols]
-        cache.key[self.layer_idx][rows, :, slots] = k[rows, :, cols].to(cache.dtype)
-        cache.value[self.layer_idx][rows, :, slots] = v[rows, :, cols].to(cache.dtype)
+        index = commit_slots(cache.lens, layout.pad, n)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        cache.key[self.layer_idx].scatter_(2, index, cast(k[:, :, :n], cache.dtype))
+        cache.value[self.layer_idx].scatter_(2, index, cast(v[:, :, :n], cache.dtype))
+
+
+def commit_slots(lens: torch.Tensor, pad: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Cache slot per clean column [B, n], without `nonzero` (no host sync, static shapes): a real
+    column goes to its position; the row's left pads go, in order, to the slots right after its new
+    length, which no query reads (K/V past `lens` are masked) and later commits overwrite. Every
+    slot is < lens + n <= capacity (the forward reserved n) and distinct within a row."""
+    cols = torch.arange(n, device=lens.device)[None, :]
+    if pad is None:
+        return lens[:, None] + cols
+    npad = pad[:, :n].sum(1, keepdim=True)
+    return lens[:, None] + torch.where(pad[:, :n], n - npad + cols, cols - npad)
 
 
 def fresh_decay(heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,8 +352,9 @@ class CloverGatedDeltaNet(nn.Module):
                 if cache.recording:
                     cache.recorded[self.layer_idx] = (cache.conv[self.layer_idx].clone(), cache.state[self.layer_idx].clone(),
                                                       stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
-                cache.state[self.layer_idx] = state
-                cache.conv[self.layer_idx] = cast(ext[..., n : n + self.kernel - 1], cache.dtype)
+                # written in place: the cache tensors keep their storage and strides (static shapes)
+                cache.state[self.layer_idx].copy_(state)
+                cache.conv[self.layer_idx].copy_(ext[..., n : n + self.kernel - 1])
         if n < length:
             out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state,
                                       output_final_state=False)
@@ -424,7 +439,8 @@ class CloverExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def forward(self, x, top_idx, top_w):
-        return grouped_experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
+        dispatch = grouped_experts_op if torch.compiler.is_compiling() else grouped_experts
+        return dispatch(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 
 class CloverMLP(nn.Module):
@@ -543,6 +559,33 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    # ---- the stream forward in three parts (a compiled runner runs the middle one as one graph) ----
+    def prepare_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
+                       static: bool = False) -> Layout:
+        """Validate, make room in the cache and build the layout (host-side work, before the layers)."""
+        batch, length = input_ids.shape
+        block = block_size or 1
+        if draft_len and not 1 <= draft_len <= length:
+            raise ValueError(f"draft_len={draft_len} must be in [1, {length}]")
+        clean_bs = clean_block_size or (block if draft_len else 1)
+        if cache is not None:
+            cache.reserve(length - draft_len)
+        return stream_layout(self.config, batch, length, draft_len, clean_bs, block, cache, pad_mask,
+                             input_ids.device, static)
+
+    def head(self, hidden, logits_to_keep: int = 0, logits_index=None):
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        if logits_index is not None:
+            hidden = hidden[:, logits_index]
+        return self.lm_head(hidden)
+
+    @staticmethod
+    def commit_lens(cache, num_clean: int, pad_mask=None) -> None:
+        """After the layers wrote the clean columns: advance each row's committed length."""
+        if cache is not None:
+            cache.lens = cache.lens + (num_clean - (pad_mask.sum(1) if pad_mask is not None else 0))
+
     def new_cache(self, batch_size: int, capacity: int = 256) -> CloverCache:
         return CloverCache(self.config, batch_size, capacity, device=self.device, dtype=self.dtype)
 
@@ -575,22 +618,10 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             layout = training_layout(self.config, batch, length, block, device)
             hidden = self.model(torch.cat([noisy_input_ids, input_ids], dim=1), layout)[:, :length]
         else:
-            block = block_size or 1
-            if draft_len and not 1 <= draft_len <= length:
-                raise ValueError(f"draft_len={draft_len} must be in [1, {length}]")
-            clean_bs = clean_block_size or (block if draft_len else 1)
-            if cache is not None:
-                cache.reserve(length - draft_len)
-            layout = stream_layout(self.config, batch, length, draft_len, clean_bs, block, cache, pad_mask, device)
+            layout = self.prepare_stream(input_ids, cache, block_size, draft_len, clean_block_size, pad_mask)
             hidden = self.model(input_ids, layout, cache)
-            if cache is not None:
-                committed = (length - draft_len) - (pad_mask.sum(1) if pad_mask is not None else 0)
-                cache.lens = cache.lens + committed
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        if logits_index is not None:
-            hidden = hidden[:, logits_index]
-        logits = self.lm_head(hidden)
+            self.commit_lens(cache, length - draft_len, pad_mask)
+        logits = self.head(hidden, logits_to_keep, logits_index)
         loss = None
         if labels is not None:
             shifted = F.pad(labels[:, 1:], (0, 1), value=-100)  # no [:, :-1] slice of the logits (a copy)

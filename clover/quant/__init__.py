@@ -1,6 +1,7 @@
 """INT4 weight-only quantisation: the stored format and kernels (`int4`), the int4 twins of the
-model's layers (`modules`), GPTQ (`gptq`), streaming checkpoint quantisation (`quantize`) and the
-memory plan (`plan`)."""
+model's layers (`modules`) and GPTQ (`gptq`). Nothing here imports the model (the model file
+imports this package to install the twins); streaming checkpoint quantisation, which loads models,
+is `clover/convert/quantize.py`."""
 
 import logging
 

@@ -190,15 +190,23 @@ def is_excluded(name: str, not_quantized) -> bool:
 def quantized_targets(model: nn.Module, not_quantized=DEFAULT_NOT_QUANTIZED):
     """(qualified name, module) of every layer the int4 format covers: nn.Linear layers not
     excluded, and every routed-experts module."""
-    from ..models.modeling_clover import CloverExperts
-
     out = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and not is_excluded(name, not_quantized):
             out.append((name, module))
-        elif isinstance(module, CloverExperts):
+        elif is_fused_experts(module):
             out.append((name, module))
     return out
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A routed-experts module in the fused layout (models' CloverExperts): 3-D `gate_up_proj`
+    [E, 2I, H] and `down_proj` [E, H, I] parameters. Told by its shape, so that this file (which the
+    model file imports to install the int4 twins) never imports the model file."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
+            and gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
+            and gate_up.shape[2] == down.shape[1])
 
 
 def check_quantization_config(qc: dict) -> dict:

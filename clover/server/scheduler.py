@@ -29,25 +29,57 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 import torch
 
-from ..engine import DecodeConfig, Engine, SamplingParams, Sequence
+from ..engine import DEFAULTS, DecodeConfig, Engine, SamplingParams, Sequence
 from .metrics import Metrics
 
 
 @dataclass(frozen=True)
 class EngineKey:
-    mode: str = "low_confidence"
-    block_size: int = 32
-    threshold: float = 0.95
-    steps: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    mode: str = DEFAULTS.mode
+    block_size: int = DEFAULTS.block_size
+    threshold: float = DEFAULTS.threshold
+    steps: int | None = DEFAULTS.steps
+    temperature: float = DEFAULTS.sampling.temperature
+    top_p: float = DEFAULTS.sampling.top_p
+    top_k: int = DEFAULTS.sampling.top_k
     seed: int | None = None
     ignore_eos: bool = False
     suppress: tuple[int, ...] = ()  # token ids never generated (the tool-call frame, without tools)
+
+
+# ---- what the scheduler posts to a request (typed; tuples underneath, so `event[0]` is the kind) ----
+class Tokens(NamedTuple):
+    """Choice `index` committed `new_tokens` (filled at `steps`); `token_ids` is all it has so far."""
+
+    kind: Literal["tokens"]
+    index: int
+    token_ids: list[int]
+    new_tokens: list[int]
+    steps: list[int]
+    finish_reason: str | None
+    stats: dict
+
+
+class Live(NamedTuple):
+    """The block choice `index` is denoising, as (token or None, fill step) pairs (the playground)."""
+
+    kind: Literal["live"]
+    index: int
+    view: list
+    stats: dict
+
+
+class Failed(NamedTuple):
+    kind: Literal["error"]
+    index: int
+    message: str
+
+
+Event = Tokens | Live | Failed
 
 
 class QueueFull(Exception):
@@ -60,7 +92,7 @@ class Ticket:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
 
-    def post(self, item: tuple) -> None:
+    def post(self, item: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is gone (server shutting down)
@@ -242,14 +274,14 @@ class Scheduler:
         for row, seq in enumerate(engine.seqs):
             job = self.jobs.get(id(seq))
             if job is not None and job.live:
-                job.ticket.post(("live", job.index, engine.block_view(row), _stats(seq)))
+                job.ticket.post(Live("live", job.index, engine.block_view(row), _stats(seq)))
         if not engine.running:
             del self.engines[slot]
 
     def _post(self, job: Job, tokens: list[int]) -> None:
         seq = job.seq
         steps = [s for _, s in seq.trajectory[len(seq.trajectory) - len(tokens):]]
-        job.ticket.post(("tokens", job.index, list(seq.token_ids), tokens, steps, seq.finish_reason, _stats(seq)))
+        job.ticket.post(Tokens("tokens", job.index, list(seq.token_ids), tokens, steps, seq.finish_reason, _stats(seq)))
         if seq.finished:
             self._done(job, cancelled=False)
 
@@ -310,13 +342,13 @@ class Scheduler:
             self.jobs.pop(id(job.seq), None)
         with self.metrics.lock:
             self.metrics.failed_rows += 1
-        job.ticket.post(("error", job.index, f"internal error while decoding this request ({type(error).__name__}); "
+        job.ticket.post(Failed("error", job.index, f"internal error while decoding this request ({type(error).__name__}); "
                                             "other requests are not affected"))
 
     def _fail_all(self, message: str) -> None:
         for job in list(self.jobs.values()):
             job.state = "done"
-            job.ticket.post(("error", job.index, message))
+            job.ticket.post(Failed("error", job.index, message))
         self.jobs.clear()
         self.engines.clear()
 

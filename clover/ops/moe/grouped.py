@@ -107,3 +107,17 @@ def segmented_experts(x, top_idx, top_w, num_experts, expert_fn):
             start += n
     y = torch.cat(ys)
     return torch.zeros_like(x).index_add_(0, token_of, y * top_w.reshape(-1)[order, None])
+
+
+@torch.library.custom_op("clover::grouped_experts", mutates_args=())
+def grouped_experts_op(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor) -> torch.Tensor:
+    """`grouped_experts` as one opaque op for torch.compile: its routing is data-dependent (counts,
+    a per-token expert loop), which would break the graph; inside a compiled graph the op runs the
+    same eager kernel, so its outputs are those of `grouped_experts` exactly. Inference only."""
+    return grouped_experts(x, top_idx, top_w, gate_up, down)
+
+
+@grouped_experts_op.register_fake
+def _grouped_experts_fake(x, top_idx, top_w, gate_up, down):
+    return torch.empty_like(x)

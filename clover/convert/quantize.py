@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..quant.gptq import Hessian, gptq_quantize
+from ..quant.int4 import GROUP_SIZES, check_group_size, dequantize, quantize_rtn
+from ..quant.modules import DEFAULT_NOT_QUANTIZED, QUANT_METHOD, quantized_targets
 from ..utils.checkpoint_io import SafetensorsSource, ShardWriter
 from ..utils.files import staged_folder
-from .gptq import Hessian, gptq_quantize
-from .int4 import GROUP_SIZES, check_group_size, dequantize, quantize_rtn
-from .modules import DEFAULT_NOT_QUANTIZED, QUANT_METHOD, quantized_targets
 
 METHODS = ("rtn", "gptq")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")

@@ -1,0 +1,69 @@
+"""`clover tune`: measure this machine's step cost per window size and the model's low_confidence
+speed per (block size, threshold) on the held-out task prompts; store the fastest setting for the
+model and machine (clover/engine/tuning.py), which `--block-size auto` then uses."""
+
+from __future__ import annotations
+
+from . import UserError, print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("tune", help="choose the block size and threshold for this model on this machine")
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--sizes", default="4,8,16,32", help="block sizes to try (default 4,8,16,32)")
+    p.add_argument("--thresholds", default="0.9,0.95", help="low_confidence thresholds to try (default 0.9,0.95)")
+    p.add_argument("--per-task", type=int, default=1, metavar="N", help="calibration prompts per task (default 1)")
+    p.add_argument("--runner", default="eager", choices=("eager", "compiled"), help="runner to tune for")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise UserError(f"{flag}: nothing to try")
+    return values
+
+
+def run(args) -> int:
+    sizes = _numbers(args.sizes, int, "--sizes")
+    thresholds = _numbers(args.thresholds, float, "--thresholds")
+    if any(not 1 < b <= 64 for b in sizes):
+        raise UserError("--sizes: block sizes must be in [2, 64]")
+    if any(not 0 < t < 1 for t in thresholds):
+        raise UserError("--thresholds: thresholds must be in (0, 1)")
+    if args.per_task < 1:
+        raise UserError("--per-task must be >= 1")
+    import torch
+
+    from ..api import DEFAULT_MODEL, encode, eos_ids, load
+    from ..data.tasks import plain_prompt
+    from ..engine import tuning
+    from ..eval import pareto
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model, args.device)
+    jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in pareto.examples(args.per_task)]
+    entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner)
+    keys = tuning.model_key(args.model or DEFAULT_MODEL), tuning.machine_key(str(model.device))
+    path = None if args.dry_run else tuning.store(*keys, entry)
+    if args.json:
+        print_json(dict(model=keys[0], machine=keys[1], stored=str(path) if path else None, **entry))
+        return 0
+    ar = entry["ar"]["tokens_per_second"]
+    print(f"{keys[1]}, {len(jobs)} task prompts; ar {ar:.1f} tokens/s")
+    print("| block | threshold | TPF | tokens/s | vs ar | step ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in entry["curve"]:
+        print(f"| {r['block_size']} | {r['threshold']} | {r['tpf']:.2f} | {r['tokens_per_second']:.1f} | "
+              f"{r['tokens_per_second'] / ar:.2f}x | {entry['step_ms'][str(r['block_size'])]:.2f} |")
+    print(f"best: block {entry['block_size']}, threshold {entry['threshold']}"
+          + (f" (stored in {path})" if path else " (not stored: --dry-run)"))
+    return 0

@@ -1,0 +1,117 @@
+"""The row batch every decoding mode shares: the running rows (their `Sequence`s, in cache row
+order), their cache rows, the pending clean segment (committed with the next forward), the draft
+window, prefill with left padding, rows joining and leaving between steps. Modes advance it one
+step at a time (engine/modes.py); the runner (engine/runner.py) is the only code that calls the
+model, and only `RowBatch.forward` and `prefill` call the runner here."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .sequence import Sequence
+
+Pending = tuple[torch.Tensor, torch.Tensor | None]  # clean ids [rows, L], left padding [rows, L] or None
+
+
+class RowBatch:
+    def __init__(self, runner, width: int, clean_bs: int, mask_id: int, device, prefill_chunk: int):
+        self.runner, self.width, self.clean_bs = runner, width, clean_bs  # window columns, clean windows
+        self.mask_id, self.device, self.prefill_chunk = mask_id, device, prefill_chunk
+        self.seqs: list[Sequence] = []
+        self.cache = None
+        self.pending: Pending | None = None
+        self.window: torch.Tensor | None = None  # [rows, width]
+
+    # ---- join / leave -----------------------------------------------------------------------------
+    def join(self, seqs: list[Sequence], capacity: int) -> None:
+        """Prefill new rows in caches of their own and append them to the running rows; their window
+        starts as [last prompt token, MASK...]."""
+        cache = self.runner.new_cache(len(seqs), capacity=capacity)
+        pending = self.prefill(seqs, cache)
+        window = torch.full((len(seqs), self.width), self.mask_id, dtype=torch.long, device=self.device)
+        window[:, 0] = torch.tensor([s.prompt_ids[-1] for s in seqs], device=self.device)
+        if self.seqs:
+            self.cache.append_rows(cache)
+            self.pending = _stack_pending(self.pending, len(self.seqs), pending, len(seqs), self.device)
+            window = torch.cat([self.window, window])
+        else:
+            self.cache, self.pending = cache, pending
+        self.window = window
+        self.seqs += seqs
+
+    def drop_finished(self) -> torch.Tensor | None:
+        """Free the rows of finished sequences; returns the kept row indices when some left (for the
+        mode's own per-row state), None when nothing changed or nobody is left."""
+        keep = [r for r, s in enumerate(self.seqs) if not s.finished]
+        if len(keep) == len(self.seqs):
+            return None
+        self.seqs = [self.seqs[r] for r in keep]
+        if not keep:
+            self.pending = self.cache = None  # nothing runs: free the cache
+            return None
+        idx = torch.tensor(keep, device=self.device)
+        self.cache.select_rows(idx)
+        self.window = self.window[idx]
+        if self.pending is not None:
+            clean, pad = self.pending
+            pad = pad[idx] if pad is not None else None
+            if pad is None or not bool(pad.all()):  # someone still commits
+                self.pending = (clean[idx], pad if pad is not None and bool(pad.any()) else None)
+            else:
+                self.pending = None
+        return idx
+
+    # ---- model calls ------------------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence], cache) -> Pending | None:
+        """Commit prompt[:-1] (left-padded) in chunks whose boundaries fall on clean windows counted
+        from the end; returns the last chunk, to be fused with the first decoding forward."""
+        cleans = [s.prompt_ids[:-1] for s in seqs]
+        width = max(map(len, cleans))
+        if width == 0:
+            return None
+        ids = torch.zeros(len(cleans), width, dtype=torch.long)
+        pad = torch.ones(len(cleans), width, dtype=torch.bool)
+        for r, c in enumerate(cleans):
+            if c:
+                ids[r, width - len(c):] = torch.tensor(c)
+                pad[r, width - len(c):] = False
+        ids, pad = ids.to(self.device), pad.to(self.device)
+        bs = self.clean_bs
+        chunk = max(bs, self.prefill_chunk // bs * bs)
+        cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]
+        for a, b in zip(cuts[:-2], cuts[1:-1]):
+            self.runner.forward(ids[:, a:b], cache, clean_block_size=bs, pad=pad[:, a:b] if pad[:, a:b].any() else None,
+                                keep=1)
+        a = cuts[-2]
+        return ids[:, a:], pad[:, a:] if pad[:, a:].any() else None
+
+    def forward(self, window: torch.Tensor, draft_len: int, keep: int, block_size: int | None = None,
+                index: torch.Tensor | None = None) -> torch.Tensor:
+        """One model call on [pending clean segment ; window]; the pending segment is consumed and
+        every running row counts one forward."""
+        ids, pad = window, None
+        if self.pending is not None:
+            clean, clean_pad = self.pending
+            ids = torch.cat([clean, window], dim=1)
+            if clean_pad is not None:
+                pad = torch.cat([clean_pad, clean_pad.new_zeros(window.shape)], dim=1)
+            self.pending = None
+        for s in self.seqs:
+            s.forward_passes += 1
+        return self.runner.forward(ids, self.cache, block_size=block_size, draft_len=draft_len,
+                                   clean_block_size=self.clean_bs, pad=pad, keep=keep, index=index)
+
+
+def _stack_pending(a, rows_a: int, b, rows_b: int, device) -> Pending | None:
+    """Pending clean segments of two row groups as one, left-padded to a common width."""
+    parts = []
+    for p, rows in ((a, rows_a), (b, rows_b)):
+        ids, pad = p if p is not None else (torch.zeros(rows, 0, dtype=torch.long, device=device), None)
+        parts.append((ids, pad if pad is not None else torch.zeros_like(ids, dtype=torch.bool)))
+    width = max(ids.shape[1] for ids, _ in parts)
+    ids = torch.cat([F.pad(i, (width - i.shape[1], 0)) for i, _ in parts])
+    pad = torch.cat([F.pad(m, (width - m.shape[1], 0), value=True) for _, m in parts])
+    if width == 0 or bool(pad.all()):
+        return None
+    return ids, pad if bool(pad.any()) else None

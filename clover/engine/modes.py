@@ -1,0 +1,232 @@
+"""Decoding modes: how one step advances a `RowBatch` (engine/batch.py). Each mode holds only its
+own typed per-row state, keeps it in row order when rows join (`join`) or leave (`select`), and
+returns (sequence, new tokens) events from `step`.
+
+* `DiffusionMode` (`low_confidence`, `topk`, `entropy`, `margin`): the draft window is
+  [last known token, MASK x (B-1)]; column j predicts target j; a fill policy (engine/policies.py)
+  picks the targets each step fills. A finished block becomes clean and is committed *in the same
+  forward* as the first step of the next block (clean_block_size = B).
+* `ARMode` (`ar`): greedy/sampled next-token decoding; the last token is committed as it is fed.
+* `SelfSpecMode` (`self_spec`): prefix committed causally (clean_block_size = 1); each round
+  drafts a block in one diffusion step, verifies it causally with the cache recording, keeps the
+  agreeing prefix plus the AR correction and rolls the cache back to it. Lossless w.r.t. `ar`
+  greedy. After a round that accepted whole blocks, the next draft rides along in the verify
+  forward (one forward per round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import RowBatch
+from .policies import SCORES, make_policy
+from .sampling import sample
+from .sequence import Sequence
+
+Events = list[tuple[Sequence, list[int]]]
+
+
+class Mode:
+    """Shared by every mode: the block size, EOS ids and the sampler."""
+
+    width = 1  # columns of the per-row window
+    clean_bs = 1  # clean window size of commits
+
+    def __init__(self, cfg, mask_id: int, device, generator):
+        self.cfg, self.block_size, self.mask_id, self.device = cfg, cfg.block_size, mask_id, device
+        self.generator = generator
+        self.eos = set(cfg.eos_token_ids)
+
+    def sample(self, logits):
+        return sample(logits, self.cfg.sampling, self.mask_id, self.generator)
+
+    def join(self, seqs: list[Sequence], first: bool) -> None:
+        """New rows were appended to the batch (`first`: the batch was empty before)."""
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Only rows `idx` go on (in that order)."""
+
+    def block_view(self, row: int) -> list[tuple[int | None, int]]:
+        return []
+
+    def step(self, batch: RowBatch) -> Events:
+        raise NotImplementedError
+
+
+class ARMode(Mode):
+    def step(self, batch: RowBatch) -> Events:
+        tokens, _ = self.sample(batch.forward(batch.window, 0, 1)[:, -1])
+        batch.window = tokens[:, None]
+        events = []
+        for seq, t in zip(batch.seqs, tokens.tolist()):
+            seq.append([t], [0], self.eos)
+            events.append((seq, [t]))
+        return events
+
+
+@dataclass
+class SpecState:
+    ready_draft: torch.Tensor | None = None  # the next block's draft, made by the last verify forward
+    whole_last_round: bool = False  # every running row accepted its whole block last round
+
+
+class SelfSpecMode(Mode):
+    def __init__(self, cfg, mask_id: int, device, generator):
+        super().__init__(cfg, mask_id, device, generator)
+        self.width = cfg.block_size
+        self.state = SpecState()
+
+    def join(self, seqs: list[Sequence], first: bool) -> None:
+        self.state.ready_draft = None  # a draft fused into the last verify covers the old rows only
+        if first:
+            self.state.whole_last_round = False
+
+    def select(self, idx: torch.Tensor) -> None:
+        if self.state.ready_draft is not None:
+            self.state.ready_draft = self.state.ready_draft[idx]
+
+    def step(self, batch: RowBatch) -> Events:
+        """Draft (unless the last verify already drafted this block), then verify causally. When the
+        last round accepted whole blocks, the next block's draft rides along in the verify forward,
+        assuming this block is accepted whole too; it is used only if it was (otherwise the prefix
+        it assumed has been rolled back)."""
+        B, st, window = self.block_size, self.state, batch.window
+        draft = st.ready_draft
+        if draft is None:
+            draft, _ = self.sample(batch.forward(window, B, B, B))  # draft[:, j] = guess for target j
+        batch.cache.start_recording()
+        verify_ids = torch.cat([window[:, :1], draft[:, :-1]], dim=1)
+        fuse = st.ready_draft is not None or st.whole_last_round
+        if fuse:
+            next_window = torch.cat([draft[:, -1:], window[:, 1:]], dim=1)  # [d_B, MASK...]
+            tokens, _ = self.sample(batch.forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B, B))
+        else:
+            tokens, _ = self.sample(batch.forward(verify_ids, 0, B))
+        ar, next_draft = tokens[:, :B], tokens[:, B:]  # ar[:, j] = greedy AR token for target j
+        agree = (draft == ar).long().cumprod(1).sum(1)
+        # the agreeing prefix equals ar[:, :agree]; ar[:, agree] is the correction (when agree < B)
+        take = (agree + 1).clamp_max(B).tolist()
+        events, keep = [], []
+        for seq, row, n, a in zip(batch.seqs, ar.tolist(), take, agree.tolist()):
+            out = self._cut_at_eos(row[: min(n, seq.remaining)])
+            seq.append(out, [0 if j < a else 1 for j in range(len(out))], self.eos)  # step 1 = AR correction
+            events.append((seq, out))
+            keep.append(len(out))
+        keep_t = torch.tensor(keep, device=self.device)
+        batch.cache.rollback(keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
+        st.whole_last_round = all(k == B for k, s in zip(keep, batch.seqs) if not s.finished)
+        st.ready_draft = next_draft if fuse and st.whole_last_round else None
+        batch.window = torch.full_like(window, self.mask_id)
+        batch.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
+        return events
+
+    def _cut_at_eos(self, tokens: list[int]) -> list[int]:
+        for i, t in enumerate(tokens):
+            if t in self.eos:
+                return tokens[: i + 1]
+        return tokens
+
+
+@dataclass
+class BlockState:
+    """Per row, the block being denoised: [rows, B] except `steps_done` [rows]."""
+
+    filled: torch.Tensor  # target j is decided
+    targets: torch.Tensor  # the decided tokens (meaningful where filled)
+    fill_step: torch.Tensor  # the step of the block at which target j was filled
+    steps_done: torch.Tensor  # steps taken in the current block
+    eligible: torch.Tensor  # targets the block may fill (the budget; nothing after a filled EOS)
+
+    def cat(self, other: "BlockState") -> "BlockState":
+        return BlockState(*(torch.cat([a, b]) for a, b in zip(self.fields(), other.fields())))
+
+    def take(self, idx: torch.Tensor) -> "BlockState":
+        return BlockState(*(t[idx] for t in self.fields()))
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.filled, self.targets, self.fill_step, self.steps_done, self.eligible
+
+
+class DiffusionMode(Mode):
+    def __init__(self, cfg, mask_id: int, device, generator):
+        super().__init__(cfg, mask_id, device, generator)
+        self.policy = make_policy(cfg.mode, cfg.block_size, cfg.threshold, cfg.steps)
+        self.width = self.clean_bs = cfg.block_size
+        self.eos_t = torch.tensor(sorted(self.eos), device=device) if self.eos else None
+        self.state: BlockState | None = None
+
+    def _eligible(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Targets a new block may fill: all B, or the remaining budget in a last partial block."""
+        remaining = torch.tensor([s.remaining for s in seqs], device=self.device)
+        return torch.arange(self.block_size, device=self.device)[None, :] < remaining[:, None]
+
+    def join(self, seqs: list[Sequence], first: bool) -> None:
+        zeros = lambda dtype: torch.zeros(len(seqs), self.block_size, dtype=dtype, device=self.device)  # noqa: E731
+        new = BlockState(zeros(torch.bool), zeros(torch.long), zeros(torch.long),
+                         torch.zeros(len(seqs), dtype=torch.long, device=self.device), self._eligible(seqs))
+        self.state = new if first else self.state.cat(new)
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.state = self.state.take(idx)
+
+    def block_view(self, row: int) -> list[tuple[int | None, int]]:
+        st = self.state
+        n = int(st.eligible[row].sum())
+        filled, tokens, steps = (t[row, :n].tolist() for t in (st.filled, st.targets, st.fill_step))
+        return [(t if f else None, s) for f, t, s in zip(filled, tokens, steps)]
+
+    def step(self, batch: RowBatch) -> Events:
+        B, st = self.block_size, self.state
+        masked = st.eligible & ~st.filled
+        # the head runs only on columns some row still has masked; the others can't be chosen
+        cols = masked.any(0).nonzero().squeeze(1)
+        if cols.numel() == B:
+            cols = None
+        tokens, probs = self.sample(batch.forward(batch.window, B, B, B, cols))
+        chosen = self.policy.select(probs, tokens, masked, st.steps_done, cols)
+        if cols is not None:
+            tokens = torch.full_like(st.targets, self.mask_id).index_copy_(1, cols, tokens)
+        st.targets = torch.where(chosen, tokens, st.targets)
+        st.fill_step = torch.where(chosen, st.steps_done[:, None], st.fill_step)
+        st.filled |= chosen
+        batch.window[:, 1:] = torch.where(chosen[:, :-1], tokens[:, :-1], batch.window[:, 1:])
+        st.steps_done += 1
+        if self.eos_t is not None:  # nothing after the first filled EOS is kept or filled
+            eos = (st.filled & torch.isin(st.targets, self.eos_t)).long()
+            st.eligible &= (eos.cumsum(1) - eos) == 0
+        done = ~(st.eligible & ~st.filled).any(1)
+        return self._finish_blocks(batch, done) if bool(done.any()) else []
+
+    def _finish_blocks(self, batch: RowBatch, done: torch.Tensor) -> Events:
+        """Hand finished blocks to their sequences; rows that go on commit their window with the
+        next forward (fused) and start a new block from their last target."""
+        B, st = self.block_size, self.state
+        rows = done.nonzero().squeeze(1).tolist()
+        counts = st.eligible[done].sum(1).tolist()
+        events = []
+        for r, toks, steps, n in zip(rows, st.targets[done].tolist(), st.fill_step[done].tolist(), counts):
+            seq = batch.seqs[r]
+            seq.append(toks[:n], steps[:n], self.eos)
+            events.append((seq, toks[:n]))
+        go_on = torch.tensor([r in rows and not s.finished for r, s in enumerate(batch.seqs)], device=self.device)
+        if bool(go_on.any()):
+            batch.pending = (batch.window, None if bool(go_on.all()) else ~go_on[:, None].expand(-1, B))
+            fresh = torch.full_like(batch.window, self.mask_id)
+            fresh[:, 0] = st.targets[:, -1]
+            batch.window = torch.where(go_on[:, None], fresh, batch.window)
+            st.filled &= ~go_on[:, None]
+            st.steps_done = torch.where(go_on, 0, st.steps_done)
+            st.eligible = torch.where(go_on[:, None], self._eligible(batch.seqs), st.eligible)
+        return events
+
+
+def make_mode(cfg, mask_id: int, device, generator) -> Mode:
+    if cfg.mode in SCORES:
+        return DiffusionMode(cfg, mask_id, device, generator)
+    if cfg.mode == "self_spec":
+        return SelfSpecMode(cfg, mask_id, device, generator)
+    if cfg.mode == "ar":
+        return ARMode(cfg, mask_id, device, generator)
+    raise ValueError(f"unknown mode {cfg.mode!r}")

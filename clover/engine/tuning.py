@@ -1,0 +1,145 @@
+"""Block size and threshold per model and machine (`clover tune`, `--block-size auto`).
+
+On a CPU a 32-token draft step costs several AR steps; on a GPU about one. The best block size is
+where (tokens per forward) / (time per forward) peaks, which depends on both the model and the
+machine, so it is measured: `tune()` decodes a calibration set (the held-out task prompts the
+decode benchmark uses) with low_confidence at each (block size, threshold) and keeps the fastest.
+Results live in one small JSON file under the user's cache dir ($XDG_CACHE_HOME or ~/.cache,
+then clover/tune.json), keyed by model (folder + a hash of its config and weights' size) and
+machine (CPU model, threads, device), written atomically. Nothing tuned: the announced defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .engine import DEFAULTS
+
+DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD = DEFAULTS.block_size, DEFAULTS.threshold
+
+
+def cache_file() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "clover" / "tune.json"
+
+
+def model_key(folder: str | Path) -> str:
+    """The model folder and a hash of its config and weight files' sizes (a retrained model in the
+    same folder is a different model)."""
+    folder = Path(folder).resolve()
+    h = hashlib.sha256()
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{folder}#{h.hexdigest()[:12]}"
+
+
+def machine_key(device: str | None = None, threads: int | None = None) -> str:
+    """CPU (or GPU) model, device kind and torch threads; device None = cuda when available."""
+    kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    name = torch.cuda.get_device_name() if kind == "cuda" else _cpu_name()
+    return f"{name}|{kind}|threads={threads or torch.get_num_threads()}"
+
+
+def resolve_block_size(value, model_folder, device: str | None = None) -> tuple[int, float | None]:
+    """`--block-size` as given: an int (threshold untouched: None), or "auto": the tuned (block size,
+    threshold) for this model and machine, else the announced defaults."""
+    if value != "auto":
+        return int(value), None
+    return lookup(model_key(model_folder), machine_key(device))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read() -> dict:
+    try:
+        data = json.loads(cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def store(model: str, machine: str, entry: dict) -> Path:
+    """Add or replace the entry for (model, machine); temp file + rename, never a half-written file."""
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _read()
+    data.setdefault(model, {})[machine] = entry
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
+
+
+def lookup(model: str, machine: str) -> tuple[int, float]:
+    """(block size, threshold) tuned for this model and machine, or the announced defaults."""
+    entry = _read().get(model, {}).get(machine)
+    try:
+        return int(entry["block_size"]), float(entry["threshold"])
+    except (TypeError, KeyError, ValueError):
+        return DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
+
+
+def step_ms(model, sizes, context: int = 256, repeats: int = 10, runner: str = "eager") -> dict[int, float]:
+    """Median ms of a draft step of each window size (1 = an AR step) on a cache of `context` tokens."""
+    from ..utils.timing import time_alternately
+    from .runner import make_runner
+
+    r = make_runner(runner, model)
+    prompt = torch.randint(0, model.config.mask_token_id, (1, context), device=model.device)
+    cache = r.new_cache(1, context + max(sizes))
+    with torch.inference_mode():
+        model(prompt, cache=cache)
+        snap = cache.snapshot()
+        calls = {n: (lambda n=n: r.forward(prompt[:, -n:], cache, block_size=n, draft_len=n, clean_block_size=n, keep=n))
+                 if n > 1 else (lambda: r.forward(prompt[:, -1:], cache, keep=1)) for n in sizes}
+        times = time_alternately(calls, repeats=repeats, warmup=2, setup=lambda _: cache.restore(snap))
+    return {n: 1e3 * t for n, t in times.items()}
+
+
+def decode_rate(model, jobs, eos, mode: str, block_size: int, threshold: float, runner: str = "eager") -> dict:
+    """Decode every (prompt, budget) one at a time; tokens, forwards, seconds, tokens/s."""
+    from . import DecodeConfig, Engine
+
+    tokens = forwards = 0
+    start = time.perf_counter()
+    for prompt, budget in jobs:
+        cfg = DecodeConfig(mode=mode, block_size=block_size, threshold=threshold, max_new_tokens=budget,
+                           eos_token_ids=tuple(eos), runner=runner)
+        seq = Engine(model, cfg).generate([prompt])[0]
+        tokens += len(seq.token_ids)
+        forwards += seq.forward_passes
+    seconds = time.perf_counter() - start
+    return dict(block_size=block_size, threshold=threshold, tokens=tokens, forwards=forwards, seconds=seconds,
+                tpf=tokens / max(forwards, 1), tokens_per_second=tokens / seconds)
+
+
+def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=(0.9, 0.95), runner: str = "eager") -> dict:
+    """Measure the step cost per window and low_confidence tokens/s per (block size, threshold) on
+    `jobs`; the entry to store: the best setting, the curve, ar's rate and the step costs."""
+    with torch.inference_mode():
+        ar = decode_rate(model, jobs, eos, "ar", 1, DEFAULT_THRESHOLD, runner)
+        curve = [decode_rate(model, jobs, eos, "low_confidence", b, t, runner) for b in sizes for t in thresholds]
+    best = max(curve, key=lambda r: r["tokens_per_second"])
+    return dict(block_size=best["block_size"], threshold=best["threshold"], runner=runner, ar=ar, curve=curve,
+                step_ms={str(k): v for k, v in step_ms(model, [1, *sizes], runner=runner).items()},
+                prompts=len(jobs), tuned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

@@ -1,0 +1,397 @@
+"""The server's routes: request checks, prompt encoding (off the event loop), submission to the
+scheduler, and the replies (whole or streamed, in the shapes of server/shapes.py). `Routes.register`
+adds them to an app (server/app.py assembles it)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..agent.tool_format import call_frame_ids
+from ..engine import MODES
+from .choice import Choice
+from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, now, usage
+from .scheduler import EngineKey, Job, Live, QueueFull, Ticket
+from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
+from .structured import FormatPlan, Infilled, check_reply, format_plan, infill_format, infill_tool_call
+
+STATIC = Path(__file__).parent / "static"
+POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+
+
+@dataclass
+class Delta:
+    """Text of choice `index` not sent yet, after it committed `new_tokens` (filled at `steps`)."""
+
+    index: int
+    reasoning: str
+    content: str
+    new_tokens: list[int]
+    steps: list[int]
+
+
+@dataclass
+class Finished:
+    index: int
+
+
+class CleanStream(StreamingResponse):
+    """A streaming response that always runs `on_close` when it ends, however it ends (client gone)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class Routes:
+    def __init__(self, model, tokenizer, settings, scheduler, metrics):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.scheduler, self.metrics = scheduler, metrics
+        self.ctx = model.config.max_position_embeddings
+        self.no_tools = call_frame_ids(tokenizer, model.config.vocab_size)  # never generated when a chat offers no tools
+        # prompt encoding (chat template + tokenizer: CPU work that grows with the prompt) runs here, off the
+        # event loop; one thread, so the tokenizer is never used by two encodings at once
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-encode")
+        # decisions and infilled replies run one at a time, in a worker thread beside the scheduler's
+        self.exclusive = asyncio.Lock()
+        self.longest: list[int] = []  # characters of the vocabulary's longest token, found when first needed
+
+    def register(self, app: FastAPI) -> None:
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        app.get("/v1/models")(self.models)
+        app.get("/", response_class=HTMLResponse)(self.playground)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/decide")(self.decide)
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.encoder, partial(fn, *args))
+
+    # ---- small endpoints ----------------------------------------------------------------------------
+    async def health(self):
+        return {"status": "ok", "model": self.settings.model_id, "running_rows": self.metrics.running_rows,
+                "queue_length": self.metrics.queue_length}
+
+    async def prometheus(self):
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": now(), "owned_by": "clover",
+                                            "max_model_len": self.ctx} for name in self.settings.names]}
+
+    async def playground(self):
+        return HTMLResponse((STATIC / "playground.html").read_text())
+
+    # ---- shared request handling ----------------------------------------------------------------------
+    def check_model(self, req) -> None:
+        names = self.settings.names
+        if req.model is not None and req.model not in names:
+            served = ", ".join(repr(n) for n in names)
+            raise APIError(404, f"the model {req.model!r} does not exist (this server has {served})",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def check_text(req) -> None:
+        """Text that is not Unicode (a lone UTF-16 surrogate such as "\\ud800") anywhere in the body: 400."""
+        where = bad_text(req.model_dump(exclude_none=True))
+        if where is not None:
+            raise APIError(400, f"{where or 'body'}: the text contains a lone UTF-16 surrogate, which is not valid "
+                           "Unicode (send UTF-8 text, or a surrogate pair for characters beyond U+FFFF)",
+                           param=where or None, code="invalid_value")
+
+    def check_common(self, req, suppress: tuple[int, ...] = ()) -> EngineKey:
+        settings = self.settings
+        self.check_model(req)
+        if getattr(req, "logprobs", None):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if getattr(req, "echo", False):
+            raise APIError(400, "echo is not supported", param="echo")
+        mode = req.mode or settings.mode
+        if mode not in MODES:
+            raise APIError(400, f"unknown mode {mode!r} (known: {', '.join(MODES)})", param="mode")
+        key = EngineKey(mode=mode, block_size=req.block_size or settings.block_size,
+                        threshold=settings.threshold if req.threshold is None else req.threshold, steps=req.steps,
+                        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                        seed=req.seed if req.temperature > 0 else None, ignore_eos=req.ignore_eos,
+                        suppress=suppress)
+        try:
+            self.scheduler.config(key)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split()[0] if str(e).split()[0] in
+                           ("block_size", "threshold", "steps", "temperature", "top_p", "top_k") else None)
+        return key
+
+    def budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        ctx = self.ctx
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) >= ctx:
+            raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) fills the model's context of {ctx} tokens",
+                           param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            return min(self.settings.default_max_tokens, ctx - len(prompt_ids))
+        if len(prompt_ids) + max_tokens > ctx:
+            raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"model's context of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def submit(self, request: Request, req, prompts: list[list[int]], max_tokens: int | None, key: EngineKey):
+        ticket = Ticket(asyncio.get_running_loop())
+        budgets = [self.budget(p, max_tokens) for p in prompts]  # every check before any work
+        jobs = [Job(ticket, i * req.n + k, p, b, key, live=req.clover_live and req.stream)
+                for i, (p, b) in enumerate(zip(prompts, budgets)) for k in range(req.n)]
+        try:
+            self.scheduler.submit(jobs)
+        except QueueFull as e:
+            raise APIError(503, f"{e}; retry later", "server_error", code="queue_full", headers={"Retry-After": "1"})
+        return ticket, jobs
+
+    async def drive(self, request: Request, ticket: Ticket, jobs: list[Job], choices: list[Choice]):
+        """Scheduler events -> Delta / Live / Finished; ends when every choice is done. A client that
+        goes away cancels its jobs."""
+        scheduler = self.scheduler
+        while not all(c.done for c in choices):
+            try:
+                item = await asyncio.wait_for(ticket.queue.get(), POLL_S)
+            except (asyncio.TimeoutError, TimeoutError):
+                if await request.is_disconnected():
+                    scheduler.cancel(jobs)
+                    return
+                continue
+            choice = choices[item.index]
+            if choice.done:
+                continue
+            if item.kind == "error":
+                scheduler.cancel(jobs)
+                raise APIError(500, item.message, "server_error")
+            if item.kind == "live":
+                yield item
+                continue
+            choice.stats = item.stats
+            if choice.update(item.token_ids, item.finish_reason):
+                scheduler.cancel([jobs[item.index]], "stop")
+            r, c = choice.deltas()
+            yield Delta(item.index, r, c, item.new_tokens, item.steps)
+            if choice.done:
+                yield Finished(item.index)
+
+    def live_fields(self, event: Delta | Live) -> dict:
+        decode = self.tokenizer.decode
+        if isinstance(event, Live):
+            return {"block": [[None if t is None else decode([t]), s] for t, s in event.view], **event.stats}
+        pieces = [decode([t], skip_special_tokens=False) for t in event.new_tokens]
+        return {"committed": [[p, s] for p, s in zip(pieces, event.steps)]}
+
+    async def respond(self, request: Request, req, prompts: list[list[int]], max_tokens, chat: bool, think: bool,
+                      tools: ToolPlan | None = None, fmt: FormatPlan | None = None):
+        key = self.check_common(req, self.no_tools if chat and tools is None else ())
+        ticket, jobs = self.submit(request, req, prompts, max_tokens, key)
+        choices = [Choice(self.tokenizer, req.stop_list(), think, tools) for _ in jobs]
+        n_prompt = sum(len(prompts[j.index // req.n]) for j in jobs[:: req.n]) if jobs else 0
+        reply = Reply(self.settings.model_id, chat, bool(req.stream_options and req.stream_options.include_usage))
+        total_usage = lambda: usage(n_prompt, sum(len(c.token_ids) for c in choices))  # noqa: E731
+        unfinished = lambda: [j for j, c in zip(jobs, choices) if not c.done]  # noqa: E731
+        if not req.stream:
+            try:
+                async for _ in self.drive(request, ticket, jobs, choices):
+                    pass
+            finally:
+                self.scheduler.cancel(unfinished())
+            out = []
+            for i, c in enumerate(choices):
+                c.deltas()
+                if chat:
+                    out.append({"index": i, "message": c.message(), "logprobs": None, "finish_reason": c.finish_reason})
+                else:
+                    out.append({"index": i, "text": c.content, "logprobs": None, "finish_reason": c.finish_reason})
+            # response_format outside the infilled subset: generated freely, checked here
+            clover = {"structured": [check_reply(fmt, c.content) for c in choices]} if fmt else None
+            return JSONResponse(reply.whole(out, total_usage(), clover))
+        events = self.stream_events(request, req, reply, ticket, jobs, choices, fmt, total_usage)
+        return CleanStream(events, on_close=lambda: self.scheduler.cancel(unfinished()),
+                           media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def stream_events(self, request, req, reply: Reply, ticket, jobs, choices, fmt, total_usage):
+        if reply.chat:
+            for i in range(len(choices)):
+                yield reply.chunk(i, {"role": "assistant", "content": ""})
+        try:
+            async for ev in self.drive(request, ticket, jobs, choices):
+                i = ev.index
+                if isinstance(ev, Finished):
+                    for delta in tool_call_deltas(choices[i].tool_calls):
+                        yield reply.chunk(i, delta)
+                    extra = dict(choices[i].stats) if req.clover_live else {}
+                    if fmt:
+                        extra["structured"] = check_reply(fmt, choices[i].content)
+                    yield reply.chunk(i, finish=choices[i].finish_reason, clover=extra or None)
+                    continue
+                extra = self.live_fields(ev) if req.clover_live else None
+                if isinstance(ev, Live):
+                    yield reply.chunk(i, clover=extra)
+                    continue
+                r, c = ev.reasoning, ev.content
+                if not (r or c or extra):
+                    continue
+                delta = {}
+                if r:
+                    delta["reasoning_content"] = r
+                if c or not r:
+                    delta["content"] = c
+                yield reply.chunk(i, delta, text=c, clover=extra)
+        except APIError as e:
+            yield sse(e.body())
+        for line in reply.end(total_usage()):
+            yield line
+
+    # ---- the two generation endpoints -------------------------------------------------------------------
+    def tokenize(self, text: str, param: str, **kw) -> list[int]:
+        """Token ids of a text; a text too long to fit the context whatever it says (it needs at least
+        len / longest-token tokens) is refused before the tokenizer spends seconds on it."""
+        tokenizer, ctx, longest = self.tokenizer, self.ctx, self.longest
+        if len(text) > ctx:
+            if not longest:
+                longest.append(max(len(tokenizer.decode([i])) for i in range(len(tokenizer))))
+            if len(text) // max(longest[0], 1) >= ctx:
+                raise APIError(400, f"the prompt ({len(text)} characters, at least {len(text) // longest[0]} tokens) "
+                               f"fills the model's context of {ctx} tokens", param=param,
+                               code="context_length_exceeded")
+        return tokenizer(text, **kw).input_ids
+
+    def encode_completion(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        ids = []
+        vocab = self.model.config.vocab_size
+        for p in prompts:
+            if isinstance(p, str):
+                ids.append(self.tokenize(p, "prompt"))
+            else:
+                if any(not 0 <= t < vocab for t in p):
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+                ids.append(list(p))
+        return ids
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        self.check_model(req)
+        await self.off_loop(self.check_text, req)  # walks every string of the body: off the loop too
+        ids = await self.off_loop(self.encode_completion, req)
+        return await self.respond(request, req, ids, req.max_tokens, chat=False, think=False)
+
+    def chat_text(self, messages: list[dict], tools, kwargs: dict) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False, **kwargs)
+        except Exception as e:  # a template that rejects these messages (or these chat_template_kwargs)
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
+        if not isinstance(text, str):
+            raise APIError(400, "chat_template_kwargs must not change what the template returns (text)",
+                           param="chat_template_kwargs")
+        return text
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenize(text, "messages", add_special_tokens=False)
+
+    async def chat_completions(self, req: ChatRequest, request: Request):
+        model, tokenizer, off_loop, budget = self.model, self.tokenizer, self.off_loop, self.budget
+        self.check_model(req)
+        await off_loop(self.check_text, req)  # walks every string of the body: off the loop too
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        plan = req.tool_plan()
+        fmt = None if plan and plan.forced else format_plan(req.response_format)
+        # forced tool calls and response_format schemas in the subset are infilled (server/structured.py);
+        # with tool_choice "auto" the model may call a tool instead, so the reply is generated freely
+        infill = bool((plan and plan.forced) or (fmt and fmt.skeleton and not (plan and plan.parses)))
+        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs.pop("tools", None)
+        # a forced tool call or an infilled JSON starts the reply: no reasoning block before it
+        think = bool(kwargs.get("enable_thinking", False)) and not infill and not (plan and plan.forced)
+        kwargs["enable_thinking"] = think
+        messages = [m.for_template() for m in req.messages]
+        text = await off_loop(self.chat_text, messages, plan.tools if plan else None, kwargs)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        ids = await off_loop(self.encode_text, text)
+        if infill:
+            key = self.check_common(req)
+            budget(ids, max_tokens)
+            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size) if fmt is None
+                   else partial(infill_format, model, tokenizer, ids, fmt, key.threshold, key.block_size))
+            async with self.exclusive:
+                try:
+                    done = await asyncio.to_thread(job)
+                except ValueError as e:
+                    raise APIError(400, str(e))
+            if done is not None:
+                return self.respond_infilled(req, len(ids), done)
+        if plan and plan.forced:  # arguments schema outside the subset: prefill the call, generate the rest
+            ids = await off_loop(self.encode_text, text + plan.prefix)
+        return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan,
+                                  fmt=fmt if fmt and not fmt.skeleton else None)
+
+    def respond_infilled(self, req, n_prompt: int, done: Infilled):
+        """An infilled reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
+        reply = Reply(self.settings.model_id, True, bool(req.stream_options and req.stream_options.include_usage))
+        finish = "tool_calls" if done.tool_calls else "stop"
+        message = {"role": "assistant", "content": done.content}
+        if done.tool_calls:
+            message["tool_calls"] = done.tool_calls
+        use = usage(n_prompt * req.n, done.completion_tokens * req.n)
+        if not req.stream:
+            choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": finish} for i in range(req.n)]
+            return JSONResponse(reply.whole(choices, use, {"structured": [done.info] * req.n}))
+
+        def events():
+            for i in range(req.n):
+                yield reply.chunk(i, {"role": "assistant", "content": ""})
+                if done.content is not None:
+                    yield reply.chunk(i, {"content": done.content})
+                for delta in tool_call_deltas(done.tool_calls):
+                    yield reply.chunk(i, delta)
+                yield reply.chunk(i, {}, finish=finish, clover={"structured": done.info})
+            yield from reply.end(use)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
+    async def decide(self, req: DecideRequest):
+        from ..decide import decide, parse_questions
+
+        self.check_model(req)
+        self.check_text(req)
+        questions = [q.model_dump(exclude_none=True) for q in req.questions]
+        if not req.material.strip():
+            raise APIError(400, "material is empty", param="material")
+        try:
+            parse_questions(questions, req.split)
+        except ValueError as e:
+            raise APIError(400, str(e), param="questions")
+        async with self.exclusive:
+            try:
+                result = await asyncio.to_thread(decide, self.model, self.tokenizer, req.material, questions, req.mode,
+                                                 req.threshold, req.block_size, req.split)
+            except ValueError as e:
+                raise APIError(400, str(e))
+        return result.to_dict()

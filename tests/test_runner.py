@@ -1,0 +1,124 @@
+"""The runner seam and the compile-friendly pieces, on a tiny random model (no compilation here:
+tests/test_runner_compiled.py compiles)."""
+
+import pytest
+import torch
+
+from clover.engine import DecodeConfig, Engine
+from clover.engine.runner import CompiledRunner, EagerRunner, is_steady, make_runner
+from clover.models import CloverForBlockDiffusion, preset_config
+from clover.models.modeling_clover import commit_slots
+from clover.ops.moe import grouped_experts, grouped_experts_op, naive_experts
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(4321)
+    m = CloverForBlockDiffusion(preset_config("clover-tiny")).eval()
+    m.lm_head.weight.data *= 40
+    return m
+
+
+def test_engine_calls_the_model_only_through_its_runner(model, monkeypatch):
+    """Every forward of a decode goes through runner.forward (prefill and steps), so a back end that
+    replaces the runner sees them all."""
+    calls = []
+    real = EagerRunner.forward
+
+    def spy(self, ids, cache, **kw):
+        calls.append(ids.shape)
+        return real(self, ids, cache, **kw)
+
+    monkeypatch.setattr(EagerRunner, "forward", spy)
+    direct = []
+    monkeypatch.setattr(CloverForBlockDiffusion, "__call__", lambda self, *a, **k: direct.append(1) or
+                        torch.nn.Module.__call__(self, *a, **k))
+    seq = Engine(model, DecodeConfig(block_size=4, max_new_tokens=8, prefill_chunk=4)).generate([list(range(3, 14))])[0]
+    assert len(calls) == len(direct) > seq.forward_passes  # prefill chunks + steps, nothing beside the runner
+
+
+def test_runner_forward_equals_model_forward(model):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 120, (3, 13), generator=g)
+    pad = torch.zeros(3, 13, dtype=torch.bool)
+    pad[1, :4] = pad[2, :9] = True
+    outs = []
+    for call in ("model", "runner"):
+        cache = model.new_cache(3, capacity=40)
+        with torch.no_grad():
+            if call == "model":
+                a = model(ids[:, :5], cache=cache, clean_block_size=5, pad_mask=pad[:, :5], logits_to_keep=1).logits
+                b = model(ids[:, 5:], cache=cache, block_size=4, draft_len=4, clean_block_size=4,
+                          logits_to_keep=4, logits_index=torch.tensor([0, 2, 3])).logits
+            else:
+                r = make_runner("eager", model)
+                a = r.forward(ids[:, :5], cache, clean_block_size=5, pad=pad[:, :5], keep=1)
+                b = r.forward(ids[:, 5:], cache, block_size=4, draft_len=4, clean_block_size=4, keep=4,
+                              index=torch.tensor([0, 2, 3]))
+        outs.append((a, b, cache.lens, cache.key[3].clone()))
+    for x, y in zip(*outs):
+        assert torch.equal(x, y)
+
+
+def _nonzero_slots_reference(lens, pad, n):
+    """The obvious commit: (row, slot) of every real clean column, by `nonzero`."""
+    valid = ~pad[:, :n] if pad is not None else torch.ones(len(lens), n, dtype=torch.bool)
+    npad = (~valid).sum(1)
+    rows, cols = torch.nonzero(valid, as_tuple=True)
+    return rows, cols, lens[rows] + cols - npad[rows]
+
+
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_commit_slots_match_nonzero_reference(n):
+    g = torch.Generator().manual_seed(n)
+    lens = torch.randint(0, 20, (5,), generator=g)
+    npad = torch.randint(0, n + 1, (5,), generator=g)
+    pad = torch.arange(n)[None, :] < npad[:, None]
+    for p in (pad, None):
+        slots = commit_slots(lens, p, n)
+        rows, cols, ref = _nonzero_slots_reference(lens, p, n)
+        assert torch.equal(slots[rows, cols], ref)  # real columns land where the reference puts them
+        assert all(len(set(r.tolist())) == n for r in slots)  # distinct slots per row: no write races
+        assert bool((slots < (lens + n)[:, None]).all()) and bool((slots >= 0).all())  # inside the reserved room
+        kept = lens + n - (p.sum(1) if p is not None else 0)
+        if p is not None:  # pads go past the new length, where nothing is read
+            assert bool((slots[p] >= kept[:, None].expand(-1, n)[p]).all())
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_expert_custom_op_equals_eager_and_naive(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i, k = 6, 16, 8, 2
+    x = torch.randn(tokens, h, generator=g)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    top_w, top_idx = torch.softmax(torch.randn(tokens, e, generator=g), -1).topk(k, dim=-1)
+    ref = naive_experts(x, top_idx, top_w, gate_up, down)
+    assert torch.equal(grouped_experts_op(x, top_idx, top_w, gate_up, down), grouped_experts(x, top_idx, top_w, gate_up, down))
+    torch.testing.assert_close(grouped_experts_op(x, top_idx, top_w, gate_up, down), ref, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(grouped_experts_op, (x, top_idx, top_w, gate_up, down), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_static_layout_equals_prefix_layout(model):
+    """Reading the cache's whole capacity (masked) gives the logits of reading the longest prefix."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 120, (2, 11), generator=g)
+    window = torch.randint(0, 120, (2, 4), generator=g)
+    outs = []
+    for static in (False, True):
+        cache = model.new_cache(2, capacity=64)
+        with torch.no_grad():
+            model(prompt, cache=cache)
+            layout = model.prepare_stream(window, cache, 4, 4, 4, None, static=static)
+            outs.append(model.head(model.model(window, layout, cache), 4))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_steady_shapes_and_bucketed_capacity(model):
+    assert is_steady(0, 8) and is_steady(1, 1) and is_steady(8, 16) and is_steady(32, 32)
+    assert not is_steady(7, 15) and not is_steady(128, 129) and not is_steady(0, 65)
+    assert CompiledRunner(model).new_cache(2, 300).capacity == 512
+
+
+def test_unknown_runner_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown runner"):
+        DecodeConfig(runner="fast").validate()
