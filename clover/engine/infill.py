@@ -361,3 +361,32 @@ def denoise(model, rows: list[Row], threshold: float) -> int:
         pending = (clean.to(device), pad.to(device) if bool(pad.any()) else None)
         clean_bs = width
     return calls
+
+
+# ---- constrained left-to-right decoding (the grammar path) ------------------------------------------------
+@torch.no_grad()
+def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor], None], accept: Callable[[int], bool],
+                       stops: set[int], max_new_tokens: int) -> tuple[list[int], bool, int]:
+    """Greedy next-token decoding (the engine's `ar` mode) where `allow(logits [1, V])` masks, in place,
+    the tokens a grammar forbids and `accept(token)` advances it (False: the grammar is done or broken).
+    Returns (tokens without the stop token, ended with a stop token or the grammar's end, forwards)."""
+    engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1))
+    engine.add([prompt])
+    mask = model.config.mask_token_id
+    tokens, forwards = [], 0
+    while len(tokens) < max_new_tokens:
+        logits = engine._forward(engine.window, 0, 1)[:, -1].float()  # [1, V]; the last token is committed as fed
+        forwards += 1
+        logits[:, mask] = float("-inf")
+        allow(logits)
+        t = int(logits.argmax(-1))
+        if not torch.isfinite(logits[0, t]):
+            return tokens, False, forwards  # the grammar allows nothing here
+        ok = accept(t)
+        if t in stops:
+            return tokens, True, forwards
+        tokens.append(t)
+        if not ok:
+            return tokens, True, forwards
+        engine.window = torch.tensor([[t]], device=engine.device)
+    return tokens, False, forwards
