@@ -106,6 +106,10 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
     parts = _framed(skel.parts, prefix, suffix)
     units, slots = _Layout(model, tokenizer, parts, min(max_string_tokens, block_size)).build()
     row = Row(prompt_ids, units, block_size, model.config.max_block_size)
+    need = len(prompt_ids) + sum(len(u.scaffold) + u.width for u in row.units) + 1
+    if need > model.config.max_position_embeddings:
+        raise sk.Unsupported(f"the layout needs {need} tokens with the prompt, more than the model's context "
+                             f"({model.config.max_position_embeddings})")
     denoise(model, [row], threshold)
     full = _render(parts, slots)
     text = full[len(prefix): len(full) - len(suffix)]

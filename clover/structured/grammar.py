@@ -16,6 +16,7 @@ final check, or refused beforehand (`Refused`, a 400 in the server).
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import torch
@@ -26,6 +27,7 @@ from .normalize import Refused, for_decoding
 # OpenAI's json_object (any object), bounded for decoding
 JSON_OBJECT = {"type": "object", "maxProperties": 4, "propertyNames": {"maxLength": 16},
                "additionalProperties": {"type": ["string", "integer", "number", "boolean", "null"], "maxLength": 24}}
+TRIES = 4  # decodings of one request when the final check rejects a document
 _COMPILERS: dict[int, tuple[object, object, tuple]] = {}  # id(tokenizer) -> (tokenizer, compiler, stop ids)
 _GRAMMARS: dict[tuple[int, str], object] = {}  # (id(compiler), schema JSON) -> compiled grammar
 
@@ -63,6 +65,23 @@ def _keyword(message: str) -> str:
     return "schema"
 
 
+def _closers(tokenizer, stops):
+    """closers(tokens) for the wrap-up: inside a string its closing quote first, else EOS and the
+    closing brackets (then the quote: an empty string, and a zero or false, end a value soonest)."""
+    def one(text):
+        ids = token_ids(tokenizer, text)
+        return ids if len(ids) == 1 else []
+
+    outside = list(stops) + one("}") + one("]") + one('"') + one("0") + one(" 0") + one("false")
+    inside = one('"') + outside
+
+    def closers(tokens: list[int]) -> list[int]:
+        text = tokenizer.decode(tokens, skip_special_tokens=False)
+        quotes = len(re.findall(r'(?<!\\)(?:\\\\)*"', text))
+        return inside if quotes % 2 else outside
+    return closers
+
+
 def check_grammar(model, tokenizer, schema) -> None:
     """`Refused` unless the grammar path can decode the (normalised) schema."""
     from ..api import eos_ids
@@ -71,10 +90,25 @@ def check_grammar(model, tokenizer, schema) -> None:
 
 
 def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
-                 max_new_tokens: int = 256):
+                 max_new_tokens: int = 256, tries: int = TRIES):
     """Decode the JSON of `schema` (normalised) after `prompt_ids` and the fixed text `prefix`, then
-    `suffix`; a JsonResult with method "grammar" (`complete` False when max_new_tokens ran out first:
-    the text is then the truncated document, never valid)."""
+    `suffix`; a JsonResult with method "grammar". The first try is greedy; a document the final
+    check rejects (a keyword the grammar does not enforce) is decoded again, sampled, up to `tries`
+    times in all (the forwards of every try are counted). `complete` is False when max_new_tokens ran
+    out first: the text is then the truncated document, never valid."""
+    start = time.perf_counter()
+    out, forwards = None, 0
+    for k in range(tries):
+        generator = None if k == 0 else torch.Generator().manual_seed(k)
+        out = _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator)
+        forwards += out.forward_passes
+        if out.valid or not out.complete:
+            break
+    out.forward_passes, out.seconds = forwards, time.perf_counter() - start
+    return out
+
+
+def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator):
     import xgrammar as xgr
 
     from ..api import eos_ids
@@ -97,7 +131,8 @@ def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = 
         return matcher.accept_token(t) and not matcher.is_terminated()
 
     tokens, complete, forwards = decode_constrained(model, list(prompt_ids) + head, allow, accept, set(stops),
-                                                    max_new_tokens)
+                                                    max_new_tokens, generator, _closers(tokenizer, stops),
+                                                    max_new_tokens // 4)
     text = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     tail = token_ids(tokenizer, suffix) if suffix and complete else []
     if not complete:

@@ -40,6 +40,7 @@ VALIDATION = {
 }
 # formats that constrain a string (checked by the grammar and, where jsonschema can, by its checker)
 FORMATS = {"date", "date-time", "time", "email", "uuid", "ipv4", "ipv6", "uri", "hostname"}
+INLINE_LIMIT = 4000  # characters of a normalised $ref target inlined at each use
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs")
 SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -55,13 +56,15 @@ class Refused(ValueError):
         self.keyword, self.path = keyword, path or "#"
 
 
-def normalize(schema) -> dict | bool:
-    """The normalised schema (see the module docstring); `Refused` for what cannot be honoured."""
+def normalize(schema, root: dict | None = None) -> dict | bool:
+    """The normalised schema (see the module docstring); `Refused` for what cannot be honoured.
+    `root`: the document local `$ref`s point into (default: the schema itself), e.g. an OpenAPI
+    document for `{"$ref": "#/components/schemas/Pet"}`."""
     if isinstance(schema, bool):
         return schema
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    n = _Normalizer(schema)
+    n = _Normalizer(schema if root is None else root)
     out = n.node(schema, "#", ())
     if n.defs:
         if not isinstance(out, dict):
@@ -76,6 +79,7 @@ class _Normalizer:
         self.root = root
         self.defs: dict[str, object] = {}  # recursive targets, normalised, by name
         self.names: dict[str, str] = {}  # ref -> name in defs
+        self.done: dict[str, object] = {}  # ref -> its normalised target
 
     def resolve(self, ref: str, path: str):
         if not isinstance(ref, str) or not ref.startswith("#"):
@@ -104,23 +108,39 @@ class _Normalizer:
         parts = []
         if "$ref" in s:
             ref = s.pop("$ref")
-            if ref in stack or ref in self.names:
-                parts.append({"$ref": "#/$defs/" + self._recursive(ref, path, stack)})
-            else:
-                parts.append(self.node(self.resolve(ref, path), f"{path}/$ref", stack + (ref,)))
+            parts.append(self.ref(ref, path, stack))
         out = self.own(s, path, stack)
         if not parts:
             return out
         if out == {} or out is True:
             return parts[0]
-        return self.merge([parts[0], out], path)
+        return _merged([parts[0], out], path)
+
+    def ref(self, ref: str, path: str, stack: tuple):
+        """The normalised target of a `$ref`: inlined, or a `$ref` into the result's `$defs` when it
+        is recursive or large (INLINE_LIMIT characters: a target used in many places would otherwise
+        be copied into each)."""
+        if ref in stack or ref in self.names:
+            return {"$ref": "#/$defs/" + self._recursive(ref, path, stack)}
+        if ref not in self.done:
+            self.done[ref] = self.node(self.resolve(ref, path), f"{path}/$ref", stack + (ref,))
+            if ref in self.names:  # it turned out recursive while it was built
+                return {"$ref": "#/$defs/" + self.names[ref]}
+            if len(json.dumps(self.done[ref])) > INLINE_LIMIT:
+                self.names[ref] = self._name(ref)
+                self.defs[self.names[ref]] = self.done[ref]
+                return {"$ref": "#/$defs/" + self.names[ref]}
+        return copy.deepcopy(self.done[ref])
+
+    def _name(self, ref: str) -> str:
+        name = ref.rsplit("/", 1)[-1] or "root"
+        while name in self.defs or name in self.names.values():
+            name += "_"
+        return name
 
     def _recursive(self, ref: str, path: str, stack: tuple) -> str:
         if ref not in self.names:
-            name = ref.rsplit("/", 1)[-1] or "root"
-            while name in self.defs or name in self.names.values():
-                name += "_"
-            self.names[ref] = name
+            self.names[ref] = name = self._name(ref)
             self.defs[name] = True  # placeholder while it is built
             self.defs[name] = self.node(self.resolve(ref, path), f"{path}/$ref", stack + (ref,))
         return self.names[ref]
@@ -162,44 +182,68 @@ class _Normalizer:
             out = _allow_null(out)
         if "allOf" in out:
             rest = {k: v for k, v in out.items() if k != "allOf"}
-            out = self.merge(out["allOf"] + ([rest] if rest else []), f"{path}/allOf")
+            out = _merged(out["allOf"] + ([rest] if rest else []), f"{path}/allOf")
         if "oneOf" in out and "anyOf" not in out and _disjoint(out["oneOf"]):
             out["anyOf"] = out.pop("oneOf")
         return out
 
-    def merge(self, schemas: list, path: str):
-        """allOf of normalised schemas as one schema; Refused where they do not combine."""
-        if any(s is False for s in schemas):
-            return False
-        schemas = [s for s in schemas if s is not True and s != {}]
-        if not schemas:
-            return {}
-        out: dict = {}
-        for s in schemas:
-            for key, value in s.items():
-                if key not in out:
-                    out[key] = copy.deepcopy(value)
-                    continue
-                out[key] = _combine(key, out[key], value, path, self)
-        # a part with additionalProperties false admits only its own properties
-        for s in schemas:
-            if s.get("additionalProperties") is False and "properties" in out and "patternProperties" not in s:
-                own = set(s.get("properties", {}))
-                for key in [k for k in out["properties"] if k not in own]:
-                    if key in out.get("required", []):
-                        raise Refused("allOf", path, f"property {key!r} is required by one part and "
-                                      "forbidden by another (additionalProperties false)")
-                    del out["properties"][key]
-        return out
+def merge(schemas: list, path: str, decoding: bool = False, defs: dict | None = None):
+    """allOf of normalised schemas as one schema; Refused where they do not combine. `decoding`:
+    a strengthening is enough (for_decoding): `anyOf`s combine branch by branch (the pairs that do
+    not combine left out) and a `$ref` part is expanded from `defs`."""
+    if any(s is False for s in schemas):
+        return False
+    schemas = [s for s in schemas if s is not True and s != {}]
+    if decoding:
+        schemas = [_expand(s, defs or {}, path) for s in schemas]
+    if not schemas:
+        return {}
+    out: dict = {}
+    for s in schemas:
+        for key, value in s.items():
+            if key not in out:
+                out[key] = copy.deepcopy(value)
+                continue
+            out[key] = _combine(key, out[key], value, path, decoding, defs)
+    # a part with additionalProperties false admits only its own properties
+    for s in schemas:
+        if s.get("additionalProperties") is False and "properties" in out and "patternProperties" not in s:
+            own = set(s.get("properties", {}))
+            for key in [k for k in out["properties"] if k not in own]:
+                if key in out.get("required", []):
+                    raise Refused("allOf", path, f"property {key!r} is required by one part and "
+                                  "forbidden by another (additionalProperties false)")
+                del out["properties"][key]
+    return out
 
 
-def _combine(key: str, a, b, path: str, n: _Normalizer):
+def _expand(s, defs: dict, path: str):
+    """A part `{"$ref": "#/$defs/x", ...}` with the target's keywords in place of the reference."""
+    if not isinstance(s, dict) or "$ref" not in s:
+        return s
+    name = s["$ref"].rsplit("/", 1)[-1]
+    if name not in defs:
+        raise Refused("$ref", path, f"{s['$ref']!r} does not resolve")
+    rest = {k: v for k, v in s.items() if k != "$ref"}
+    target = defs[name]
+    return merge([target, rest], path) if rest else target
+
+
+def _merged(schemas: list, path: str):
+    """One schema when the parts merge, else {"allOf": parts} (for_decoding tries again)."""
+    try:
+        return merge(schemas, path)
+    except Refused:
+        return {"allOf": [s for s in schemas if s is not True and s != {}]}
+
+
+def _combine(key: str, a, b, path: str, decoding: bool = False, defs: dict | None = None):
     if a == b:
         return a
     if key == "properties":
         out = dict(a)
         for k, v in b.items():
-            out[k] = n.merge([out[k], v], f"{path}/properties/{_escape(k)}") if k in out else v
+            out[k] = merge([out[k], v], f"{path}/properties/{_escape(k)}", decoding, defs) if k in out else v
         return out
     if key == "required":
         return list(dict.fromkeys(list(a) + list(b)))
@@ -223,7 +267,20 @@ def _combine(key: str, a, b, path: str, n: _Normalizer):
     if key == "uniqueItems":
         return bool(a or b)
     if key in ("additionalProperties", "items", "propertyNames"):
-        return n.merge([a, b], f"{path}/{key}")
+        return merge([a, b], f"{path}/{key}", decoding, defs)
+    if key == "anyOf" and decoding:
+        pairs = []
+        for x in a:
+            for y in b:
+                try:
+                    pairs.append(merge([x, y], f"{path}/anyOf", decoding, defs))
+                except Refused:
+                    continue  # a pair that does not combine is left out (a strengthening)
+        if not pairs:
+            raise Refused("allOf", path, "no pair of the parts' anyOf branches combines")
+        return pairs
+    if key == "pattern" and decoding:
+        raise Refused("pattern", path, "two patterns on one string (the grammar takes one)")
     if key == "dependentRequired":
         out = dict(a)
         for k, v in b.items():
@@ -322,28 +379,47 @@ def _escape(key: str) -> str:
 
 
 # ---- for the grammar path ----------------------------------------------------------------------------
-STRING_CAP = 48  # characters of a string without maxLength (a bound the grammar decodes within)
-ARRAY_CAP = 4  # items of an array without maxItems
+STRING_CAP = 24  # characters of a string without maxLength (a bound the grammar decodes within)
+ARRAY_CAP = 3  # items of an array without maxItems
 # keywords the grammar library does not enforce and `for_decoding` cannot strengthen away
 UNENFORCED = ("if", "then", "else", "contains", "minContains", "maxContains", "dependentSchemas",
               "unevaluatedItems")
 
 
-def for_decoding(schema, path: str = "#"):
+def for_decoding(schema, path: str = "#", defs: dict | None = None):
     """A normalised schema strengthened so the grammar path can decode it and every document it
     accepts is valid under `schema`: free strings and arrays bounded (STRING_CAP, ARRAY_CAP),
-    `dependentRequired` and `not: {required: [...]}` met by leaving the optional keys out,
-    `unevaluatedProperties: false` as `additionalProperties: false`. `Refused` for a keyword the
-    grammar cannot enforce (UNENFORCED, any other `not`)."""
+    `allOf` merged (anyOf branches paired), `if`/`then` as both (the `if` made to hold),
+    `dependentRequired` and `not` met by leaving optional keys or types out, `unevaluatedProperties`
+    as `additionalProperties`. `Refused` for what the grammar cannot enforce (UNENFORCED, other `not`s)."""
     if not isinstance(schema, dict):
         return schema
+    if defs is None:
+        defs = schema.get("$defs", {})
     s = dict(schema)
+    if "allOf" in s:
+        parts = [for_decoding(_expand(p, defs, path), f"{path}/allOf/{i}", defs) for i, p in enumerate(s.pop("allOf"))]
+        s = merge(parts + [s], f"{path}/allOf", True, defs)
+        if not isinstance(s, dict):
+            return s
+    if "if" in s:
+        cond, then = s.pop("if"), s.pop("then", True)
+        s.pop("else", None)
+        if then is not True:
+            try:
+                met = merge([s, cond, then], f"{path}/if", True, defs)
+            except Refused:  # the condition conflicts with the rest: left to the final check
+                met = None
+            if isinstance(met, dict):
+                s = met
+    s.pop("then", None)
+    s.pop("else", None)
     for key in UNENFORCED:
         if key in s:
             raise Refused(key, f"{path}", "the grammar path cannot enforce it")
     if "unevaluatedProperties" in s:
         u = s.pop("unevaluatedProperties")
-        if any(k in s for k in ("anyOf", "oneOf", "allOf")) and u is not True:
+        if any(k in s for k in ("anyOf", "oneOf")) and u is not True:
             raise Refused("unevaluatedProperties", path, "with applicators, the grammar path cannot enforce it")
         if "additionalProperties" not in s:
             s["additionalProperties"] = u
@@ -356,30 +432,38 @@ def for_decoding(schema, path: str = "#"):
         else:
             drop.add(key)
     if "not" in s:
-        neg = s.pop("not")
-        keys = neg.get("required") if isinstance(neg, dict) and set(neg) == {"required"} else None
-        if not keys or any(k in required for k in keys):
-            raise Refused("not", f"{path}/not", "the grammar path cannot enforce it")
-        drop.add(keys[0])
+        s, keys = _negate(s, s.pop("not"), f"{path}/not")
+        drop |= keys
     if any(k in required for k in drop):
-        raise Refused("dependentRequired", path, "cannot be met")
+        raise Refused("not" if "not" in schema else "dependentRequired", path, "cannot be met")
     for key in drop:  # left out (without additionalProperties the grammar writes no other key)
         props.pop(key, None)
     if "properties" in s or props:
-        s["properties"] = {k: for_decoding(v, f"{path}/properties/{_escape(k)}") for k, v in props.items()}
+        out = {}
+        for k, v in props.items():
+            if _never(v) and k not in required:
+                continue  # a property that may not be present: left out
+            out[k] = for_decoding(v, f"{path}/properties/{_escape(k)}", defs)
+        s["properties"] = out
     if required:
         s["required"] = required
     for key in ("additionalProperties", "items", "propertyNames"):
         if isinstance(s.get(key), dict):
-            s[key] = for_decoding(s[key], f"{path}/{key}")
+            s[key] = for_decoding(s[key], f"{path}/{key}", defs)
     for key in ("patternProperties", "$defs"):
         if key in s:
-            s[key] = {k: for_decoding(v, f"{path}/{key}/{_escape(k)}") for k, v in s[key].items()}
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            s[key] = {k: for_decoding(v, f"{path}/{key}/{_escape(k)}", defs) for k, v in s[key].items()}
+    for key in ("anyOf", "oneOf", "prefixItems"):
         if key in s:
-            s[key] = [for_decoding(v, f"{path}/{key}/{i}") for i, v in enumerate(s[key])]
+            s[key] = [for_decoding(v, f"{path}/{key}/{i}", defs) for i, v in enumerate(s[key])]
     if "oneOf" in s:  # the grammar reads oneOf as anyOf; the final check tells an overlap
-        s["anyOf"] = s.pop("oneOf") if "anyOf" not in s else s["anyOf"]
+        if "anyOf" in s:
+            raise Refused("oneOf", path, "beside anyOf")
+        s["anyOf"] = s.pop("oneOf")
+    if (isinstance(s.get("additionalProperties"), dict) or "patternProperties" in s) and "propertyNames" not in s:
+        s["propertyNames"] = {"maxLength": STRING_CAP}  # map keys bounded, and their number
+    if isinstance(s.get("additionalProperties"), dict) or "patternProperties" in s:
+        s.setdefault("maxProperties", max(s.get("minProperties", 0), len(s.get("properties", {})) + ARRAY_CAP))
     types = _types(s)
     free = not any(k in s for k in ("enum", "const", "pattern", "format", "maxLength"))
     if free and (types is None or "string" in types) and ("type" in s or "minLength" in s):
@@ -387,3 +471,43 @@ def for_decoding(schema, path: str = "#"):
     if "maxItems" not in s and (types is None or "array" in types) and ("type" in s or "items" in s):
         s["maxItems"] = max(s.get("minItems", 0), len(s.get("prefixItems", [])), ARRAY_CAP)
     return s
+
+
+def _never(s) -> bool:
+    return s is False or (isinstance(s, dict) and set(s) == {"not"} and s["not"] in ({}, True))
+
+
+def _negate(s: dict, neg, path: str) -> tuple[dict, set]:
+    """`s` strengthened to meet `not: neg`, and the optional keys to leave out. A `not` this cannot
+    express (e.g. a string `not: {pattern}`) is left to the final check (grammar_json retries)."""
+    if neg is False:
+        return s, set()
+    if isinstance(neg, dict):
+        neg = dict(neg)
+        if isinstance(neg.get("properties"), dict) and all(v in (True, {}) for v in neg["properties"].values()):
+            neg.pop("properties")
+        if neg.get("type") == "object" and "required" in neg:
+            neg.pop("type")
+    if isinstance(neg, dict) and set(neg) == {"required"} and neg["required"]:
+        return s, {neg["required"][0]}
+    if isinstance(neg, dict) and set(neg) == {"anyOf"} and all(
+            isinstance(b, dict) and set(b) == {"required"} and b["required"] for b in neg["anyOf"]):
+        return s, {b["required"][0] for b in neg["anyOf"]}
+    if isinstance(neg, dict) and set(neg) == {"type"}:
+        banned = set(neg["type"] if isinstance(neg["type"], list) else [neg["type"]])
+        have = s.get("type", list(TYPES))
+        have = [t for t in (have if isinstance(have, list) else [have]) if t not in banned]
+        if "number" in banned:
+            have = [t for t in have if t != "integer"]
+        if not have:
+            raise Refused("not", path, "no type is left")
+        return {**s, "type": have[0] if len(have) == 1 else have}, set()
+    if isinstance(neg, dict) and set(neg) <= {"enum", "const"} and "enum" in s:
+        bad = neg.get("enum", []) + ([neg["const"]] if "const" in neg else [])
+        left = [v for v in s["enum"] if v not in bad]
+        if not left:
+            raise Refused("not", path, "no enum value is left")
+        return {**s, "enum": left}, set()
+    if neg in ({}, True):
+        raise Refused("not", path, "nothing is valid here")
+    return s, set()
