@@ -21,7 +21,7 @@ from ..engine import MODES
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, error_body, new_id, now, usage
 from .scheduler import EngineKey, Job, QueueFull, Scheduler, Ticket
-from .structured import FormatPlan, Infilled, check_reply, format_plan, infill_format, infill_tool_call
+from .structured import Infilled, format_plan, infill_format, infill_tool_call
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
@@ -312,7 +312,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         return {"committed": [[p, s] for p, s in zip(pieces(new_tokens), steps)]}
 
     async def respond(request: Request, req, prompts: list[list[int]], max_tokens, chat: bool, think: bool,
-                      tools: ToolPlan | None = None, fmt: FormatPlan | None = None):
+                      tools: ToolPlan | None = None):
         key = check_common(req)
         ticket, jobs = submit(request, req, prompts, max_tokens, key)
         choices = [Choice(tokenizer, req.stop_list(), think, tools) for _ in jobs]
@@ -338,8 +338,6 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                     out.append({"index": i, "text": c.content, "logprobs": None, "finish_reason": c.finish_reason})
             body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                     "model": settings.model_id, "choices": out, "usage": total_usage()}
-            if fmt:  # response_format outside the infilled subset: generated freely, checked here
-                body["clover"] = {"structured": [check_reply(fmt, c.content) for c in choices]}
             return JSONResponse(body)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -365,8 +363,6 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
                         for delta in tool_call_deltas(choices[i].tool_calls):
                             yield chunk(i, delta)
                         extra = dict(choices[i].stats) if req.clover_live else {}
-                        if fmt:
-                            extra["structured"] = check_reply(fmt, choices[i].content)
                         yield chunk(i, finish=choices[i].finish_reason, clover=extra or None)
                         continue
                     extra = live_fields(ev) if req.clover_live else None
@@ -424,9 +420,9 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
         plan = req.tool_plan()
         fmt = None if plan and plan.forced else format_plan(req.response_format)
-        # forced tool calls and response_format schemas in the subset are infilled (server/structured.py);
-        # with tool_choice "auto" the model may call a tool instead, so the reply is generated freely
-        infill = bool((plan and plan.forced) or (fmt and fmt.skeleton and not (plan and plan.parses)))
+        # forced tool calls and response_format replies are structured (server/structured.py: infilled or
+        # decoded under the schema's grammar); with tool_choice "auto" and a response_format the reply is the JSON
+        infill = bool((plan and plan.forced) or fmt)
         kwargs = dict(req.chat_template_kwargs or {})
         kwargs.pop("tools", None)
         # a forced tool call or an infilled JSON starts the reply: no reasoning block before it
@@ -442,25 +438,22 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if infill:
             key = check_common(req)
-            budget(ids, max_tokens)
-            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size) if fmt is None
-                   else partial(infill_format, model, tokenizer, ids, fmt, key.threshold, key.block_size))
+            room = budget(ids, max_tokens)
+            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size, room)
+                   if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, key.threshold,
+                                               key.block_size, room))
             async with exclusive:
                 try:
                     done = await asyncio.to_thread(job)
                 except ValueError as e:
                     raise APIError(400, str(e))
-            if done is not None:
-                return respond_infilled(req, len(ids), done)
-        if plan and plan.forced:  # arguments schema outside the subset: prefill the call, generate the rest
-            ids = tokenizer(text + plan.prefix, add_special_tokens=False).input_ids
-        return await respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan,
-                             fmt=fmt if fmt and not fmt.skeleton else None)
+            return respond_infilled(req, len(ids), done)
+        return await respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
 
     def respond_infilled(req, n_prompt: int, done: Infilled):
         """An infilled reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
         rid, created = new_id("chatcmpl"), now()
-        finish = "tool_calls" if done.tool_calls else "stop"
+        finish = done.finish
         message = {"role": "assistant", "content": done.content}
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls

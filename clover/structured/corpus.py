@@ -286,9 +286,9 @@ def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: 
         room = model.config.max_position_embeddings - len(encode(tokenizer, prompt_for(entry), True)) - 1
         out = generate_json(model, tokenizer, prompt_for(entry), schema, chat=True, threshold=threshold,
                             block_size=block_size, max_new_tokens=min(max_new_tokens, room))
-    except Refused as e:
-        return rec | {"method": "refused", "valid": False, "forward_passes": 0,
-                      "seconds": time.perf_counter() - start, "error": str(e), "keyword": e.keyword}
+    except ValueError as e:  # Refused, or a schema that is not valid (both a 400 in the server)
+        return rec | {"method": "refused", "valid": False, "forward_passes": 0, "seconds": time.perf_counter() - start,
+                      "error": str(e), "keyword": getattr(e, "keyword", "schema")}
     # the verdict again, from the returned text alone
     valid = out.complete
     if valid:

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from ..engine.infill import decode_constrained, token_ids
-from .normalize import Refused, for_decoding
+from ..engine.infill import decode_constrained, token_ids, vocab_mask
+from .normalize import Refused, for_decoding, unroll
 
 # OpenAI's json_object (any object), bounded for decoding
 JSON_OBJECT = {"type": "object", "maxProperties": 4, "propertyNames": {"maxLength": 16},
@@ -47,7 +47,7 @@ def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema) -
     xgrammar cannot compile."""
     from .generate import is_json_object
 
-    decodable = JSON_OBJECT if is_json_object(schema) else for_decoding(schema)
+    decodable = JSON_OBJECT if is_json_object(schema) else for_decoding(unroll(schema))
     compiler = _compiler(tokenizer, vocab_size, tuple(stops))
     key = (id(compiler), json.dumps(decodable, sort_keys=True))
     if key not in _GRAMMARS:
@@ -122,10 +122,14 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
     matcher = xgr.GrammarMatcher(compile_schema(tokenizer, vocab, stops, schema))
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     head = token_ids(tokenizer, prefix) if prefix else []
+    # never a control character (xgrammar lets some through inside strings) nor a special or added token
+    banned = ~vocab_mask(tokenizer, vocab, "json text", lambda t: not any(ord(c) < 0x20 for c in t))
+    banned[list(stops)] = False
 
     def allow(logits: torch.Tensor) -> None:
         matcher.fill_next_token_bitmask(bitmask)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        logits[:, banned.to(logits.device)] = float("-inf")
 
     def accept(t: int) -> bool:
         return matcher.accept_token(t) and not matcher.is_terminated()

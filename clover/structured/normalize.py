@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 # the validation vocabulary (draft 2020-12, with draft-04..07 spellings normalised away)
 VALIDATION = {
@@ -133,7 +134,7 @@ class _Normalizer:
         return copy.deepcopy(self.done[ref])
 
     def _name(self, ref: str) -> str:
-        name = ref.rsplit("/", 1)[-1] or "root"
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", ref.rsplit("/", 1)[-1].lstrip("#")) or "root"
         while name in self.defs or name in self.names.values():
             name += "_"
         return name
@@ -158,6 +159,12 @@ class _Normalizer:
                     s.setdefault("dependentRequired", {})[key] = dep
                 else:
                     s.setdefault("dependentSchemas", {})[key] = dep
+        for key, where in ([("pattern", s.get("pattern"))] + [("patternProperties", k) for k in s.get("patternProperties") or {}]):
+            if isinstance(where, str):
+                try:
+                    re.compile(where)
+                except re.error as e:
+                    raise Refused(key, path, f"{where!r} is not a regular expression Python can check ({e})")
         out = {}
         for key, value in s.items():
             if key not in VALIDATION or key == "$defs":
@@ -398,8 +405,15 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
         defs = schema.get("$defs", {})
     s = dict(schema)
     if "allOf" in s:
-        parts = [for_decoding(_expand(p, defs, path), f"{path}/allOf/{i}", defs) for i, p in enumerate(s.pop("allOf"))]
-        s = merge(parts + [s], f"{path}/allOf", True, defs)
+        raw = [_expand(p, defs, path) for p in s.pop("allOf")]
+        try:
+            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs) for i, p in enumerate(raw)] + [s],
+                      f"{path}/allOf", True, defs)
+        except Refused:  # conditions made to hold in each part may conflict: leave them to the final check
+            bare = [{k: v for k, v in p.items() if k not in ("if", "then", "else")} if isinstance(p, dict) else p
+                    for p in raw]
+            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs) for i, p in enumerate(bare)] + [s],
+                      f"{path}/allOf", True, defs)
         if not isinstance(s, dict):
             return s
     if "if" in s:
@@ -511,3 +525,62 @@ def _negate(s: dict, neg, path: str) -> tuple[dict, set]:
     if neg in ({}, True):
         raise Refused("not", path, "nothing is valid here")
     return s, set()
+
+
+RECURSION = 2  # levels of a recursive schema the grammar path lays out before it stops recursing
+
+
+def unroll(schema, depth: int = RECURSION):
+    """A normalised schema with its recursive `$ref`s expanded `depth` levels deep; below that an
+    optional property or an array item that would recurse is left out (a strengthening: the grammar
+    then writes no deeper), and a required one keeps its `$ref`."""
+    if not isinstance(schema, dict) or "$defs" not in schema:
+        return schema
+    defs = schema["$defs"]
+    cut = object()
+
+    def ref_of(s):
+        return s["$ref"].rsplit("/", 1)[-1] if isinstance(s, dict) and set(s) == {"$ref"} else None
+
+    def walk(s, level):
+        if not isinstance(s, dict):
+            return s
+        name = ref_of(s)
+        if name is not None and name in defs:
+            return walk(defs[name], level + 1) if level < depth else cut
+        out = {}
+        for key, value in s.items():
+            if key == "$defs":
+                continue
+            if key in ("properties", "patternProperties", "dependentSchemas"):
+                kids = {}
+                for k, v in value.items():
+                    w = walk(v, level)
+                    if w is cut:
+                        if key != "properties" or k in s.get("required", []):
+                            kids[k] = v
+                        continue
+                    kids[k] = w
+                out[key] = kids
+            elif key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+                items = [walk(v, level) for v in value]
+                if key == "anyOf" and any(i is not cut for i in items):
+                    items = [i for i in items if i is not cut]
+                out[key] = [v if i is cut else i for i, v in zip(items, value)] if cut in items else items
+            elif key in ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains"):
+                w = walk(value, level)
+                if w is cut and key == "items" and s.get("minItems", 0) == 0:
+                    out["maxItems"] = 0
+                    continue
+                if w is cut and key == "additionalProperties":
+                    out[key] = False
+                    continue
+                out[key] = value if w is cut else w
+            else:
+                out[key] = value
+        if out.get("maxItems") == 0:
+            out.pop("items", None)
+        return out
+
+    body = walk({k: v for k, v in schema.items() if k != "$defs"}, 0)
+    return {**body, "$defs": defs} if body is not cut else schema
