@@ -289,6 +289,9 @@ def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: 
     except ValueError as e:  # Refused, or a schema that is not valid (both a 400 in the server)
         return rec | {"method": "refused", "valid": False, "forward_passes": 0, "seconds": time.perf_counter() - start,
                       "error": str(e), "keyword": getattr(e, "keyword", "schema")}
+    except Exception as e:  # a failure of ours (a 500 in the server): counted against coverage, not hidden
+        return rec | {"method": "error", "valid": False, "forward_passes": 0, "seconds": time.perf_counter() - start,
+                      "error": f"{type(e).__name__}: {e}"}
     # the verdict again, from the returned text alone
     valid = out.complete
     if valid:
@@ -308,7 +311,7 @@ def summarize(records: list[dict]) -> dict:
     per source and per method."""
     def stats(rs):
         n = len(rs)
-        answered = [r for r in rs if r["method"] != "refused"]
+        answered = [r for r in rs if r["method"] in ("infill", "grammar")]
         return {"total": n, "valid": sum(r["valid"] for r in rs), "coverage": sum(r["valid"] for r in rs) / max(n, 1),
                 "refused": n - len(answered), "invalid": sum(not r["valid"] for r in answered),
                 "incomplete": sum(not r.get("complete", True) for r in answered),
@@ -316,6 +319,6 @@ def summarize(records: list[dict]) -> dict:
                 "seconds_per_reply": sum(r["seconds"] for r in answered) / max(len(answered), 1)}
 
     sources = list(dict.fromkeys(r["source"] for r in records))
-    methods = [m for m in ("infill", "grammar", "refused") if any(r["method"] == m for r in records)]
+    methods = [m for m in ("infill", "grammar", "refused", "error") if any(r["method"] == m for r in records)]
     return {"overall": stats(records), "per_source": {s: stats([r for r in records if r["source"] == s]) for s in sources},
             "per_method": {m: stats([r for r in records if r["method"] == m]) for m in methods}}

@@ -183,6 +183,8 @@ class _Normalizer:
             else:
                 out[key] = copy.deepcopy(value)
         if isinstance(out.get("type"), list):
+            if not all(isinstance(t, str) for t in out["type"]):
+                raise Refused("type", path, "a schema inside a list of types (draft 3)")
             types = list(dict.fromkeys(out["type"]))
             out["type"] = types[0] if len(types) == 1 else types
         if nullable:
