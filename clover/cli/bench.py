@@ -479,7 +479,8 @@ def run_structured(args) -> int:
     print(f"Structured output: {described}; {args.n} seeded cases of each of {len(KINDS)} kinds (seed {args.seed}), "
           f"threshold {args.threshold:g}, block {args.block_size}, {model.device} "
           f"{str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads. infill = generate_json "
-          f"(tool kinds: infill_json inside the <tool_call> frame, as the server's forced calls); free = the same "
+          f"(tool kinds: infill_json inside the <tool_call> frame, as the server's forced calls); grammar = the same "
+          f"schema decoded left to right under its xgrammar mask (method='grammar'); free = the same "
           f"prompt generated freely (low_confidence, up to {args.max_new_tokens} tokens), then parsed and validated. "
           f"Valid = parses and validates; exact = valid and every field equals the ground truth; fields = share of "
           f"fields right; forwards after the prompt prefill. docs/structured.md.\n")
