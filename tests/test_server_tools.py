@@ -2,7 +2,8 @@
 `tool_calls` out (streamed and not), driven by the official `openai` client against a tiny random model
 with a real Clover tokenizer (byte-level BPE, atomic <tool_call> tokens, the chat template that renders
 tools); plus the reply assembly on given generated text (parsing, forcing, malformed calls), forced
-calls and `response_format` by schema-guided infilling, and the fallback for other formats."""
+calls and `response_format` by schema-guided infilling or the grammar path (docs/structured.md); the
+corpus-level checks (BFCL-style tools, pydantic models through `parse`) are in test_structured_corpus.py."""
 
 import json
 
@@ -165,7 +166,7 @@ def test_forced_calls_are_infilled_and_valid_for_their_schema(client):
     specs = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for choice in ("required", NAMED, {"type": "function", "function": {"name": "get_time"}}):
         one = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                                             max_tokens=16)
+                                             max_tokens=64)  # the call frame counts: 16 would cut it ("length")
         (call,) = one.choices[0].message.tool_calls
         assert one.choices[0].finish_reason == "tool_calls" and call.function.name in specs
         validate(json.loads(call.function.arguments), specs[call.function.name])
@@ -302,7 +303,7 @@ def schema_format(schema):
 def test_json_schema_is_infilled_and_valid(client, schema):
     from jsonschema import validate
 
-    kw = dict(model="tiny", messages=ASK, response_format=schema_format(schema), max_tokens=64)
+    kw = dict(model="tiny", messages=ASK, response_format=schema_format(schema), max_tokens=160)
     one = client.chat.completions.create(**kw)
     validate(json.loads(one.choices[0].message.content), schema)
     assert one.choices[0].finish_reason == "stop"
@@ -314,21 +315,57 @@ def test_json_schema_is_infilled_and_valid(client, schema):
 
 
 @pytest.mark.parametrize("fmt,why", [({"type": "json_object"}, "json_object"),
-                                     (schema_format({"anyOf": [{"type": "string"}, {"type": "integer"}]}), "subset")])
-def test_other_formats_are_generated_and_checked(client, fmt, why):
-    one = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=8)
+                                     (schema_format({"anyOf": [{"type": "string"}, {"type": "integer"}]}), "anyOf"),
+                                     (schema_format({"type": "object", "properties": {
+                                         "d": {"type": "string", "format": "date"},
+                                         "tags": {"type": ["string", "null"]}}, "required": ["d"]}), "format")])
+def test_other_formats_take_the_grammar_path_and_are_valid(client, fmt, why):
+    from jsonschema import FormatChecker, validate
+
+    one = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=200)
     info = one.model_extra["clover"]["structured"][0]
-    assert info["method"] == "fallback" and why in info["reason"] and isinstance(info["valid"], bool)
-    assert info["valid"] or info["error"]
-    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=8,
+    assert info["method"] == "grammar" and info["valid"] and one.choices[0].finish_reason == "stop"
+    value = json.loads(one.choices[0].message.content)  # the content itself is the document
+    if fmt["type"] == "json_object":
+        assert isinstance(value, dict)
+    else:
+        validate(value, fmt["json_schema"]["schema"], format_checker=FormatChecker())
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=200,
                                                  stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == one.choices[0].message.content
     assert chunks[-1].model_extra["clover"]["structured"] == info
 
 
-def test_tools_on_auto_with_a_format_generate_freely(client):
+def test_a_document_cut_by_max_tokens_is_length_and_not_valid(client):
+    """As OpenAI: finish_reason "length" with the truncated content; the verdict says not valid."""
+    fmt = schema_format({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{40}$"}},
+                         "required": ["a"]})
+    one = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=6)
+    info = one.model_extra["clover"]["structured"][0]
+    assert one.choices[0].finish_reason == "length" and not info["valid"] and "max_tokens" in info["error"]
+    with pytest.raises(openai.LengthFinishReasonError):  # what the official client makes of it
+        client.chat.completions.parse(model="tiny", messages=ASK, response_format=fmt, max_tokens=6)
+
+
+@pytest.mark.parametrize("schema,keyword,path", [
+    ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}, "$ref", "#/properties/a"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "\\p{Cc}"}}}, "pattern", "#/properties/a"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 5}}, "contains", "#"),
+    ({"$defs": {"x": {"$dynamicRef": "#meta"}}, "$ref": "#/$defs/x"}, "$dynamicRef", "#/$ref")])
+def test_what_nothing_can_honour_is_400_naming_keyword_and_path(client, schema, keyword, path):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=ASK, response_format=schema_format(schema), max_tokens=32)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert f"{keyword!r} at {path}" in e.value.body["message"], e.value.body["message"]
+
+
+def test_tools_on_auto_with_a_format_reply_with_the_json(client):
+    from jsonschema import validate
+
     one = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER],
-                                         response_format=schema_format(PERSON), max_tokens=8)
-    assert (one.model_extra or {}).get("clover", {}).get("structured", [{}])[0].get("method") != "infill"
+                                         response_format=schema_format(PERSON), max_tokens=160)
+    assert one.model_extra["clover"]["structured"][0]["method"] == "infill"
+    validate(json.loads(one.choices[0].message.content), PERSON)
 
 
 @pytest.mark.parametrize("fmt,param", [({"type": "xml"}, "response_format"),

@@ -66,7 +66,7 @@ UNSUPPORTED = {
     "patternProperties": ({"type": "object", "patternProperties": {"^a": {"type": "string"}}}, "'patternProperties'"),
     "additionalProperties": ({"type": "object", "additionalProperties": {"type": "string"}},
                              "additionalProperties as a schema"),
-    "unbounded": ({"type": "array", "items": {"type": "integer"}}, "without maxItems"),
+    "format": ({"type": "string", "format": "date"}, "'format'"),
     "pattern": ({"type": "string", "pattern": "^a+$"}, "'pattern'"),
     "type_list": ({"type": ["string", "null"]}, "a list of types"),
     "any": ({}, "without a type"),
@@ -268,8 +268,8 @@ def test_prefix_suffix_and_prompt_ids(tiny):
     out = infill_json(model, tok, ids, schema, prefix=prefix, suffix=suffix)
     assert out.method == "infill" and out.valid and set(out.value) == {"a", "b"}
     assert out.token_ids == tok(prefix + out.text + suffix, add_special_tokens=False).input_ids
-    with pytest.raises(Unsupported, match="without maxItems"):
-        infill_json(model, tok, ids, UNSUPPORTED["unbounded"][0])
+    with pytest.raises(Unsupported, match="'format'"):
+        infill_json(model, tok, ids, UNSUPPORTED["format"][0])
     with pytest.raises(ValueError, match="the prompt is empty"):
         infill_json(model, tok, [], schema)
 
@@ -281,15 +281,19 @@ def test_unsupported_schemas_say_why(name):
         skeleton(schema)
 
 
-def test_fallback_generates_and_validates(tiny):
+def test_grammar_path_for_what_infilling_cannot_lay_out(tiny):
+    """Outside the infiller's layouts the grammar path decodes a valid document (random model)."""
     model, tok = tiny
     schema, reason = UNSUPPORTED["anyOf"]
-    out = generate_json(model, tok, PROMPT, schema, max_new_tokens=12)
-    assert out.method == "fallback" and reason in out.fallback_reason and out.forward_passes >= 1
-    assert out.valid == (out.error is None) and not (out.valid and out.value is None)
-    obj = generate_json(model, tok, PROMPT, {"type": "json_object"}, max_new_tokens=12)
-    assert obj.method == "fallback" and "json_object" in obj.fallback_reason
-    assert obj.valid == isinstance(obj.value, dict)
+    out = generate_json(model, tok, PROMPT, schema, max_new_tokens=80)
+    assert out.method == "grammar" and reason in out.fallback_reason and out.forward_passes >= 1
+    assert out.valid and out.error is None and json.loads(out.text) == out.value
+    obj = generate_json(model, tok, PROMPT, {"type": "json_object"}, max_new_tokens=200)
+    assert obj.method == "grammar" and "json_object" in obj.fallback_reason
+    assert obj.valid and isinstance(json.loads(obj.text), dict)
+    cut = generate_json(model, tok, PROMPT, {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{30}$"}},
+                                             "required": ["a"]}, max_new_tokens=5)
+    assert cut.method == "grammar" and not cut.complete and not cut.valid and "ran out" in cut.error
 
 
 @pytest.mark.parametrize("schema,message", BAD)

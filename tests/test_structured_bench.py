@@ -62,7 +62,7 @@ def test_free_method_never_infills(tiny, monkeypatch):
 
     monkeypatch.setattr(structured_generate, "infill_json", refuse)
     out = generate_json(model, tok, "Ann is 34. As JSON:", SCHEMA, method="free", max_new_tokens=6)
-    assert out.method == "fallback" and "free" in out.fallback_reason and 1 <= out.forward_passes <= 6
+    assert out.method == "free" and "free" in out.fallback_reason and 1 <= out.forward_passes <= 6
     assert out.valid == (out.error is None)
     with pytest.raises(ValueError, match="not a valid JSON schema"):  # the schema is still checked
         generate_json(model, tok, "x", {"type": "integr"}, method="free")
@@ -76,7 +76,7 @@ def test_benchmark_runs_on_a_tiny_model(tiny):
     _, model, tok = tiny
     done = []
     out = bench.run_benchmark(model, tok, n=1, block_size=8, max_new_tokens=8, progress=done.append)
-    assert sum(done) == len(bench.KINDS) == out["cases"] and len(out["records"]) == 2 * len(bench.KINDS)
+    assert sum(done) == len(bench.KINDS) == out["cases"] and len(out["records"]) == len(bench.METHODS) * len(bench.KINDS)
     assert {"n", "seed", "threshold", "block_size", "max_new_tokens", "kinds", "results"} <= set(out)
     for m in bench.METHODS:
         r = out["results"][m]
@@ -84,7 +84,7 @@ def test_benchmark_runs_on_a_tiny_model(tiny):
         assert r["overall"]["cases"] == len(bench.KINDS) and r["overall"]["seconds_per_case"] > 0
         assert 1 <= r["overall"]["forward_passes_per_case"]
     assert out["results"]["infill"]["overall"]["valid_rate"] == 1.0
-    assert all(r["ran"] == ("infill" if r["method"] == "infill" else "fallback") for r in out["records"])
+    assert all(r["ran"] == r["method"] for r in out["records"])
     assert all(r["forward_passes"] <= 8 for r in out["records"] if r["method"] == "free")
     for r in out["records"]:
         assert r["exact"] == (r["valid"] and r["fields_right"] == r["fields"])
@@ -109,5 +109,5 @@ def test_cli_bench_structured(tiny, tmp_path, capsys):
     captured = capsys.readouterr()
     obj = json.loads(captured.out)  # bare --json: stdout is one JSON object, the table on stderr
     assert obj["n"] == 1 and obj["threads"] == 1 and set(obj["results"]) == set(bench.METHODS)
-    assert "records" not in obj and len(records.read_text().splitlines()) == 2 * len(bench.KINDS)
+    assert "records" not in obj and len(records.read_text().splitlines()) == len(bench.METHODS) * len(bench.KINDS)
     assert "| method | kind |" in captured.err and "**overall**" in captured.err

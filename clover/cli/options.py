@@ -58,7 +58,7 @@ def add_model_args(p) -> None:
 
 def utf8(data: bytes, name: str) -> str:
     """Text from bytes a user gave, or a one-line error naming where they came from."""
-    from . import UserError
+    from ..errors import UserError
 
     try:
         return data.decode("utf-8")

@@ -361,3 +361,44 @@ def denoise(model, rows: list[Row], threshold: float) -> int:
         pending = (clean.to(device), pad.to(device) if bool(pad.any()) else None)
         clean_bs = width
     return calls
+
+
+# ---- constrained left-to-right decoding (the grammar path) ------------------------------------------------
+@torch.no_grad()
+def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor], None], accept: Callable[[int], bool],
+                       stops: set[int], max_new_tokens: int, generator: torch.Generator | None = None,
+                       closers: Callable[[list[int]], list[int]] | None = None,
+                       wrap_up: int = 0) -> tuple[list[int], bool, int]:
+    """Next-token decoding (the engine's `ar` mode) where `allow(logits [1, V])` masks, in place, the
+    tokens a grammar forbids and `accept(token)` advances it (False: the grammar is done or broken):
+    greedy, or sampled at temperature 1 with `generator`. Returns (tokens without the stop token,
+    ended with a stop token or the grammar's end, forwards). In the last `wrap_up` tokens of the
+    budget the first of `closers(tokens so far)` (e.g. a closing quote, brackets, EOS) the grammar
+    allows is taken before the model's choice, so a document is likelier to close within the budget."""
+    engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1))
+    engine.add([prompt])
+    mask = model.config.mask_token_id
+    tokens, forwards = [], 0
+    while len(tokens) < max_new_tokens:
+        logits = engine._forward(engine.window, 0, 1)[:, -1].float()  # [1, V]; the last token is committed as fed
+        forwards += 1
+        logits[:, mask] = float("-inf")
+        allow(logits)
+        late = closers is not None and max_new_tokens - len(tokens) <= wrap_up
+        closing = [c for c in closers(tokens) if torch.isfinite(logits[0, c])] if late else []
+        if closing:
+            t = closing[0]
+        elif generator is None:
+            t = int(logits.argmax(-1))
+        else:
+            t = int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator))
+        if not torch.isfinite(logits[0, t]):
+            return tokens, False, forwards  # the grammar allows nothing here
+        ok = accept(t)
+        if t in stops:
+            return tokens, True, forwards
+        tokens.append(t)
+        if not ok:
+            return tokens, True, forwards
+        engine.window = torch.tensor([[t]], device=engine.device)
+    return tokens, False, forwards

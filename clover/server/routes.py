@@ -19,7 +19,7 @@ from .choice import Choice
 from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, now, usage
 from .scheduler import EngineKey, Job, Live, QueueFull, Ticket
 from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
-from .structured import FormatPlan, Infilled, check_reply, format_plan, infill_format, infill_tool_call
+from .structured import Infilled, format_plan, infill_format, infill_tool_call
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
@@ -196,7 +196,7 @@ class Routes:
         return {"committed": [[p, s] for p, s in zip(pieces, event.steps)]}
 
     async def respond(self, request: Request, req, prompts: list[list[int]], max_tokens, chat: bool, think: bool,
-                      tools: ToolPlan | None = None, fmt: FormatPlan | None = None):
+                      tools: ToolPlan | None = None):
         key = self.check_common(req, self.no_tools if chat and tools is None else ())
         ticket, jobs = self.submit(request, req, prompts, max_tokens, key)
         choices = [Choice(self.tokenizer, req.stop_list(), think, tools) for _ in jobs]
@@ -217,14 +217,12 @@ class Routes:
                     out.append({"index": i, "message": c.message(), "logprobs": None, "finish_reason": c.finish_reason})
                 else:
                     out.append({"index": i, "text": c.content, "logprobs": None, "finish_reason": c.finish_reason})
-            # response_format outside the infilled subset: generated freely, checked here
-            clover = {"structured": [check_reply(fmt, c.content) for c in choices]} if fmt else None
-            return JSONResponse(reply.whole(out, total_usage(), clover))
-        events = self.stream_events(request, req, reply, ticket, jobs, choices, fmt, total_usage)
+            return JSONResponse(reply.whole(out, total_usage()))
+        events = self.stream_events(request, req, reply, ticket, jobs, choices, total_usage)
         return CleanStream(events, on_close=lambda: self.scheduler.cancel(unfinished()),
                            media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def stream_events(self, request, req, reply: Reply, ticket, jobs, choices, fmt, total_usage):
+    async def stream_events(self, request, req, reply: Reply, ticket, jobs, choices, total_usage):
         if reply.chat:
             for i in range(len(choices)):
                 yield reply.chunk(i, {"role": "assistant", "content": ""})
@@ -235,8 +233,6 @@ class Routes:
                     for delta in tool_call_deltas(choices[i].tool_calls):
                         yield reply.chunk(i, delta)
                     extra = dict(choices[i].stats) if req.clover_live else {}
-                    if fmt:
-                        extra["structured"] = check_reply(fmt, choices[i].content)
                     yield reply.chunk(i, finish=choices[i].finish_reason, clover=extra or None)
                     continue
                 extra = self.live_fields(ev) if req.clover_live else None
@@ -322,9 +318,9 @@ class Routes:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
         plan = req.tool_plan()
         fmt = None if plan and plan.forced else format_plan(req.response_format)
-        # forced tool calls and response_format schemas in the subset are infilled (server/structured.py);
-        # with tool_choice "auto" the model may call a tool instead, so the reply is generated freely
-        infill = bool((plan and plan.forced) or (fmt and fmt.skeleton and not (plan and plan.parses)))
+        # forced tool calls and response_format replies are structured (server/structured.py: infilled or
+        # decoded under the schema's grammar); with tool_choice "auto" and a response_format the reply is the JSON
+        infill = bool((plan and plan.forced) or fmt)
         kwargs = dict(req.chat_template_kwargs or {})
         kwargs.pop("tools", None)
         # a forced tool call or an infilled JSON starts the reply: no reasoning block before it
@@ -336,25 +332,22 @@ class Routes:
         ids = await off_loop(self.encode_text, text)
         if infill:
             key = self.check_common(req)
-            budget(ids, max_tokens)
-            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size) if fmt is None
-                   else partial(infill_format, model, tokenizer, ids, fmt, key.threshold, key.block_size))
+            room = budget(ids, max_tokens)
+            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size, room)
+                   if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, key.threshold,
+                                               key.block_size, room))
             async with self.exclusive:
                 try:
                     done = await asyncio.to_thread(job)
                 except ValueError as e:
                     raise APIError(400, str(e))
-            if done is not None:
-                return self.respond_infilled(req, len(ids), done)
-        if plan and plan.forced:  # arguments schema outside the subset: prefill the call, generate the rest
-            ids = await off_loop(self.encode_text, text + plan.prefix)
-        return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan,
-                                  fmt=fmt if fmt and not fmt.skeleton else None)
+            return self.respond_infilled(req, len(ids), done)
+        return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
 
     def respond_infilled(self, req, n_prompt: int, done: Infilled):
         """An infilled reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
         reply = Reply(self.settings.model_id, True, bool(req.stream_options and req.stream_options.include_usage))
-        finish = "tool_calls" if done.tool_calls else "stop"
+        finish = done.finish
         message = {"role": "assistant", "content": done.content}
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls

@@ -1,106 +1,172 @@
 """Structured replies: OpenAI `response_format` (json_schema, json_object) and forced tool calls
-(tool_choice "required" / a named function) by schema-guided infilling (`clover.structured`).
+(tool_choice "required" / a named function), valid for their schema or refused (`clover.structured`).
 
-The JSON's fixed text (keys, braces, quotes, the call's `<tool_call>` frame) is laid out as known
-tokens and only the values are denoised, so the reply is valid for its schema whatever the model,
-in about one forward per value. Schemas outside the infilled subset (docs/structured.md) fall back
-to free generation checked at the end; the response's `clover.structured` says which path ran and
-whether the reply validates.
+The schema is normalised, then infilled when the infiller can lay it out (the fixed text - keys,
+braces, quotes, the call's `<tool_call>` frame - as known tokens, the values denoised: about one
+forward per value), else decoded left to right under its grammar (xgrammar). A schema nothing can
+honour is a 400 naming the keyword and its path. The reply's `clover.structured` says which method
+ran and whether the returned text itself validates (`valid`); a document cut by max_tokens is
+returned as OpenAI does (finish_reason "length", truncated content) with `valid: false`; a complete
+document the final check rejects is never returned (500).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..structured import Skeleton, Unsupported, check_output, infill_json, skeleton
+from ..structured import (JsonResult, Refused, Skeleton, Unsupported, check_grammar, grammar_json, infill_json,
+                          is_json_object, normalize, skeleton)
+from ..structured import check as check_schema
 from .protocol import APIError, ToolPlan, forced_name
 
+CALL_HEAD = '<tool_call>\n{"name": '
 CALL_END = "}\n</tool_call>"
+SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 @dataclass
 class FormatPlan:
-    """A request's response_format: its schema ({"type": "json_object"} for json_object), the
-    skeleton to infill, or None and the reason when it is generated freely and checked."""
+    """A request's response_format: its schema, normalised ({"type": "json_object"} for json_object),
+    the skeleton to infill, or None and the reason when it takes the grammar path."""
     schema: dict
     skeleton: Skeleton | None
     reason: str | None = None
 
 
+def _plan(schema, param: str, what: str) -> FormatPlan:
+    """Normalise and lay out a schema; APIError(400) naming the keyword and path when refused."""
+    try:
+        target = normalize(schema)
+        check_schema(target)
+    except Refused as e:
+        raise APIError(400, f"{what}: {e}", param=param, code="unsupported_schema")
+    except ValueError as e:
+        raise APIError(400, f"{what}: {e}", param=param)
+    try:
+        return FormatPlan(target, skeleton(target))
+    except Unsupported as e:
+        return FormatPlan(target, None, f"grammar path: {e}")
+    except ValueError as e:
+        raise APIError(400, f"{what}: {e}", param=param)
+
+
 def format_plan(response_format) -> FormatPlan | None:
-    """None for no / "text" format; APIError(400) for a malformed one or an invalid schema."""
+    """None for no / "text" format; APIError(400) for a malformed one or a schema that is invalid or
+    cannot be honoured."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        return FormatPlan({"type": "json_object"}, None, "json_object: any JSON object (no schema to lay out)")
+        return FormatPlan({"type": "json_object"}, None, "json_object: any JSON object (grammar path)")
     if kind != "json_schema":
         raise APIError(400, 'response_format.type must be "text", "json_object" or "json_schema"',
                        param="response_format")
     spec = response_format.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
-        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
-                       param="response_format.json_schema.schema")
-    try:
-        return FormatPlan(schema, skeleton(schema))
-    except Unsupported as e:
-        return FormatPlan(schema, None, f"outside the infilled subset: {e}")
-    except ValueError as e:
-        raise APIError(400, f"response_format.json_schema.schema: {e}", param="response_format.json_schema.schema")
-
-
-def check_reply(plan: FormatPlan, text: str) -> dict:
-    """The fallback's verdict on a freely generated reply."""
-    _, _, valid, error = check_output(plan.schema, text)
-    return {"method": "fallback", "reason": plan.reason, "valid": valid} | ({"error": error} if error else {})
+        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object", param=SCHEMA_PARAM)
+    return _plan(schema, SCHEMA_PARAM, "response_format.json_schema.schema")
 
 
 @dataclass
 class Infilled:
-    """An infilled reply: the content or one tool call, its tokens, forwards and the verdict."""
+    """A structured reply: the content or the tool calls, its tokens, finish_reason and the verdict."""
     content: str | None
     tool_calls: list[dict]
     completion_tokens: int
     info: dict
+    finish: str = "stop"
+    extra_forwards: int = field(default=0, repr=False)
+
+
+def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
+         suffix="", param=SCHEMA_PARAM) -> JsonResult:
+    """The JSON of a plan: infilled, or decoded under its grammar within max_tokens."""
+    if plan.skeleton is not None:
+        return infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
+                           threshold=threshold, block_size=block_size)
+    try:
+        check_grammar(model, tokenizer, plan.schema)
+    except Refused as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema")
+    return grammar_json(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
+                        max_new_tokens=max_tokens)
+
+
+def _verdict(r: JsonResult, max_tokens: int, tokenizer, extra_forwards: int = 0, prefix: str = "") -> tuple[str, str, dict]:
+    """(text, finish_reason, info) of a result: cut at max_tokens (finish "length", not valid);
+    a complete document that fails the check is a 500, never a reply."""
+    info = {"method": r.method, "valid": r.valid, "forward_passes": r.forward_passes + extra_forwards}
+    text, finish = r.text, "stop"
+    if not r.complete or len(r.token_ids) > max_tokens:
+        if r.complete:  # an infilled document longer than the budget: cut as generation would be
+            text = tokenizer.decode(r.token_ids[:max_tokens], skip_special_tokens=False)[len(prefix):]
+        info |= {"valid": False, "error": f"max_tokens ({max_tokens}) ran out before the document was complete"}
+        return text, "length", info
+    if not r.valid:
+        raise APIError(500, f"no document valid under the schema was produced ({r.error})", "server_error")
+    return text, finish, info
 
 
 def infill_format(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
-                  block_size: int) -> Infilled:
-    r = infill_json(model, tokenizer, prompt_ids, plan.skeleton, threshold=threshold, block_size=block_size)
-    return Infilled(r.text, [], len(r.token_ids), {"method": "infill", "valid": r.valid,
-                                                   "forward_passes": r.forward_passes})
+                  block_size: int, max_tokens: int = 1 << 30) -> Infilled:
+    r = _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens)
+    text, finish, info = _verdict(r, max_tokens, tokenizer)
+    return Infilled(text, [], min(len(r.token_ids), max_tokens), info, finish)
 
 
-def _call_schemas(functions: list[dict]) -> dict[str, Skeleton] | None:
-    """Each function's arguments skeleton; None when one is outside the subset."""
-    try:
-        return {f["name"]: skeleton(f.get("parameters") or {"type": "object", "properties": {}}) for f in functions}
-    except (Unsupported, ValueError):
-        return None
+def _function_plans(functions: list[dict], names: list[str]) -> tuple[dict[str, FormatPlan], dict[str, str]]:
+    """The arguments plan of each named function, and why the others cannot be called."""
+    plans, refused = {}, {}
+    for f in functions:
+        if f["name"] not in names:
+            continue
+        try:
+            plans[f["name"]] = _plan(f.get("parameters") or {"type": "object", "properties": {}},
+                                     "tools", f"tools: function {f['name']!r} parameters")
+        except APIError as e:
+            refused[f["name"]] = e.message
+    return plans, refused
 
 
 def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, threshold: float,
-                     block_size: int) -> Infilled | None:
-    """A forced call: the function (an options slot over the names under "required" with several
-    tools), then its arguments infilled from its parameters schema inside the fixed call frame.
-    None when an arguments schema is outside the subset (the caller prefills and generates)."""
-    schemas = _call_schemas(tools.functions)
-    if schemas is None:
-        return None
-    name, forwards = forced_name(tools.choice, tools.functions), 0
-    if name is None:
-        pick = infill_json(model, tokenizer, prompt_ids, {"enum": list(schemas)}, prefix='<tool_call>\n{"name": ',
+                     block_size: int, max_tokens: int = 1 << 30) -> Infilled:
+    """A forced call: the function (an options slot over the allowed names whose arguments schema can
+    be honoured, under "required" with several tools), then its own arguments schema inside the fixed
+    call frame (infilled, or decoded under its grammar). The other tools' schemas never matter.
+    APIError(400) when the named function's schema (or, under "required", every one) is refused."""
+    name = forced_name(tools.choice, tools.functions)
+    names = [name] if name is not None else [f["name"] for f in tools.functions]
+    plans, refused = _function_plans(tools.functions, names)
+    for n in names:  # the grammar path's own check, before any work
+        if n in plans and plans[n].skeleton is None:
+            try:
+                check_grammar(model, tokenizer, plans[n].schema)
+            except Refused as e:
+                refused[n] = f"tools: function {n!r} parameters: {e}"
+                del plans[n]
+    if not plans:
+        why = "; ".join(refused.values())
+        raise APIError(400, why if name else f"no tool can be called: {why}", param="tools",
+                       code="unsupported_schema")
+    forwards = 0
+    if len(plans) > 1:
+        pick = infill_json(model, tokenizer, prompt_ids, {"enum": list(plans)}, prefix=CALL_HEAD,
                            suffix=', "arguments":', threshold=threshold, block_size=block_size)
         name, forwards = pick.value, pick.forward_passes
-    head = '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
-    r = infill_json(model, tokenizer, prompt_ids, schemas[name], prefix=head, suffix=CALL_END,
-                    threshold=threshold, block_size=block_size)
-    call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": r.text}}
-    return Infilled(None, [call], len(r.token_ids), {"method": "infill", "valid": r.valid,
-                                                     "forward_passes": forwards + r.forward_passes})
+    else:
+        name = next(iter(plans))
+    head = CALL_HEAD + json.dumps(name) + ', "arguments": '
+    r = _run(model, tokenizer, prompt_ids, plans[name], threshold, block_size, max_tokens, prefix=head,
+             suffix=CALL_END, param="tools")
+    text, finish, info = _verdict(r, max_tokens, tokenizer, forwards, head)
+    call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
+    return Infilled(None, [call], min(len(r.token_ids), max_tokens), info,
+                    "tool_calls" if finish == "stop" else finish)
+
+
+__all__ = ["FormatPlan", "Infilled", "format_plan", "infill_format", "infill_tool_call", "is_json_object"]

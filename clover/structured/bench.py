@@ -1,10 +1,12 @@
 """The structured-output benchmark (`clover bench structured`): seeded JSON requests in the default
 model's training domains (people records, arithmetic, lookups, comparisons, tool-call arguments,
-sorting), each with a JSON schema and the ground-truth value, answered two ways:
+sorting), each with a JSON schema and the ground-truth value, answered three ways:
 
 * **infill**: `generate_json` (the schema's scaffold laid out, the values denoised); the tool kinds
   are infilled inside the call frame after the rendered tools, as the server serves a forced tool
   call (`infill_json` with the `<tool_call>` prefix and suffix);
+* **grammar**: the same schema decoded left to right under its grammar (`generate_json(method="grammar")`,
+  the tool kinds `grammar_json` inside the call frame): the path schemas the infiller cannot lay out take;
 * **free**: the same prompt (and call frame) generated freely by the engine, then parsed and
   validated the same way (`generate_json(method="free")`).
 
@@ -21,10 +23,12 @@ from typing import Callable
 
 from ..data import tasks
 from .generate import JsonResult, generate_json, infill_json
+from .grammar import grammar_json
+from .normalize import normalize
 
 BENCH_SEED = 1000
 KINDS = ("record", "arithmetic", "lookup", "compare", "tool_arith", "tool_convert", "sort")
-METHODS = ("infill", "free")
+METHODS = ("infill", "grammar", "free")
 METRICS = ("cases", "valid_rate", "exact_rate", "field_rate", "forward_passes_per_case", "seconds_per_case")
 SORT_MAX = 6  # tasks.task_sort's longest list
 
@@ -145,17 +149,20 @@ def case_prompt(tokenizer, case: dict):
 
 def answer(model, tokenizer, case: dict, method: str, threshold: float = 0.9, block_size: int = 32,
            max_new_tokens: int = 64) -> JsonResult:
-    """The case answered by `method` ("infill" or "free")."""
+    """The case answered by `method` ("infill", "grammar" or "free")."""
     from ..api import encode
 
     prompt = case_prompt(tokenizer, case)
     if method == "infill" and case["prefix"]:
         return infill_json(model, tokenizer, encode(tokenizer, prompt), case["schema"], prefix=case["prefix"],
                            suffix=case["suffix"], threshold=threshold, block_size=block_size)
+    if method == "grammar" and case["prefix"]:
+        return grammar_json(model, tokenizer, encode(tokenizer, prompt), normalize(case["schema"]),
+                            prefix=case["prefix"], suffix=case["suffix"], max_new_tokens=max_new_tokens)
     if case["prefix"]:
         prompt += case["prefix"]
     return generate_json(model, tokenizer, prompt, case["schema"], threshold=threshold, block_size=block_size,
-                         max_new_tokens=max_new_tokens, method="auto" if method == "infill" else "free")
+                         max_new_tokens=max_new_tokens, method="auto" if method == "infill" else method)
 
 
 def record(case: dict, method: str, out: JsonResult) -> dict:
@@ -192,7 +199,7 @@ def run_benchmark(model, tokenizer, n: int = 10, seed: int = BENCH_SEED, thresho
                   block_size: int = 32, max_new_tokens: int = 64,
                   progress: Callable[[int], None] | None = None) -> dict:
     """The whole benchmark: settings, {method: metrics overall and per kind}, and one record per case
-    and method. The two methods alternate which goes first (an equal share of any contention),
+    and method. The methods take turns going first (an equal share of any contention),
     after one untimed warm-up of each."""
     import torch
 
@@ -204,7 +211,7 @@ def run_benchmark(model, tokenizer, n: int = 10, seed: int = BENCH_SEED, thresho
         for m in METHODS:  # warm-up, not counted
             answer(model, tokenizer, todo[0], m, threshold, block_size, max_new_tokens)
         for i, case in enumerate(todo):
-            for m in METHODS if i % 2 == 0 else METHODS[::-1]:
+            for m in METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)]:
                 records.append(record(case, m, answer(model, tokenizer, case, m, threshold, block_size,
                                                       max_new_tokens)))
             if progress:

@@ -1,12 +1,13 @@
-"""Schema-guided JSON: the skeleton's scaffold laid out as known tokens, its slots denoised by
-`clover.engine.infill`; schemas outside the subset fall back to free generation + validation.
+"""Schema-guided JSON: the schema normalised (`normalize`), its skeleton's scaffold laid out as known
+tokens and its slots denoised by `clover.engine.infill`; a schema the infiller cannot lay out is
+decoded left to right under a grammar mask (`grammar`); one nothing can honour is `Refused`.
 
     out = clover.generate_json(model, tokenizer, "Describe Ann as JSON.", schema)
     out.value, out.valid, out.method, out.forward_passes
 
 `infill_json` is the entry point for callers that hold the prompt as token ids and want fixed text
 around the JSON (a forced tool call: prefix '<tool_call>\\n{"name": "add", "arguments": ', suffix
-'}\\n</tool_call>'); it raises `Unsupported` instead of falling back.
+'}\\n</tool_call>'); it raises `Unsupported` instead of taking the grammar path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise, ends_after, in_context, pieces, token_ids,
                              vocab_mask)
 from . import schema as sk
+from .normalize import normalize
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?")
@@ -30,12 +32,13 @@ class JsonResult:
     text: str  # the JSON text (without prefix / suffix)
     value: object  # the parsed value; None when the text is not JSON
     valid: bool  # the value validates against the schema
-    method: str  # "infill" or "fallback"
+    method: str  # "infill", "grammar" or "free"
     forward_passes: int  # model forwards after the prompt prefill
     seconds: float
     fallback_reason: str | None = None  # why the schema was not infilled
     error: str | None = None  # why the value is not valid
-    token_ids: list[int] = field(default_factory=list)  # infill: prefix + JSON + suffix; fallback: generated
+    token_ids: list[int] = field(default_factory=list)  # prefix + JSON + suffix (free: generated)
+    complete: bool = True  # False: the token budget ran out before the document was complete
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "token_ids"}
@@ -49,45 +52,49 @@ def is_json_object(schema) -> bool:
 def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float = 0.9,
                   block_size: int = 32, max_string_tokens: int = 16, max_new_tokens: int = 256,
                   method: str = "auto") -> JsonResult:
-    """A JSON value for `prompt` (a string, or chat messages) that follows `schema`: by infilling
-    when the schema is in the supported subset (clover.structured.schema), else (and for
-    {"type": "json_object"}) by free generation of up to `max_new_tokens`, parsed and validated.
-    A string slot holds at most `max_string_tokens` tokens (and maxLength characters).
-    `method="free"` always takes the free-generation path (the schema still checked first)."""
+    """A JSON value for `prompt` (a string, or chat messages) that follows `schema`: the schema is
+    normalised, then infilled when the infiller can lay it out (clover.structured.schema), else (and
+    for {"type": "json_object"}) decoded under its grammar (clover.structured.grammar) within
+    `max_new_tokens`; `Refused` (a ValueError) for a schema nothing can honour. A string slot holds
+    at most `max_string_tokens` tokens (and maxLength characters). `method="free"` takes
+    unconstrained generation instead (the schema still checked first), to compare with."""
     from ..api import encode
 
     start = time.perf_counter()
-    if method not in ("auto", "free"):
-        raise ValueError(f'method must be "auto" or "free", got {method!r}')
-    if method == "free":
-        if not is_json_object(schema):
-            sk.check(schema)
-        return _fallback(model, tokenizer, prompt, schema, "method='free': free generation asked for", chat,
-                         threshold, block_size, max_new_tokens, start)
+    if method not in ("auto", "free", "grammar"):
+        raise ValueError(f'method must be "auto", "grammar" or "free", got {method!r}')
     if is_json_object(schema):
-        return _fallback(model, tokenizer, prompt, schema, "json_object: any JSON object", chat, threshold,
-                         block_size, max_new_tokens, start)
-    try:
-        skel = sk.skeleton(schema)
-    except sk.Unsupported as e:
-        return _fallback(model, tokenizer, prompt, schema, str(e), chat, threshold, block_size, max_new_tokens, start)
+        reason, target = "json_object: any JSON object", schema
+    else:
+        target = normalize(schema)
+        sk.check(target)
+        reason = None
+    if method == "free":
+        return _free(model, tokenizer, prompt, target, "method='free': free generation asked for", chat,
+                     threshold, block_size, max_new_tokens, start)
     ids = encode(tokenizer, prompt, chat)
-    try:
-        out = infill_json(model, tokenizer, ids, skel, threshold=threshold, block_size=block_size,
-                          max_string_tokens=max_string_tokens)
-    except sk.Unsupported as e:
-        return _fallback(model, tokenizer, prompt, schema, str(e), chat, threshold, block_size, max_new_tokens, start)
+    if reason is None and method == "auto":
+        try:
+            out = infill_json(model, tokenizer, ids, sk.skeleton(target), threshold=threshold, block_size=block_size,
+                              max_string_tokens=max_string_tokens)
+            out.seconds = time.perf_counter() - start
+            return out
+        except sk.Unsupported as e:
+            reason = str(e)
+    out = grammar_json(model, tokenizer, ids, target, max_new_tokens=max_new_tokens)
+    out.fallback_reason = reason if method == "auto" else "method='grammar' asked for"
     out.seconds = time.perf_counter() - start
     return out
 
 
 def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                 threshold: float = 0.9, block_size: int = 32, max_string_tokens: int = 16) -> JsonResult:
-    """Infill the JSON of `schema` (a dict, or a `Skeleton`) after `prompt_ids`, between the fixed
-    texts `prefix` and `suffix` (tokenized together with the JSON's scaffold). ValueError for a bad
-    schema or argument, `Unsupported` for a schema outside the subset (no fallback here)."""
+    """Infill the JSON of `schema` (a dict, normalised here, or a `Skeleton` of a normalised one)
+    after `prompt_ids`, between the fixed texts `prefix` and `suffix` (tokenized together with the
+    JSON's scaffold). ValueError for a bad schema or argument, `Unsupported` for a schema the
+    infiller cannot lay out (no grammar path here)."""
     start = time.perf_counter()
-    skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(schema)
+    skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(normalize(schema))
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     if not 0 <= threshold <= 1:
@@ -99,6 +106,10 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
     parts = _framed(skel.parts, prefix, suffix)
     units, slots = _Layout(model, tokenizer, parts, min(max_string_tokens, block_size)).build()
     row = Row(prompt_ids, units, block_size, model.config.max_block_size)
+    need = len(prompt_ids) + sum(len(u.scaffold) + u.width for u in row.units) + 1
+    if need > model.config.max_position_embeddings:
+        raise sk.Unsupported(f"the layout needs {need} tokens with the prompt, more than the model's context "
+                             f"({model.config.max_position_embeddings})")
     denoise(model, [row], threshold)
     full = _render(parts, slots)
     text = full[len(prefix): len(full) - len(suffix)]
@@ -237,48 +248,64 @@ def _render(parts: list, slots: dict[int, Slot]) -> str:
     return "".join(out)
 
 
-# ---- fallback ---------------------------------------------------------------------------------------
+# ---- checks ----------------------------------------------------------------------------------------------
 def validate(schema: dict, value) -> tuple[bool, str | None]:
-    from jsonschema import validators
+    """(valid, the first error) of `value` under `schema`, `format` checked where jsonschema can."""
+    from jsonschema import FormatChecker, validators
 
     if is_json_object(schema):
         return (True, None) if isinstance(value, dict) else (False, "not a JSON object")
-    error = next(validators.validator_for(schema)(schema).iter_errors(value), None)
-    return (True, None) if error is None else (False, error.message)
+    error = next(validators.validator_for(schema)(schema, format_checker=FormatChecker()).iter_errors(value), None)
+    if error is None:
+        return True, None
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+    return False, f"${where}: {error.message}"
 
 
-def parse_output(text: str) -> tuple[str, object, str | None]:
-    """(JSON text, value, error): the whole text, or the first object / array found in it."""
-    text = text.strip()
-    try:
-        return text, json.loads(text), None
-    except json.JSONDecodeError:
-        pass
-    decoder = json.JSONDecoder()
-    for i, c in enumerate(text):
-        if c in "{[":
-            try:
-                value, end = decoder.raw_decode(text, i)
-                return text[i:end], value, None
-            except json.JSONDecodeError:
-                continue
-    return text, None, "the output is not JSON"
+def repair(schema: dict, value, text: str) -> tuple[object, str]:
+    """`uniqueItems`, which the grammar does not enforce: repeated items dropped (the first kept)
+    where minItems still holds; (value, text) unchanged when nothing was repeated."""
+    from jsonschema import validators
+
+    if is_json_object(schema):
+        return value, text
+    changed = False
+    for _ in range(8):
+        errors = [e for e in validators.validator_for(schema)(schema).iter_errors(value) if e.validator == "uniqueItems"]
+        if not errors:
+            break
+        e = errors[0]
+        items, kept = e.instance, []
+        for item in items:
+            if not any(json.dumps(item, sort_keys=True) == json.dumps(k, sort_keys=True) for k in kept):
+                kept.append(item)
+        if len(kept) < (e.schema.get("minItems", 0) if isinstance(e.schema, dict) else 0) or len(kept) == len(items):
+            break
+        items[:] = kept
+        changed = True
+    return value, (json.dumps(value, ensure_ascii=False) if changed else text)
 
 
 def check_output(schema: dict, text: str) -> tuple[str, object, bool, str | None]:
-    """(JSON text, value, valid, error) of freely generated text checked against `schema`."""
-    text, value, error = parse_output(text)
-    valid = False
-    if error is None:
-        valid, error = validate(schema, value)
+    """(JSON text, value, valid, error) of generated text checked against `schema`: the text itself
+    (stripped of surrounding whitespace) must be the document, not contain one."""
+    text = text.strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text, None, False, "the output is not JSON"
+    valid, error = validate(schema, value)
     return text, value, valid, error
 
 
-def _fallback(model, tokenizer, prompt, schema, reason, chat, threshold, block_size, max_new_tokens, start):
+def _free(model, tokenizer, prompt, schema, reason, chat, threshold, block_size, max_new_tokens, start):
     from ..api import generate
 
     g = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
                  threshold=threshold, chat=chat)
     text, value, valid, error = check_output(schema, g.text)
-    return JsonResult(text, value, valid, "fallback", g.forward_passes, time.perf_counter() - start, reason, error,
-                      g.token_ids)
+    return JsonResult(text, value, valid, "free", g.forward_passes, time.perf_counter() - start, reason, error,
+                      g.token_ids, complete=g.finish_reason != "length")
+
+
+from .grammar import grammar_json  # noqa: E402  (grammar imports JsonResult, validate and repair from here)

@@ -31,6 +31,7 @@ from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
 MAX_OPTIONS = 1000  # an integer range up to this size is one options slot
 MAX_ITEMS = 64
+ARRAY_CAP = 4  # items (beyond minItems, which may be more) of an array without maxItems
 INTEGER_DIGITS = 6  # digits of an integer (or a number's integer part) without bounds
 DECIMALS = 2  # decimals of a `number`
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -224,8 +225,8 @@ class _Builder:
             raise Unsupported(f"{path}: uniqueItems")
         if not isinstance(items, dict):
             raise Unsupported(f"{path}: an array needs one 'items' schema")
-        if high is None:
-            raise Unsupported(f"{path}: an array without maxItems (unbounded)")
+        if high is None:  # unbounded: the model decides up to a cap (gates)
+            high = max(low, ARRAY_CAP)
         if low > high:
             raise ValueError(f"{path}: minItems {low} > maxItems {high}")
         if high > MAX_ITEMS:

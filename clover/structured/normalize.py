@@ -1,0 +1,588 @@
+"""Schema normalisation: a real-world JSON schema -> the same constraints in the form the infiller and
+the grammar path read (docs/structured.md, "Normalisation").
+
+`normalize(schema)` is meaning-preserving: every document valid under the result is valid under the
+input as Clover reads it, and the other way round:
+
+* annotation and unknown keywords are dropped (title, description, examples, draft-04 `id`,
+  `readonly`, `x-*` vendor keys, `discriminator`, ...): validators ignore them;
+* local `$ref` (`#`, `#/definitions/...`, `#/$defs/...`, any JSON pointer into the document) is
+  inlined; a recursive one becomes a `$ref` into the result's own `$defs` (the grammar path expands
+  it); `$ref` siblings apply with it (as in draft 2019-09 and later);
+* draft-04 boolean `exclusiveMinimum` / `exclusiveMaximum` become the numeric forms, draft-04 array
+  `items` becomes `prefixItems` (+ `additionalItems` as `items`), `dependencies` splits into
+  `dependentRequired` / `dependentSchemas`;
+* `nullable: true` (OpenAPI 3.0) allows null, as OpenAPI means it;
+* `format` stays where it constrains (`FORMATS`: date, date-time, uuid, email, ipv4, ...) and is
+  dropped where it does not (`float`, `int64`, `password`, ...: annotations);
+* `allOf` is merged into one schema where the parts combine (properties, required, bounds, types);
+* a `oneOf` whose branches cannot overlap (different types, or distinct const / enum values of a
+  required property) is an `anyOf`.
+
+`Refused` (a ValueError naming the keyword and its path) is what nothing in Clover can honour:
+a remote `$ref`, `$dynamicRef`, an `allOf` that does not merge. `for_decoding(schema)` then makes
+a normalised schema decodable by the grammar path (bounded, strict) or refuses it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+# the validation vocabulary (draft 2020-12, with draft-04..07 spellings normalised away)
+VALIDATION = {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems",
+    "uniqueItems", "contains", "minContains", "maxContains", "minLength", "maxLength", "pattern", "format",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf",
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+    "unevaluatedItems", "$ref", "$defs",
+}
+# formats that constrain a string (checked by the grammar and, where jsonschema can, by its checker)
+FORMATS = {"date", "date-time", "time", "email", "uuid", "ipv4", "ipv6", "uri", "hostname"}
+INLINE_LIMIT = 4000  # characters of a normalised $ref target inlined at each use
+TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_ONE = ("additionalProperties", "propertyNames", "items", "contains", "not", "if", "then", "else",
+              "unevaluatedProperties", "unevaluatedItems")
+
+
+class Refused(ValueError):
+    """A schema nothing in Clover can honour: `keyword` at `path` (a JSON pointer into the schema)."""
+
+    def __init__(self, keyword: str, path: str, why: str = "not supported"):
+        super().__init__(f"{keyword!r} at {path or '#'}: {why}")
+        self.keyword, self.path = keyword, path or "#"
+
+
+def normalize(schema, root: dict | None = None) -> dict | bool:
+    """The normalised schema (see the module docstring); `Refused` for what cannot be honoured.
+    `root`: the document local `$ref`s point into (default: the schema itself), e.g. an OpenAPI
+    document for `{"$ref": "#/components/schemas/Pet"}`."""
+    if isinstance(schema, bool):
+        return schema
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    n = _Normalizer(schema if root is None else root)
+    out = n.node(schema, "#", ())
+    if n.defs:
+        if not isinstance(out, dict):
+            out = {"allOf": [out]} if out is not True else {}
+        out = dict(out)
+        out["$defs"] = n.defs
+    return out
+
+
+class _Normalizer:
+    def __init__(self, root: dict):
+        self.root = root
+        self.defs: dict[str, object] = {}  # recursive targets, normalised, by name
+        self.names: dict[str, str] = {}  # ref -> name in defs
+        self.done: dict[str, object] = {}  # ref -> its normalised target
+
+    def resolve(self, ref: str, path: str):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise Refused("$ref", path, f"only local references (#/...) are supported, got {ref!r}")
+        target = self.root
+        for part in [p for p in ref[1:].split("/") if p != ""]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                raise Refused("$ref", path, f"{ref!r} does not resolve in this document")
+        return target
+
+    def node(self, s, path: str, stack: tuple):
+        """One schema node, normalised. `stack`: the refs being inlined above it (recursion check)."""
+        if isinstance(s, bool):
+            return s
+        if not isinstance(s, dict):
+            raise ValueError(f"{path}: a schema must be an object or a boolean, got {type(s).__name__}")
+        for key in ("$dynamicRef", "$recursiveRef"):
+            if key in s:
+                raise Refused(key, path)
+        s = dict(s)
+        parts = []
+        if "$ref" in s:
+            ref = s.pop("$ref")
+            parts.append(self.ref(ref, path, stack))
+        out = self.own(s, path, stack)
+        if not parts:
+            return out
+        if out == {} or out is True:
+            return parts[0]
+        return _merged([parts[0], out], path)
+
+    def ref(self, ref: str, path: str, stack: tuple):
+        """The normalised target of a `$ref`: inlined, or a `$ref` into the result's `$defs` when it
+        is recursive or large (INLINE_LIMIT characters: a target used in many places would otherwise
+        be copied into each)."""
+        if ref in stack or ref in self.names:
+            return {"$ref": "#/$defs/" + self._recursive(ref, path, stack)}
+        if ref not in self.done:
+            self.done[ref] = self.node(self.resolve(ref, path), f"{path}/$ref", stack + (ref,))
+            if ref in self.names:  # it turned out recursive while it was built
+                return {"$ref": "#/$defs/" + self.names[ref]}
+            if len(json.dumps(self.done[ref])) > INLINE_LIMIT:
+                self.names[ref] = self._name(ref)
+                self.defs[self.names[ref]] = self.done[ref]
+                return {"$ref": "#/$defs/" + self.names[ref]}
+        return copy.deepcopy(self.done[ref])
+
+    def _name(self, ref: str) -> str:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", ref.rsplit("/", 1)[-1].lstrip("#")) or "root"
+        while name in self.defs or name in self.names.values():
+            name += "_"
+        return name
+
+    def _recursive(self, ref: str, path: str, stack: tuple) -> str:
+        if ref not in self.names:
+            self.names[ref] = name = self._name(ref)
+            self.defs[name] = True  # placeholder while it is built
+            self.defs[name] = self.node(self.resolve(ref, path), f"{path}/$ref", stack + (ref,))
+        return self.names[ref]
+
+    def own(self, s: dict, path: str, stack: tuple):
+        """The node's own keywords (no $ref), normalised."""
+        s = dict(s)
+        _draft4(s)
+        nullable = s.pop("nullable", False) is True
+        if "format" in s and (s["format"] not in FORMATS or not isinstance(s["format"], str)):
+            del s["format"]
+        if "dependencies" in s:
+            for key, dep in (s.pop("dependencies") or {}).items():
+                if isinstance(dep, list):
+                    s.setdefault("dependentRequired", {})[key] = dep
+                else:
+                    s.setdefault("dependentSchemas", {})[key] = dep
+        for key, where in ([("pattern", s.get("pattern"))] + [("patternProperties", k) for k in s.get("patternProperties") or {}]):
+            if isinstance(where, str):
+                try:
+                    re.compile(where)
+                except re.error as e:
+                    raise Refused(key, path, f"{where!r} is not a regular expression Python can check ({e})")
+        out = {}
+        for key, value in s.items():
+            if key not in VALIDATION or key == "$defs":
+                continue  # annotations and unknown keywords
+            where = f"{path}/{key}"
+            if key in SCHEMA_MAPS:
+                if not isinstance(value, dict):
+                    raise ValueError(f"{where}: must be an object")
+                out[key] = {k: self.node(v, f"{where}/{_escape(k)}", stack) for k, v in value.items()}
+            elif key in SCHEMA_LISTS:
+                if not isinstance(value, list) or not value:
+                    raise ValueError(f"{where}: must be a non-empty list")
+                out[key] = [self.node(v, f"{where}/{i}", stack) for i, v in enumerate(value)]
+            elif key in SCHEMA_ONE:
+                out[key] = self.node(value, where, stack)
+            else:
+                out[key] = copy.deepcopy(value)
+        if isinstance(out.get("type"), list):
+            if not all(isinstance(t, str) for t in out["type"]):
+                raise Refused("type", path, "a schema inside a list of types (draft 3)")
+            types = list(dict.fromkeys(out["type"]))
+            out["type"] = types[0] if len(types) == 1 else types
+        if nullable:
+            out = _allow_null(out)
+        if "allOf" in out:
+            rest = {k: v for k, v in out.items() if k != "allOf"}
+            out = _merged(out["allOf"] + ([rest] if rest else []), f"{path}/allOf")
+        if "oneOf" in out and "anyOf" not in out and _disjoint(out["oneOf"]):
+            out["anyOf"] = out.pop("oneOf")
+        return out
+
+def merge(schemas: list, path: str, decoding: bool = False, defs: dict | None = None):
+    """allOf of normalised schemas as one schema; Refused where they do not combine. `decoding`:
+    a strengthening is enough (for_decoding): `anyOf`s combine branch by branch (the pairs that do
+    not combine left out) and a `$ref` part is expanded from `defs`."""
+    if any(s is False for s in schemas):
+        return False
+    schemas = [s for s in schemas if s is not True and s != {}]
+    if decoding:
+        schemas = [_expand(s, defs or {}, path) for s in schemas]
+    if not schemas:
+        return {}
+    out: dict = {}
+    for s in schemas:
+        for key, value in s.items():
+            if key not in out:
+                out[key] = copy.deepcopy(value)
+                continue
+            out[key] = _combine(key, out[key], value, path, decoding, defs)
+    # a part with additionalProperties false admits only its own properties
+    for s in schemas:
+        if s.get("additionalProperties") is False and "properties" in out and "patternProperties" not in s:
+            own = set(s.get("properties", {}))
+            for key in [k for k in out["properties"] if k not in own]:
+                if key in out.get("required", []):
+                    raise Refused("allOf", path, f"property {key!r} is required by one part and "
+                                  "forbidden by another (additionalProperties false)")
+                del out["properties"][key]
+    return out
+
+
+def _expand(s, defs: dict, path: str):
+    """A part `{"$ref": "#/$defs/x", ...}` with the target's keywords in place of the reference."""
+    if not isinstance(s, dict) or "$ref" not in s:
+        return s
+    name = s["$ref"].rsplit("/", 1)[-1]
+    if name not in defs:
+        raise Refused("$ref", path, f"{s['$ref']!r} does not resolve")
+    rest = {k: v for k, v in s.items() if k != "$ref"}
+    target = defs[name]
+    return merge([target, rest], path) if rest else target
+
+
+def _merged(schemas: list, path: str):
+    """One schema when the parts merge, else {"allOf": parts} (for_decoding tries again)."""
+    try:
+        return merge(schemas, path)
+    except Refused:
+        return {"allOf": [s for s in schemas if s is not True and s != {}]}
+
+
+def _combine(key: str, a, b, path: str, decoding: bool = False, defs: dict | None = None):
+    if a == b:
+        return a
+    if key == "properties":
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = merge([out[k], v], f"{path}/properties/{_escape(k)}", decoding, defs) if k in out else v
+        return out
+    if key == "required":
+        return list(dict.fromkeys(list(a) + list(b)))
+    if key == "type":
+        ta = set(a if isinstance(a, list) else [a])
+        tb = set(b if isinstance(b, list) else [b])
+        if "number" in ta and "integer" in tb:
+            ta.add("integer")
+        if "number" in tb and "integer" in ta:
+            tb.add("integer")
+        both = [t for t in TYPES if t in ta & tb]
+        if not both:
+            raise Refused("allOf", path, f"the parts allow no common type ({a} and {b})")
+        return both[0] if len(both) == 1 else both
+    if key in ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"):
+        return max(a, b)
+    if key in ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"):
+        return min(a, b)
+    if key == "enum":
+        return [v for v in a if v in b]
+    if key == "uniqueItems":
+        return bool(a or b)
+    if key in ("additionalProperties", "items", "propertyNames"):
+        return merge([a, b], f"{path}/{key}", decoding, defs)
+    if key == "anyOf" and decoding:
+        pairs = []
+        for x in a:
+            for y in b:
+                try:
+                    pairs.append(merge([x, y], f"{path}/anyOf", decoding, defs))
+                except Refused:
+                    continue  # a pair that does not combine is left out (a strengthening)
+        if not pairs:
+            raise Refused("allOf", path, "no pair of the parts' anyOf branches combines")
+        return pairs
+    if key == "pattern" and decoding:
+        raise Refused("pattern", path, "two patterns on one string (the grammar takes one)")
+    if key == "dependentRequired":
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = list(dict.fromkeys(out.get(k, []) + v))
+        return out
+    raise Refused("allOf", path, f"the parts' {key!r} do not combine into one schema")
+
+
+def _draft4(s: dict) -> None:
+    """Draft-04 spellings -> draft 2020-12 (in place)."""
+    for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(s.get(key), bool):
+            if s.pop(key) and bound in s:
+                s[key] = s.pop(bound)
+    if isinstance(s.get("items"), list):
+        s["prefixItems"] = s.pop("items")
+        extra = s.pop("additionalItems", True)
+        if extra is not True:
+            s["items"] = extra
+    else:
+        s.pop("additionalItems", None)  # without a tuple `items` it has no effect
+
+
+def _allow_null(s: dict) -> dict:
+    if "type" in s and set(s) <= {"type"} | _TYPE_KEYWORDS:
+        types = s["type"] if isinstance(s["type"], list) else [s["type"]]
+        return s if "null" in types else {**s, "type": types + ["null"]}
+    return {"anyOf": [s, {"type": "null"}]}
+
+
+_TYPE_KEYWORDS = {"properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+                  "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems", "uniqueItems",
+                  "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+                  "exclusiveMaximum", "multipleOf"}
+
+
+def _types(s) -> set | None:
+    """The JSON types a normalised schema can take (None: not evident)."""
+    if not isinstance(s, dict):
+        return None
+    if "const" in s:
+        return {_type_of(s["const"])}
+    if "enum" in s:
+        return {_type_of(v) for v in s["enum"]}
+    t = s.get("type")
+    if t is None:
+        return None
+    out = set(t if isinstance(t, list) else [t])
+    return out | {"integer"} if "number" in out else out
+
+
+def _type_of(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "integer" if v.is_integer() else "number"
+    return {str: "string", list: "array", dict: "object"}[type(v)]
+
+
+def _tags(s) -> dict | None:
+    """{property: set of JSON texts} of the required properties fixed by const / enum."""
+    if not isinstance(s, dict):
+        return None
+    out = {}
+    for key in s.get("required", []):
+        p = s.get("properties", {}).get(key)
+        if isinstance(p, dict) and ("const" in p or "enum" in p):
+            out[key] = {json.dumps(v, sort_keys=True) for v in ([p["const"]] if "const" in p else p["enum"])}
+    return out
+
+
+def _disjoint(branches: list) -> bool:
+    """No document can match two of the branches (so oneOf = anyOf)."""
+    for i, a in enumerate(branches):
+        for b in branches[i + 1:]:
+            ta, tb = _types(a), _types(b)
+            if ta is not None and tb is not None and not (ta & tb):
+                continue
+            if ta is not None and tb is not None and ta == tb and ta <= {"string", "integer", "number", "boolean",
+                                                                         "null"} and "enum" in a and "enum" in b:
+                if not {json.dumps(v) for v in a["enum"]} & {json.dumps(v) for v in b["enum"]}:
+                    continue
+            tags_a, tags_b = _tags(a), _tags(b)
+            if tags_a and tags_b and any(k in tags_b and not (tags_a[k] & tags_b[k]) for k in tags_a):
+                continue
+            return False
+    return True
+
+
+def _escape(key: str) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+# ---- for the grammar path ----------------------------------------------------------------------------
+STRING_CAP = 24  # characters of a string without maxLength (a bound the grammar decodes within)
+ARRAY_CAP = 3  # items of an array without maxItems
+# keywords the grammar library does not enforce and `for_decoding` cannot strengthen away
+UNENFORCED = ("if", "then", "else", "contains", "minContains", "maxContains", "dependentSchemas",
+              "unevaluatedItems")
+
+
+def for_decoding(schema, path: str = "#", defs: dict | None = None):
+    """A normalised schema strengthened so the grammar path can decode it and every document it
+    accepts is valid under `schema`: free strings and arrays bounded (STRING_CAP, ARRAY_CAP),
+    `allOf` merged (anyOf branches paired), `if`/`then` as both (the `if` made to hold),
+    `dependentRequired` and `not` met by leaving optional keys or types out, `unevaluatedProperties`
+    as `additionalProperties`. `Refused` for what the grammar cannot enforce (UNENFORCED, other `not`s)."""
+    if not isinstance(schema, dict):
+        return schema
+    if defs is None:
+        defs = schema.get("$defs", {})
+    s = dict(schema)
+    if "allOf" in s:
+        raw = [_expand(p, defs, path) for p in s.pop("allOf")]
+        try:
+            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs) for i, p in enumerate(raw)] + [s],
+                      f"{path}/allOf", True, defs)
+        except Refused:  # conditions made to hold in each part may conflict: leave them to the final check
+            bare = [{k: v for k, v in p.items() if k not in ("if", "then", "else")} if isinstance(p, dict) else p
+                    for p in raw]
+            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs) for i, p in enumerate(bare)] + [s],
+                      f"{path}/allOf", True, defs)
+        if not isinstance(s, dict):
+            return s
+    if "if" in s:
+        cond, then = s.pop("if"), s.pop("then", True)
+        s.pop("else", None)
+        if then is not True:
+            try:
+                met = merge([s, cond, then], f"{path}/if", True, defs)
+            except Refused:  # the condition conflicts with the rest: left to the final check
+                met = None
+            if isinstance(met, dict):
+                s = met
+    s.pop("then", None)
+    s.pop("else", None)
+    for key in UNENFORCED:
+        if key in s:
+            raise Refused(key, f"{path}", "the grammar path cannot enforce it")
+    if "unevaluatedProperties" in s:
+        u = s.pop("unevaluatedProperties")
+        if any(k in s for k in ("anyOf", "oneOf")) and u is not True:
+            raise Refused("unevaluatedProperties", path, "with applicators, the grammar path cannot enforce it")
+        if "additionalProperties" not in s:
+            s["additionalProperties"] = u
+    required = list(s.get("required", []))
+    props = dict(s.get("properties", {}))
+    drop = set()
+    for key, deps in s.pop("dependentRequired", {}).items():
+        if key in required:
+            required += [d for d in deps if d not in required]
+        else:
+            drop.add(key)
+    if "not" in s:
+        s, keys = _negate(s, s.pop("not"), f"{path}/not")
+        drop |= keys
+    if any(k in required for k in drop):
+        raise Refused("not" if "not" in schema else "dependentRequired", path, "cannot be met")
+    for key in drop:  # left out (without additionalProperties the grammar writes no other key)
+        props.pop(key, None)
+    if "properties" in s or props:
+        out = {}
+        for k, v in props.items():
+            if _never(v) and k not in required:
+                continue  # a property that may not be present: left out
+            out[k] = for_decoding(v, f"{path}/properties/{_escape(k)}", defs)
+        s["properties"] = out
+    if required:
+        s["required"] = required
+    for key in ("additionalProperties", "items", "propertyNames"):
+        if isinstance(s.get(key), dict):
+            s[key] = for_decoding(s[key], f"{path}/{key}", defs)
+    for key in ("patternProperties", "$defs"):
+        if key in s:
+            s[key] = {k: for_decoding(v, f"{path}/{key}/{_escape(k)}", defs) for k, v in s[key].items()}
+    for key in ("anyOf", "oneOf", "prefixItems"):
+        if key in s:
+            s[key] = [for_decoding(v, f"{path}/{key}/{i}", defs) for i, v in enumerate(s[key])]
+    if "oneOf" in s:  # the grammar reads oneOf as anyOf; the final check tells an overlap
+        if "anyOf" in s:
+            raise Refused("oneOf", path, "beside anyOf")
+        s["anyOf"] = s.pop("oneOf")
+    if (isinstance(s.get("additionalProperties"), dict) or "patternProperties" in s) and "propertyNames" not in s:
+        s["propertyNames"] = {"maxLength": STRING_CAP}  # map keys bounded, and their number
+    if isinstance(s.get("additionalProperties"), dict) or "patternProperties" in s:
+        s.setdefault("maxProperties", max(s.get("minProperties", 0), len(s.get("properties", {})) + ARRAY_CAP))
+    types = _types(s)
+    free = not any(k in s for k in ("enum", "const", "pattern", "format", "maxLength"))
+    if free and (types is None or "string" in types) and ("type" in s or "minLength" in s):
+        s["maxLength"] = max(s.get("minLength", 0), STRING_CAP)
+    if "maxItems" not in s and (types is None or "array" in types) and ("type" in s or "items" in s):
+        s["maxItems"] = max(s.get("minItems", 0), len(s.get("prefixItems", [])), ARRAY_CAP)
+    return s
+
+
+def _never(s) -> bool:
+    return s is False or (isinstance(s, dict) and set(s) == {"not"} and s["not"] in ({}, True))
+
+
+def _negate(s: dict, neg, path: str) -> tuple[dict, set]:
+    """`s` strengthened to meet `not: neg`, and the optional keys to leave out. A `not` this cannot
+    express (e.g. a string `not: {pattern}`) is left to the final check (grammar_json retries)."""
+    if neg is False:
+        return s, set()
+    if isinstance(neg, dict):
+        neg = dict(neg)
+        if isinstance(neg.get("properties"), dict) and all(v in (True, {}) for v in neg["properties"].values()):
+            neg.pop("properties")
+        if neg.get("type") == "object" and "required" in neg:
+            neg.pop("type")
+    if isinstance(neg, dict) and set(neg) == {"required"} and neg["required"]:
+        return s, {neg["required"][0]}
+    if isinstance(neg, dict) and set(neg) == {"anyOf"} and all(
+            isinstance(b, dict) and set(b) == {"required"} and b["required"] for b in neg["anyOf"]):
+        return s, {b["required"][0] for b in neg["anyOf"]}
+    if isinstance(neg, dict) and set(neg) == {"type"}:
+        banned = set(neg["type"] if isinstance(neg["type"], list) else [neg["type"]])
+        have = s.get("type", list(TYPES))
+        have = [t for t in (have if isinstance(have, list) else [have]) if t not in banned]
+        if "number" in banned:
+            have = [t for t in have if t != "integer"]
+        if not have:
+            raise Refused("not", path, "no type is left")
+        return {**s, "type": have[0] if len(have) == 1 else have}, set()
+    if isinstance(neg, dict) and set(neg) <= {"enum", "const"} and "enum" in s:
+        bad = neg.get("enum", []) + ([neg["const"]] if "const" in neg else [])
+        left = [v for v in s["enum"] if v not in bad]
+        if not left:
+            raise Refused("not", path, "no enum value is left")
+        return {**s, "enum": left}, set()
+    if neg in ({}, True):
+        raise Refused("not", path, "nothing is valid here")
+    return s, set()
+
+
+RECURSION = 2  # levels of a recursive schema the grammar path lays out before it stops recursing
+
+
+def unroll(schema, depth: int = RECURSION):
+    """A normalised schema with its recursive `$ref`s expanded `depth` levels deep; below that an
+    optional property or an array item that would recurse is left out (a strengthening: the grammar
+    then writes no deeper), and a required one keeps its `$ref`."""
+    if not isinstance(schema, dict) or "$defs" not in schema:
+        return schema
+    defs = schema["$defs"]
+    cut = object()
+
+    def ref_of(s):
+        return s["$ref"].rsplit("/", 1)[-1] if isinstance(s, dict) and set(s) == {"$ref"} else None
+
+    def walk(s, level):
+        if not isinstance(s, dict):
+            return s
+        name = ref_of(s)
+        if name is not None and name in defs:
+            return walk(defs[name], level + 1) if level < depth else cut
+        out = {}
+        for key, value in s.items():
+            if key == "$defs":
+                continue
+            if key in ("properties", "patternProperties", "dependentSchemas"):
+                kids = {}
+                for k, v in value.items():
+                    w = walk(v, level)
+                    if w is cut:
+                        if key != "properties" or k in s.get("required", []):
+                            kids[k] = v
+                        continue
+                    kids[k] = w
+                out[key] = kids
+            elif key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+                items = [walk(v, level) for v in value]
+                if key == "anyOf" and any(i is not cut for i in items):
+                    items = [i for i in items if i is not cut]
+                out[key] = [v if i is cut else i for i, v in zip(items, value)] if cut in items else items
+            elif key in ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains"):
+                w = walk(value, level)
+                if w is cut and key == "items" and s.get("minItems", 0) == 0:
+                    out["maxItems"] = 0
+                    continue
+                if w is cut and key == "additionalProperties":
+                    out[key] = False
+                    continue
+                out[key] = value if w is cut else w
+            else:
+                out[key] = value
+        if out.get("maxItems") == 0:
+            out.pop("items", None)
+        return out
+
+    body = walk({k: v for k, v in schema.items() if k != "$defs"}, 0)
+    return {**body, "$defs": defs} if body is not cut else schema

@@ -1,0 +1,131 @@
+"""The structured-output corpus (clover/structured/corpus.py): every schema yields a document that
+json.loads + jsonschema accept, or is refused (a 400 naming the keyword) - never an invalid one -
+on a tiny random model; normalisation on its own; the official openai client's `parse` with
+pydantic models and forced calls over BFCL-style tool sets.
+
+The fast run takes a sample of the corpus (every source); CLOVER_CORPUS=full runs all of it
+(every SchemaStore definition too: long), and `clover bench structured --corpus` reports coverage."""
+
+import json
+import os
+
+import openai
+import pytest
+from jsonschema import FormatChecker, validators
+
+import clover
+from clover.api import eos_ids
+from clover.server import Settings, create_app
+from clover.structured import Refused, corpus, normalize
+from helpers import save_tiny_model
+from server_utils import RunningServer
+
+FULL = os.environ.get("CLOVER_CORPUS") == "full"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return clover.load(save_tiny_model(tmp_path_factory.mktemp("corpus-model")))
+
+
+def _entries():
+    entries = corpus.load(per_file=None if FULL else 1)
+    if FULL:
+        return entries
+    # the fast sample: every source, the big SchemaStore documents (seconds to compile each) left to the full run
+    small = [e for e in entries if len(json.dumps(e["schema"])) < 40_000 or e["root"] is not None]
+    by_source = {}
+    for e in small:
+        by_source.setdefault(e["source"], []).append(e)
+    return [e for s, es in by_source.items() for e in (es if s != "schemastore" else es[:24])][::4]
+
+
+def test_the_corpus_is_big_and_real_world_shaped():
+    entries = corpus.load(per_file=6)
+    assert len(entries) >= 200
+    assert {e["source"] for e in entries} == set(corpus.SOURCES)
+    assert sum(e["source"] == "schemastore" for e in entries) >= 100
+
+
+def test_normalisation_keeps_meaning():
+    s = normalize({"id": "x", "type": "object", "x-vendor": 1, "readonly": True, "properties": {
+        "a": {"$ref": "#/definitions/a"}, "n": {"type": "integer", "nullable": True},
+        "f": {"type": "number", "format": "float"}, "d": {"type": "string", "format": "date"},
+        "lo": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+        "t": {"allOf": [{"$ref": "#/definitions/a"}, {"required": ["k"]}]}},
+        "definitions": {"a": {"type": "object", "title": "A", "properties": {"k": {"type": "string"}}}}})
+    assert s == {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"k": {"type": "string"}}},
+        "n": {"type": ["integer", "null"]}, "f": {"type": "number"}, "d": {"type": "string", "format": "date"},
+        "lo": {"type": "number", "exclusiveMinimum": 0},
+        "t": {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}}}
+    rec = normalize({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}})
+    assert rec["properties"]["kids"]["items"] == {"$ref": "#/$defs/root"} and "root" in rec["$defs"]
+    assert normalize({"oneOf": [{"type": "string"}, {"type": "integer"}]}) == {
+        "anyOf": [{"type": "string"}, {"type": "integer"}]}  # disjoint branches
+    with pytest.raises(Refused, match="'\\$ref' at #/properties/a"):
+        normalize({"properties": {"a": {"$ref": "other.json#/x"}}})
+
+
+def test_every_sampled_schema_is_valid_or_refused(tiny):
+    model, tok = tiny
+    records = [corpus.answer(model, tok, e, max_new_tokens=600) for e in _entries()]
+    bad = [r for r in records if r["method"] != "refused" and not r["valid"] and r.get("complete", True)]
+    assert not bad, bad[:3]  # 0 invalid documents: a complete reply is always valid
+    claimed = [r for r in records if r.get("claimed_valid") and not r["valid"]]
+    assert not claimed, claimed[:3]  # the verdict is about the returned text
+    summary = corpus.summarize(records)
+    assert set(summary["per_source"]) == set(corpus.SOURCES)
+    assert summary["overall"]["coverage"] >= 0.8, summary["overall"]
+    assert all(r.get("keyword") for r in records if r["method"] == "refused")
+
+
+# ---- the official client ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client(tiny):
+    model, tokenizer = tiny
+    settings = Settings(model_id="tiny", block_size=8, threshold=0.5, max_batch=8, max_queue=16)
+    with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+
+
+ASK = [{"role": "user", "content": "Fill it in."}]
+
+
+@pytest.mark.parametrize("model", corpus.PYDANTIC, ids=[m.__name__ for m in corpus.PYDANTIC])
+def test_parse_with_pydantic_models(client, model):
+    """chat.completions.parse (strict json_schema from the model) parses every reply, streamed too."""
+    one = client.chat.completions.parse(model="tiny", messages=ASK, response_format=model, max_tokens=900)
+    parsed = one.choices[0].message.parsed
+    assert isinstance(parsed, model) and one.choices[0].finish_reason == "stop"
+    info = one.model_extra["clover"]["structured"][0]
+    assert info["valid"] and info["method"] in ("infill", "grammar")
+    with client.chat.completions.stream(model="tiny", messages=ASK, response_format=model, max_tokens=900) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].message.content == one.choices[0].message.content
+
+
+@pytest.mark.parametrize("request_index", [i for i, r in enumerate(corpus.bfcl_requests()) if len(r) <= 3][::2])
+def test_forced_calls_over_bfcl_tools(client, request_index):
+    """tool_choice "required" and a named function always return one valid call, stream and not (the
+    requests whose tools leave the character-level test model room for the call in its context)."""
+    tools = corpus.bfcl_requests()[request_index]
+    specs = {t["function"]["name"]: normalize(t["function"]["parameters"]) for t in tools}
+    for choice in ["required", {"type": "function", "function": {"name": tools[-1]["function"]["name"]}}]:
+        kw = dict(model="tiny", messages=ASK, tools=tools, tool_choice=choice)  # the budget: what the context leaves
+        one = client.chat.completions.create(**kw)
+        (call,) = one.choices[0].message.tool_calls
+        finish, info = one.choices[0].finish_reason, one.model_extra["clover"]["structured"][0]
+        assert one.choices[0].message.content is None and finish in ("tool_calls", "length")
+        if finish == "length":  # the char-level model's context ran out mid-call: said so, never "valid"
+            assert not info["valid"] and request_index > 0
+            continue
+        assert info["valid"]
+        schema = specs[call.function.name]
+        assert not list(validators.validator_for(schema)(schema, format_checker=FormatChecker()).iter_errors(
+            json.loads(call.function.arguments)))
+        if isinstance(choice, dict):
+            assert call.function.name == choice["function"]["name"]
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        streamed = "".join(tc.function.arguments or "" for ch in chunks for tc in ch.choices[0].delta.tool_calls or [])
+        assert streamed == call.function.arguments and chunks[-1].choices[0].finish_reason == "tool_calls"
