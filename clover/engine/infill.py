@@ -380,7 +380,7 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
     mask = model.config.mask_token_id
     tokens, forwards = [], 0
     while len(tokens) < max_new_tokens:
-        logits = engine._forward(engine.window, 0, 1)[:, -1].float()  # [1, V]; the last token is committed as fed
+        logits = engine.batch.forward(engine.batch.window, 0, 1)[:, -1].float()  # [1, V]; the last token is committed as fed
         forwards += 1
         logits[:, mask] = float("-inf")
         allow(logits)
@@ -400,5 +400,5 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
         tokens.append(t)
         if not ok:
             return tokens, True, forwards
-        engine.window = torch.tensor([[t]], device=engine.device)
+        engine.batch.window = torch.tensor([[t]], device=engine.device)
     return tokens, False, forwards
