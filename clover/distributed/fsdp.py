@@ -5,7 +5,7 @@ freed after, gradients reduce-scattered as its backward ends), then the root mod
 final norm, head: the tied embedding / head pair stays in one group). On GPU with `bf16` the
 parameters are gathered and computed in bf16 while gradients are reduced in fp32 and the sharded
 master weights and Adam moments stay fp32 (MixedPrecisionPolicy). The gradient average over ranks
-is FSDP's own (reduce-scatter with the world size as divisor); `clover.training.objectives.Shard`
+is FSDP's own (reduce-scatter with the world size as divisor); `clover.distributed.shard.Shard`
 makes each rank's loss its share of the global-batch loss, so scaling it by the world size makes
 that average the gradient of one process on the whole batch.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..training.objectives import Shard
+from .shard import Shard
 from .runtime import Dist
 
 
