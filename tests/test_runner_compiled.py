@@ -72,6 +72,7 @@ def test_compiled_ar_equals_eager_batch(model):
 
 
 @full_only
+@pytest.mark.timeout(2400)  # ~10 graphs per mode: over pytest-timeout's 600 s on a loaded 2-core machine
 @pytest.mark.parametrize("mode", ["low_confidence", "self_spec", "ar"])
 def test_compiled_equals_eager_rows_join_and_leave(model, mode):
     check_equal(model, mode, [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]], late=[[40, 41, 42, 9, 9, 9, 1]])
