@@ -18,7 +18,7 @@ import time
 import torch
 
 from clover.api import DEFAULT_MODEL
-from clover.engine.runner import make_runner
+from clover.engine.runner import CompiledRunner, make_runner
 from clover.models import CloverForBlockDiffusion
 from clover.utils.timing import time_alternately
 
@@ -70,6 +70,7 @@ def main() -> None:
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size - 1, (1, args.context))
     runners = {kind: make_runner(kind, model) for kind in ("eager", "compiled")}
+    runners["compiled-skip-guards"] = CompiledRunner(model, skip_guards=True)  # shares the compiled graphs
     caches = {}
     with torch.inference_mode():
         for kind, r in runners.items():
@@ -88,10 +89,11 @@ def main() -> None:
             candidates[(kind, n)] = fn
     with torch.inference_mode():
         for key, fn in candidates.items():  # first call = compilation (cold, unless inductor's cache has it)
-            t = time.perf_counter()
-            fn()
-            caches[key[0]][0].restore(caches[key[0]][1])
-            compile_s[key] = time.perf_counter() - t
+            for _ in range(2):  # the second call registers the shape as seen (skip-guards replays from then)
+                t = time.perf_counter()
+                fn()
+                caches[key[0]][0].restore(caches[key[0]][1])
+                compile_s.setdefault(key, time.perf_counter() - t)
         times = time_alternately({f"{k} {n}": fn for (k, n), fn in candidates.items()}, repeats=args.repeats,
                                  setup=lambda name: caches[name.split()[0]][0].restore(caches[name.split()[0]][1]))
     bw, rate = bandwidth(), gemm_rate()
@@ -107,8 +109,9 @@ def main() -> None:
         nbytes, per_token = step_weights(model, n)
         floors.append(max(nbytes / bw, 2 * per_token * n / rate))
     print("| floor | " + " | ".join(f"{f * 1e3:.2f}" for f in floors) + " |")
-    print("| compiled / floor | " + " | ".join(f"{times[f'compiled {n}'] / f:.1f}x" for n, f in zip(sizes, floors)) + " |")
-    print("| eager / compiled | " + " | ".join(f"{times[f'eager {n}'] / times[f'compiled {n}']:.2f}x" for n in sizes) + " |")
+    best = {n: min(times[f"compiled {n}"], times[f"compiled-skip-guards {n}"]) for n in sizes}
+    print("| best compiled / floor | " + " | ".join(f"{best[n] / f:.1f}x" for n, f in zip(sizes, floors)) + " |")
+    print("| eager / best compiled | " + " | ".join(f"{times[f'eager {n}'] / best[n]:.2f}x" for n in sizes) + " |")
     print("\nFirst call (compile, or inductor's on-disk cache when warm) of each compiled shape: "
           + ", ".join(f"{n} tok {compile_s[('compiled', n)]:.1f} s" for n in sizes) + ".")
 

@@ -42,3 +42,14 @@ def save_tiny_model(folder, seed: int = 0, peak: float = 40.0) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def tiny_model(seed: int, peak: float = 40.0, **overrides):
+    """A random clover-tiny model in eval mode, head scaled by `peak` (peaked distributions, so
+    thresholds like 0.5 fill several tokens per step)."""
+    from clover.models import CloverForBlockDiffusion, preset_config
+
+    torch.manual_seed(seed)
+    m = CloverForBlockDiffusion(preset_config("clover-tiny", **overrides)).eval()
+    m.lm_head.weight.data *= peak
+    return m

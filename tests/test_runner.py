@@ -6,17 +6,15 @@ import torch
 
 from clover.engine import DecodeConfig, Engine
 from clover.engine.runner import CompiledRunner, EagerRunner, is_steady, make_runner
-from clover.models import CloverForBlockDiffusion, preset_config
+from clover.models import CloverForBlockDiffusion
 from clover.models.modeling_clover import commit_slots
 from clover.ops.moe import grouped_experts, grouped_experts_op, naive_experts
+from helpers import tiny_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(4321)
-    m = CloverForBlockDiffusion(preset_config("clover-tiny")).eval()
-    m.lm_head.weight.data *= 40
-    return m
+    return tiny_model(4321)
 
 
 def test_engine_calls_the_model_only_through_its_runner(model, monkeypatch):

@@ -72,10 +72,16 @@ def is_steady(num_clean: int, length: int) -> bool:
 class CompiledRunner(EagerRunner):
     name = "compiled"
 
-    def __init__(self, model):
+    def __init__(self, model, skip_guards: bool = False):
         super().__init__(model)
         self.step_fn = compiled_step(model)
         self.compiled_calls = self.eager_calls = 0
+        # skip_guards: once a shape has been compiled, replay it with dynamo evaluating only the guards
+        # that tell its compiled entries apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True)).
+        # Safe here because `_shape_key` names everything the entries differ by, so a call reaches
+        # the unsafe path only when an entry compiled for exactly its key exists.
+        self.skip_guards = skip_guards
+        self._seen = _seen_keys.setdefault(model, set())
 
     def new_cache(self, rows: int, capacity: int):
         return super().new_cache(rows, -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET)
@@ -90,9 +96,26 @@ class CompiledRunner(EagerRunner):
         self.compiled_calls += 1
         m = self.model
         layout = m.prepare_stream(ids, cache, block_size, draft_len, clean_block_size, pad, static=True)
-        logits = self.step_fn(m, ids, layout, cache, keep)
+        key = _shape_key(ids, layout, cache, keep)
+        if self.skip_guards and key in self._seen:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                logits = self.step_fn(m, ids, layout, cache, keep)
+        else:
+            logits = self.step_fn(m, ids, layout, cache, keep)
+            self._seen.add(key)
         m.commit_lens(cache, num_clean, pad)
         return logits if index is None else logits[:, index]
+
+
+_seen_keys: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> compiled shape keys
+
+
+def _shape_key(ids, layout, cache, keep) -> tuple:
+    """Everything a compiled step specialises on besides the (fixed) weights."""
+    return (tuple(ids.shape), ids.device, layout.num_clean, layout.clean_block_size, layout.prefix,
+            layout.pad is None, layout.calib is None, None if layout.calib is None else tuple(layout.calib.shape),
+            cache.recording, cache.capacity, cache.batch_size, cache.dtype, keep,
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
 
 def make_runner(kind: str, model) -> EagerRunner:
