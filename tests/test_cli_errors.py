@@ -173,8 +173,13 @@ print(heavy)
 
 
 def test_help_and_argument_errors_import_no_torch(fx):
-    argvs = [["--help"], ["generate", "--help"], ["chat", "--help"], ["serve", "--help"], ["decide", "--help"],
-             ["quantize", "--help"], ["convert", "--help"], ["info", "--help"], ["eval", "--help"], ["bench", "--help"],
+    from clover.cli import build_parser
+
+    subcommands = sorted(build_parser()._subparsers._group_actions[0].choices)  # every registered one
+    assert {"generate", "serve", "train", "info"} <= set(subcommands)
+    argvs = [["--help"], *([name, "--help"] for name in subcommands),
+             ["train", "--lr", "x"], ["train", "--objective", "xx", "--train-files", "a", "--tokenizer", "t"],
+             ["train", "--config", str(fx / "missing.toml")], ["serve", "--device", "tpu"], ["serve", "--threads", "0"],
              ["generate", "--seed", "x"], ["generate", "--device", "tpu"], ["generate", "--device", "cuda"],
              ["generate", "--model", str(fx / "truncated"), "--prompt", "a"],
              ["generate", "--model", str(fx / "good"), "--prompt-file", str(fx / "bad.txt")],
