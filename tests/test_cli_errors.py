@@ -179,7 +179,8 @@ def test_help_and_argument_errors_import_no_torch(fx):
     assert {"generate", "serve", "train", "info"} <= set(subcommands)
     argvs = [["--help"], *([name, "--help"] for name in subcommands),
              ["train", "--lr", "x"], ["train", "--objective", "xx", "--train-files", "a", "--tokenizer", "t"],
-             ["train", "--config", str(fx / "missing.toml")], ["serve", "--device", "tpu"], ["serve", "--threads", "0"],
+             ["train", "--config", str(fx / "missing.toml")], ["info", "--preset", "clover-35b-a3b"], ["info", "--json"],
+             ["info", "--plan", "train", "--gpus", "8", "--json"], ["info", "--preset", "nope"], ["serve", "--device", "tpu"], ["serve", "--threads", "0"],
              ["generate", "--seed", "x"], ["generate", "--device", "tpu"], ["generate", "--device", "cuda"],
              ["generate", "--model", str(fx / "truncated"), "--prompt", "a"],
              ["generate", "--model", str(fx / "good"), "--prompt-file", str(fx / "bad.txt")],
