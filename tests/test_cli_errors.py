@@ -303,3 +303,16 @@ def test_train_and_save_pretrained_write_the_umask_mode(tmp_path, umask_022):
     modes = _modes(tmp_path / "run")
     assert "final/model.safetensors" in modes and any(k.startswith("checkpoints/") for k in modes)
     assert set(modes.values()) == {0o644}, {k: oct(v) for k, v in modes.items()}
+
+
+@pytest.mark.parametrize("argv", [["--device", "tpu"], ["--threads", "0"], ["--threads", "x"]])
+def test_serve_device_and_threads_flags_are_generates(capsys, argv):
+    """serve takes the shared --device / --threads (clover/cli/options.py): the same check, the same line."""
+    errs = []
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit) as e:
+            main([command, *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+        errs.append(err.removeprefix(f"clover {command}: "))
+    assert errs[0] == errs[1]
