@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default"
+# The seeds a generation accepts: a 64-bit signed integer, as OpenAI's `seed` (the server and the CLI check
+# against these; the sampler folds the seed into torch's generator).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass

@@ -173,8 +173,14 @@ print(heavy)
 
 
 def test_help_and_argument_errors_import_no_torch(fx):
-    argvs = [["--help"], ["generate", "--help"], ["chat", "--help"], ["serve", "--help"], ["decide", "--help"],
-             ["quantize", "--help"], ["convert", "--help"], ["info", "--help"], ["eval", "--help"], ["bench", "--help"],
+    from clover.cli import build_parser
+
+    subcommands = sorted(build_parser()._subparsers._group_actions[0].choices)  # every registered one
+    assert {"generate", "serve", "train", "info"} <= set(subcommands)
+    argvs = [["--help"], *([name, "--help"] for name in subcommands),
+             ["train", "--lr", "x"], ["train", "--objective", "xx", "--train-files", "a", "--tokenizer", "t"],
+             ["train", "--config", str(fx / "missing.toml")], ["info", "--preset", "clover-35b-a3b"], ["info", "--json"],
+             ["info", "--plan", "train", "--gpus", "8", "--json"], ["info", "--preset", "nope"], ["serve", "--device", "tpu"], ["serve", "--threads", "0"],
              ["generate", "--seed", "x"], ["generate", "--device", "tpu"], ["generate", "--device", "cuda"],
              ["generate", "--model", str(fx / "truncated"), "--prompt", "a"],
              ["generate", "--model", str(fx / "good"), "--prompt-file", str(fx / "bad.txt")],
@@ -304,3 +310,16 @@ def test_train_and_save_pretrained_write_the_umask_mode(tmp_path, umask_022):
     modes = _modes(tmp_path / "run")
     assert "final/model.safetensors" in modes and any(k.startswith("checkpoints/") for k in modes)
     assert set(modes.values()) == {0o644}, {k: oct(v) for k, v in modes.items()}
+
+
+@pytest.mark.parametrize("argv", [["--device", "tpu"], ["--threads", "0"], ["--threads", "x"]])
+def test_serve_device_and_threads_flags_are_generates(capsys, argv):
+    """serve takes the shared --device / --threads (clover/cli/options.py): the same check, the same line."""
+    errs = []
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit) as e:
+            main([command, *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+        errs.append(err.removeprefix(f"clover {command}: "))
+    assert errs[0] == errs[1]

@@ -1,4 +1,4 @@
-"""`clover info`: parameter counts and memory figures, computed on the meta device.
+"""`clover info`: parameter counts and memory figures, computed from the config (clover/sizes.py).
 
 `--plan train|serve --gpus N --gpu-mem G`: the per-GPU memory of training under FSDP2 or of
 serving with --tp / --ep (default: --ep N) across N GPUs, and whether it fits (docs/distributed.md)."""
@@ -35,21 +35,29 @@ def register(sub) -> None:
 
 
 def load_config(args):
-    from ..models import CloverConfig, PRESETS, preset_config
-
+    """(name, config): a folder's CloverConfig (checked, so transformers loads), or a preset's
+    torch-free view (clover.presets): `clover info --preset ...` (and its --json / --plan train)
+    answers without torch or transformers."""
     if args.model:
+        from ..models import CloverConfig
         from ..utils.checkpoint import read_config
 
         read_config(args.model)  # not JSON, or not a Clover config: one line naming the file
         return args.model, CloverConfig.from_pretrained(args.model)
+    from ..presets import PRESETS, light_preset
+
     name = args.preset or "clover-35b-a3b"
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
-    return name, preset_config(name)
+    if args.quant:  # the int4 plan asks the quantiser which modules of a (meta-device) model it replaces
+        from ..models import preset_config
+
+        return name, preset_config(name)
+    return name, light_preset(name)
 
 
 def run(args) -> int:
-    from ..models.stats import model_stats
+    from ..sizes import model_stats
 
     name, config = load_config(args)
     stats = {"model": name, **model_stats(config)}
@@ -93,7 +101,7 @@ def _quant_plan(args, config):
             if getattr(args, flag, None):
                 raise UserError(f"--{flag.replace('_', '-')} needs --quant int4")
         return None
-    from ..models.stats import int4_memory_plan
+    from ..sizes import int4_memory_plan
 
     if args.gpu_memory is None:
         args.gpu_memory = 16.0
@@ -113,7 +121,7 @@ def _quant_plan(args, config):
 
 
 def _parallel_plan(args, name, config, stats) -> int:
-    from ..models.stats import serve_memory_plan, train_memory_plan
+    from ..sizes import serve_memory_plan, train_memory_plan
 
     if args.quant:
         raise UserError("--plan and --quant are separate plans: give one")

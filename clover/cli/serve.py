@@ -9,6 +9,7 @@ import sys
 
 from ..distributed.flags import add_parallel_flags
 from . import UserError
+from .options import add_model_args
 
 API_KEY_ENV = "CLOVER_API_KEY"
 
@@ -17,8 +18,7 @@ def register(sub) -> None:
     from .generate import MODE_HELP
 
     p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, playground at /)")
-    p.add_argument("--model", help="model folder (default: the shipped default model)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    add_model_args(p)  # --model, --device, --threads: the same flags and checks as `clover generate`
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", metavar="KEY",
@@ -37,7 +37,6 @@ def register(sub) -> None:
                    help="chat completion budget when a request gives none (default 512, capped by the context)")
     p.add_argument("--max-body-bytes", type=int, metavar="N",
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_parallel_flags(p)  # under torchrun: rank 0 serves HTTP, the others hold their shards (docs/distributed.md)
     p.set_defaults(func=run)
@@ -51,8 +50,6 @@ def check_args(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise UserError("--served-model-name: a name must not be empty")
     # the checks `clover generate` makes (DecodeConfig.validate); the model's own maximum block size is

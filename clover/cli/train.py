@@ -21,7 +21,7 @@ from . import UserError, print_json
 
 
 def _fields():
-    from ..training.trainer import TrainConfig
+    from ..training.config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     return TrainConfig, [(f, hints[f.name]) for f in dataclasses.fields(TrainConfig)]
@@ -32,16 +32,8 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with TrainConfig keys")
     p.add_argument("--resume", action="store_true", help="continue from <out_dir>/checkpoints/latest")
+    add_field_args(p)  # TrainConfig is torch-free (clover/training/config.py)
     p.set_defaults(func=run)
-    parse_known = p.parse_known_args
-
-    def with_fields(arg_strings=None, namespace=None):  # TrainConfig's flags (which import torch) only for `train`
-        if not getattr(p, "_fields_added", False):
-            add_field_args(p)
-            p._fields_added = True
-        return parse_known(arg_strings, namespace)
-
-    p.parse_known_args = with_fields
 
 
 def add_field_args(p) -> None:
@@ -84,10 +76,10 @@ def build_config(args):
 
 
 def run(args) -> int:
+    cfg = build_config(args)  # option mistakes are one line before torch loads
     from ..distributed import runtime
     from ..training.trainer import Trainer
 
-    cfg = build_config(args)
     d = runtime.from_env(cfg.device)  # None unless launched by torchrun with several processes
     try:
         summary = Trainer(cfg, resume=args.resume, dist=d).fit()

@@ -11,10 +11,8 @@ import math
 
 from transformers import PretrainedConfig
 
-LAYER_KINDS = ("linear_attention", "full_attention")
-# Block sizes at which the learnable bidirectional calibration has an anchor (log2-spaced); sizes in
-# between interpolate linearly in log2, block size 1 has no bidirectional branch at all.
-CALIBRATION_ANCHORS = (2, 4, 8, 16, 32, 64)
+from ..presets import (CALIBRATION_ANCHORS, LAYER_KINDS, PRESETS,  # noqa: F401  (torch-free home, re-exported)
+                       default_layer_types, num_calibration_anchors)
 
 
 class CloverConfig(PretrainedConfig):
@@ -65,10 +63,7 @@ class CloverConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         if layer_types is None:
-            layer_types = [
-                "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
-                for i in range(num_hidden_layers)
-            ]
+            layer_types = default_layer_types(num_hidden_layers, full_attention_interval)
         self.layer_types = list(layer_types)
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads
@@ -146,7 +141,7 @@ class CloverConfig(PretrainedConfig):
 
     @property
     def num_calibration_anchors(self) -> int:
-        return sum(1 for a in CALIBRATION_ANCHORS if a <= max(2, self.max_block_size))
+        return num_calibration_anchors(self.max_block_size)
 
 
 def calibration_weights(block_size: int, num_anchors: int) -> list[float]:
@@ -161,37 +156,6 @@ def calibration_weights(block_size: int, num_anchors: int) -> list[float]:
     if frac > 0:
         weights[lo + 1] += frac
     return weights
-
-
-PRESETS: dict[str, dict] = {
-    # Qwen3.5/3.6-35B-A3B text backbone, exact published dims (SPEC section 1).
-    "clover-35b-a3b": dict(
-        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=131072,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, block_size=32, mask_token_id=248319,
-    ),
-    # The benchmark / default-model dims (design notes section 5): ~20.5M params, 41 MB in bf16.
-    "clover-small": dict(
-        vocab_size=8192, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25, rope_theta=10_000.0,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=2,
-        moe_intermediate_size=128, shared_expert_intermediate_size=256, max_position_embeddings=4096,
-        block_size=32, mask_token_id=8191,
-    ),
-    # Unit-test size: every layer kind, fast on two cores.
-    "clover-tiny": dict(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=10_000.0,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=1024,
-        block_size=8, mask_token_id=127,
-    ),
-}
 
 
 def preset_config(name: str, **overrides) -> CloverConfig:

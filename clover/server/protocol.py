@@ -17,9 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..agent.tool_format import ToolSpecError, function_spec, parse_tool_calls, validate_tools
+from ..api import SEED_MAX, SEED_MIN  # OpenAI's seed: a 64-bit signed integer
 
 
-SEED_RANGE = (-2**63, 2**63 - 1)  # OpenAI's seed: a 64-bit signed integer
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -59,7 +59,7 @@ class _Common(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)  # greedy by default (deterministic serving)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
     stream: bool = False

@@ -1,0 +1,81 @@
+"""The built-in presets and a torch-free view of a Clover config (`light_config`).
+
+`clover info --preset ...` counts parameters and plans memory from these without importing torch
+or transformers (clover/sizes.py); CloverConfig (clover/models/configuration_clover.py) takes its
+presets, layer kinds and calibration anchors from here. `CONFIG_DEFAULTS` are CloverConfig's
+keyword defaults (tests/test_sizes.py checks they stay equal).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+# Block sizes at which the learnable bidirectional calibration has an anchor (log2-spaced); sizes in
+# between interpolate linearly in log2, block size 1 has no bidirectional branch at all.
+CALIBRATION_ANCHORS = (2, 4, 8, 16, 32, 64)
+
+PRESETS: dict[str, dict] = {
+    # Qwen3.5/3.6-35B-A3B text backbone, exact published dims (SPEC section 1).
+    "clover-35b-a3b": dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, block_size=32, mask_token_id=248319,
+    ),
+    # The benchmark / default-model dims (design notes section 5): ~20.5M params, 41 MB in bf16.
+    "clover-small": dict(
+        vocab_size=8192, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25, rope_theta=10_000.0,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=2,
+        moe_intermediate_size=128, shared_expert_intermediate_size=256, max_position_embeddings=4096,
+        block_size=32, mask_token_id=8191,
+    ),
+    # Unit-test size: every layer kind, fast on two cores.
+    "clover-tiny": dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=10_000.0,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=1024,
+        block_size=8, mask_token_id=127,
+    ),
+}
+
+
+# CloverConfig.__init__'s defaults for the fields a size depends on
+CONFIG_DEFAULTS: dict = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, layer_types=None, full_attention_interval=4,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, attention_bias=False, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    max_position_embeddings=131072, tie_word_embeddings=False, block_size=32, max_block_size=64,
+)
+
+
+def num_calibration_anchors(max_block_size: int) -> int:
+    return sum(1 for a in CALIBRATION_ANCHORS if a <= max(2, max_block_size))
+
+
+def default_layer_types(num_hidden_layers: int, full_attention_interval: int) -> list[str]:
+    return ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+            for i in range(num_hidden_layers)]
+
+
+def light_config(values: dict) -> SimpleNamespace:
+    """The size-relevant fields of CloverConfig(**values), without transformers (presets are valid
+    configs; a folder's config.json goes through CloverConfig, which checks it)."""
+    c = {**CONFIG_DEFAULTS, **{k: v for k, v in values.items() if k in CONFIG_DEFAULTS}}
+    if c["layer_types"] is None:
+        c["layer_types"] = default_layer_types(c["num_hidden_layers"], c["full_attention_interval"])
+    c["num_calibration_anchors"] = num_calibration_anchors(c["max_block_size"])
+    return SimpleNamespace(**c)
+
+
+def light_preset(name: str) -> SimpleNamespace:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
+    return light_config(PRESETS[name])

@@ -1,0 +1,101 @@
+"""`clover train`'s options: TrainConfig (the keys of a TOML config, the `clover train` flags) and its checks.
+
+Torch-free, so `clover train --help` and argument errors answer without loading torch; the training
+loop (clover/training/trainer.py, which re-exports TrainConfig) imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+OBJECTIVES = ("ar", "block_diffusion")
+
+
+@dataclass
+class TrainConfig:
+    objective: str = "ar"
+    out_dir: str = "runs/train"
+    tokenizer: str = ""  # tokenizer folder (tokenizer.json)
+    init: str = ""  # a model folder to start from (HF format), else a fresh `preset`
+    preset: str = "clover-small"
+    model_overrides: dict = field(default_factory=dict)  # CloverConfig fields for a fresh model
+    train_files: list = field(default_factory=list)
+    eval_files: list = field(default_factory=list)
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 1000
+    time_budget: float = 0.0  # seconds; > 0: max_steps is fitted to the budget (calibrate_budget, _replan)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | wsd
+    decay_frac: float = 0.2  # wsd: share of steps in the final decay
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    bf16: bool = False
+    device: str = "cpu"
+    seed: int = 0
+    threads: int = 0  # torch.set_num_threads (0: leave)
+    recompute: bool = False  # recompute each decoder layer in the backward (activation checkpointing)
+    ep: int = 1  # expert parallel over this many processes (under torchrun: all of them; clover/distributed/expert.py)
+    # block diffusion
+    t_min: float = 0.1
+    t_max: float = 1.0
+    complementary: bool = False
+    suffix_frac: float = 0.0  # share of windows masked as a suffix (objectives.sample_noise), not at random
+    conf_weight: float = 0.0  # weight of the confidence term (entropy of right predictions; objectives docstring)
+    chat_eos_pad: int = 0  # extra end-of-text targets after each training chat record (data.dataset docstring)
+    block_schedule: list = field(default_factory=lambda: [[0.1, [1]], [0.2, [4]], [0.3, [8]], [0.4, [16]],
+                                                         [1.0, [4, 8, 16, 32]]])
+    random_phase: bool = True
+    eval_block_size: int = 32
+    self_spec_frac: float = 0.0  # share of steps on causal-prefix + one-noisy-window samples (self_spec_loss)
+    # bookkeeping
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    keep_ckpts: int = 2
+    progress: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"unknown training option(s): {', '.join(bad)}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"schedule must be cosine or wsd, got {self.schedule!r}")
+        if not self.train_files:
+            raise ValueError("no train_files given")
+        if not self.tokenizer:
+            raise ValueError("no tokenizer given")
+        if not 0 <= self.self_spec_frac <= 1:
+            raise ValueError(f"self_spec_frac must be in [0, 1], got {self.self_spec_frac}")
+        if not 0 <= self.suffix_frac <= 1:
+            raise ValueError(f"suffix_frac must be in [0, 1], got {self.suffix_frac}")
+        if self.conf_weight < 0:
+            raise ValueError(f"conf_weight must be >= 0, got {self.conf_weight}")
+        if self.chat_eos_pad < 0:
+            raise ValueError(f"chat_eos_pad must be >= 0, got {self.chat_eos_pad}")
+        if not 0 < self.t_min <= self.t_max <= 1:
+            raise ValueError(f"need 0 < t_min <= t_max <= 1, got {self.t_min}, {self.t_max}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda":
+            import torch  # only here: the rest of the checks (and `clover train --help`) stay torch-free
+
+            if not torch.cuda.is_available():
+                raise ValueError("device cuda requested but CUDA is not available")
+        for stage in self.block_schedule:
+            if len(stage) != 2 or not stage[1] or any(int(b) < 1 for b in stage[1]):
+                raise ValueError(f"bad block_schedule stage {stage!r}: want [until_fraction, [sizes...]]")
