@@ -15,7 +15,7 @@ reduce-scatter buffer and 2(n-1)/n of an all-reduce buffer per rank); collective
 wrapping torch.distributed's functions in the worker. On 2 shared CPU cores the 2-process runs are
 slower than one process (two processes share the cores, gloo goes through loopback TCP): the point
 is the communication volume, which predicts GPU scaling, not the CPU times.
-The memory plan table is `clover info --plan` (clover/models/stats.py) for the real 35B-A3B dims.
+The memory plan table is `clover info --plan` (clover/sizes.py) for the real 35B-A3B dims.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def make_fixtures(tmp: Path, preset: str) -> tuple[str, str]:
 
 def plan_table() -> list[str]:
     from clover.models import preset_config
-    from clover.models.stats import GIB, serve_memory_plan, train_memory_plan
+    from clover.sizes import GIB, serve_memory_plan, train_memory_plan
 
     c = preset_config("clover-35b-a3b")
     plans = [("train, FSDP2, 1 node x 8 GPUs, 1 x 4096 tokens, recompute", train_memory_plan(c, 8, 80 * GIB)),

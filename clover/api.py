@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import DecodeConfig
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default"
 # The seeds a generation accepts: a 64-bit signed integer, as OpenAI's `seed` (the server and the CLI check

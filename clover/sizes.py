@@ -238,7 +238,7 @@ def serve_memory_plan(config: CloverConfig, gpus: int = 8, budget_bytes: int = 8
     weights of one rank's shard, counted from the same shard plan the loader reads (the largest
     rank), K/V of `batch` sequences of `context` tokens and their GDN states (split by --tp,
     replicated under --ep), the runtime overhead and one block of logits."""
-    from .distributed.parallel import check_parallel, local_shape, shard_plan
+    from .distributed.plan import check_parallel, local_shape, shard_plan
 
     if ep is None:
         ep = gpus if tp == 1 else 1

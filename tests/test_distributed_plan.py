@@ -9,7 +9,7 @@ import torch
 from clover.distributed.parallel import load_parallel
 from clover.models import preset_config
 from clover.models.modeling_clover import CloverForBlockDiffusion
-from clover.models.stats import GIB, model_stats, serve_memory_plan, train_memory_plan
+from clover.sizes import GIB, model_stats, serve_memory_plan, train_memory_plan
 
 from helpers import save_tiny_model
 

@@ -8,7 +8,7 @@ import clover  # noqa: F401  (registers the Auto classes)
 from clover.convert import clover_config_from_hf, convert_state_dict
 from clover.models import CloverConfig, CloverForBlockDiffusion, CloverModel, preset_config
 from clover.models.modeling_clover import window_ids
-from clover.models.stats import model_stats
+from clover.sizes import model_stats
 
 TINY = dict(preset_config("clover-tiny").to_dict())
 

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from clover.cli import main as cli
 from clover.engine import DecodeConfig, Engine
 from clover.models import CloverForBlockDiffusion, preset_config
-from clover.models.stats import int4_memory_plan
+from clover.sizes import int4_memory_plan
 from clover.ops.moe import grouped_experts
 from clover.quant import Int4Experts, Int4Linear, dequantize, pack_int4, quantize_rtn, set_int4_kernel, unpack_int4
 from clover.convert.quantize import quantize_checkpoint

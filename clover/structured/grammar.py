@@ -23,6 +23,7 @@ import torch
 
 from ..engine.infill import decode_constrained, token_ids, vocab_mask
 from .normalize import Refused, for_decoding, unroll
+from .result import JsonResult, is_json_object, repair, validate
 
 # OpenAI's json_object (any object), bounded for decoding
 JSON_OBJECT = {"type": "object", "maxProperties": 4, "propertyNames": {"maxLength": 16},
@@ -45,7 +46,6 @@ def _compiler(tokenizer, vocab_size: int, stops: tuple[int, ...]):
 def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema) -> object:
     """The compiled grammar of a normalised schema (cached); `Refused` for what it cannot enforce or
     xgrammar cannot compile."""
-    from .generate import is_json_object
 
     decodable = JSON_OBJECT if is_json_object(schema) else for_decoding(unroll(schema))
     compiler = _compiler(tokenizer, vocab_size, tuple(stops))
@@ -112,7 +112,6 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
     import xgrammar as xgr
 
     from ..api import eos_ids
-    from .generate import JsonResult, repair, validate
 
     start = time.perf_counter()
     stops = eos_ids(model, tokenizer)
