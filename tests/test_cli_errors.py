@@ -229,7 +229,7 @@ def test_runner_choices_are_the_engine_runners():
 
 
 # ---- threads, wait policy, progress bar --------------------------------------------------------------
-@pytest.mark.parametrize("command", ["generate", "chat", "decide", "quantize", "convert", "info", "eval"])
+@pytest.mark.parametrize("command", ["generate", "chat", "decide", "quantize", "convert", "info", "eval", "tune", "serve"])
 def test_every_model_command_takes_threads(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])

@@ -5,17 +5,17 @@ model and machine (clover/engine/tuning.py), which `--block-size auto` then uses
 from __future__ import annotations
 
 from . import UserError, print_json
+from .generate import RUNNER_CHOICES
+from .options import add_model_args
 
 
 def register(sub) -> None:
     p = sub.add_parser("tune", help="choose the block size and threshold for this model on this machine")
-    p.add_argument("--model", help="model folder (default: the shipped default model)")
-    p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
+    add_model_args(p)  # --model, --device, --threads: the same checks as every model command
     p.add_argument("--sizes", default="4,8,16,32", help="block sizes to try (default 4,8,16,32)")
     p.add_argument("--thresholds", default="0.9,0.95", help="low_confidence thresholds to try (default 0.9,0.95)")
     p.add_argument("--per-task", type=int, default=1, metavar="N", help="calibration prompts per task (default 1)")
-    p.add_argument("--runner", default="eager", choices=("eager", "compiled"), help="runner to tune for")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--runner", default="eager", choices=RUNNER_CHOICES, help="runner to tune for")
     p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
