@@ -349,3 +349,52 @@ def test_default_tokenizer_scaffold_tokenizes_as_the_whole_text():
         out = generate_json(model, tok, PROMPT, schema, chat=True)
         assert out.valid, name
         _assert_tokens_as_whole_text(tok, out, schema)
+
+
+def test_grammar_path_keeps_the_keywords_beside_an_anyof(tiny):
+    """xgrammar reads an anyOf alone (its siblings ignored: SchemaStore's taskfile came out as the
+    number 82); for_decoding folds the siblings into every branch, so a model that wants digits
+    still writes the object the schema asks for (regression: the final check used to reject it)."""
+    import xgrammar as xgr
+
+    from clover.structured.grammar import compile_schema
+    from clover.structured.normalize import for_decoding
+
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "additionalProperties": False, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    decodable = for_decoding(schema)
+    assert set(decodable) == {"anyOf"} and all(b["type"] == "object" for b in decodable["anyOf"])
+    for s in (schema, {**schema, "oneOf": schema["anyOf"], "anyOf": None} | {}):
+        s = {k: v for k, v in s.items() if v is not None}
+        matcher = xgr.GrammarMatcher(compile_schema(tok, model.config.vocab_size, (tok.eos_token_id,), s))
+        assert not matcher.accept_string("82")
+    digits = [i for t, i in tok.get_vocab().items() if t.strip("Ġ").isdigit()]
+    handle = _bias(model, digits)
+    try:
+        out = generate_json(model, tok, PROMPT, schema, method="grammar", max_new_tokens=40)
+    finally:
+        handle.remove()
+    assert out.complete and out.valid, (out.text, out.error)
+    assert isinstance(out.value, dict) and ("a" in out.value or "b" in out.value)
+
+
+@pytest.mark.parametrize("fmt", ["email", "date-time", "date", "time", "uri", "uuid", "ipv4", "ipv6", "hostname"])
+def test_grammar_path_formats_end_within_a_small_budget(tiny, fmt):
+    """xgrammar ignores maxLength next to a format, so a formatted string need never end; for_decoding
+    writes the format as a bounded pattern: even a model that wants letters and digits for ever ends
+    the value (within maxLength) and the final check, format included, accepts it."""
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt, "maxLength": 40}},
+              "required": ["v"]}
+    greedy = [i for t, i in tok.get_vocab().items() if t.strip("Ġ").isalnum()]
+    handle = _bias(model, greedy)
+    try:
+        out = generate_json(model, tok, PROMPT, schema, method="grammar", max_new_tokens=60)
+    finally:
+        handle.remove()
+    assert out.complete and out.valid, (out.text, out.error)
+    assert 1 <= len(out.value["v"]) <= 40
+    validators = pytest.importorskip("jsonschema").validators
+    from jsonschema import FormatChecker
+    assert validators.validator_for(schema)(schema, format_checker=FormatChecker()).is_valid(out.value)
