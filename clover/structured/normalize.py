@@ -489,6 +489,8 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
         if pattern is not None:
             del s["format"]
             s["pattern"] = pattern
+    if isinstance(s.get("pattern"), str) and (types is None or "string" in types):
+        s["pattern"] = bounded_pattern(s["pattern"], s.get("maxLength", 2 * STRING_CAP))
     free = not any(k in s for k in ("enum", "const", "pattern", "format", "maxLength"))
     if free and (types is None or "string" in types) and ("type" in s or "minLength" in s):
         s["maxLength"] = max(s.get("minLength", 0), STRING_CAP)
@@ -545,6 +547,63 @@ def _format_pattern(fmt: str, max_length: int | None) -> str | None:
     fixed, per_n = {"email": (8, 2), "hostname": (3, 3), "uri": (13, 6)}[fmt]  # length = fixed + per_n * N
     n = 12 if max_length is None else min(12, (max_length - fixed) // per_n)
     return pattern.replace(",N}", f",{n}}}") if n >= 1 else None
+
+
+def _width(pattern: str) -> int | None:
+    """The longest string `pattern` matches (None: it does not compile in Python's re)."""
+    import re._parser as sre
+
+    try:
+        return sre.parse(pattern).getwidth()[1]
+    except (re.error, RecursionError, OverflowError):
+        return None
+
+
+def bounded_pattern(pattern: str, max_length: int) -> str:
+    """`pattern` with its unbounded repeats (`*`, `+`, `{n,}`) bounded to `{0,k}`, `{1,k}`, `{n,n+k}`,
+    k as large as keeps every match within `max_length` characters (at least 1): a strengthening
+    (fewer strings match) that makes the string end, since xgrammar ignores maxLength next to a
+    pattern (measured). A pattern already bounded, or one this cannot rewrite, is returned as it is."""
+    width = _width(pattern)
+    if width is None or width <= max_length:
+        return pattern
+
+    def rewrite(k: int) -> str:
+        out, i, klass = [], 0, False
+        while i < len(pattern):
+            c = pattern[i]
+            if c == "\\":
+                out.append(pattern[i:i + 2])
+                i += 2
+                continue
+            if klass:
+                klass = c != "]" or out[-1] in ("[", "[^")
+            elif c == "[":
+                klass = True
+                if pattern[i + 1:i + 2] == "^":
+                    c, i = "[^", i + 1
+            elif c == "*" and out:
+                c = f"{{0,{k}}}"
+            elif c == "+" and out and not out[-1].endswith(("}", "*", "+", "?")):
+                c = f"{{1,{k}}}"
+            elif c == "{":
+                m = re.match(r"\{(\d+),\}", pattern[i:])
+                if m:
+                    out.append(f"{{{m.group(1)},{int(m.group(1)) + k}}}")
+                    i += m.end()
+                    continue
+            out.append(c)
+            i += 1
+        return "".join(out)
+
+    for k in range(16, 0, -1):
+        p = rewrite(k)
+        w = _width(p)
+        if w is None:
+            return pattern
+        if w <= max_length or k == 1:
+            return p if w < 1 << 32 else pattern
+    return pattern
 
 
 def _rfc3339_time() -> bool:
