@@ -349,3 +349,78 @@ def test_default_tokenizer_scaffold_tokenizes_as_the_whole_text():
         out = generate_json(model, tok, PROMPT, schema, chat=True)
         assert out.valid, name
         _assert_tokens_as_whole_text(tok, out, schema)
+
+
+def _biased_grammar(model, tok, schema, favourite, max_new_tokens: int):
+    """The grammar path's document when the model favours the tokens whose text passes `favourite`."""
+    handle = _bias(model, [i for t, i in tok.get_vocab().items() if favourite(t.strip("Ġ"))])
+    try:
+        return generate_json(model, tok, PROMPT, schema, method="grammar", max_new_tokens=max_new_tokens)
+    finally:
+        handle.remove()
+
+
+def test_grammar_path_keeps_the_keywords_beside_an_anyof(tiny):
+    """xgrammar reads an anyOf alone (its siblings ignored: SchemaStore's taskfile came out as the
+    number 82); for_decoding folds the siblings into every branch, so a model that wants digits
+    still writes the object the schema asks for (regression: the final check used to reject it)."""
+    import xgrammar as xgr
+
+    from clover.structured.grammar import compile_schema
+    from clover.structured.normalize import for_decoding
+
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "additionalProperties": False, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    decodable = for_decoding(schema)
+    assert set(decodable) == {"anyOf"} and all(b["type"] == "object" for b in decodable["anyOf"])
+    as_one_of = {k: v for k, v in schema.items() if k != "anyOf"} | {"oneOf": schema["anyOf"]}
+    for s in (schema, as_one_of):
+        matcher = xgr.GrammarMatcher(compile_schema(tok, model.config.vocab_size, (tok.eos_token_id,), s))
+        assert not matcher.accept_string("82")
+    out = _biased_grammar(model, tok, schema, str.isdigit, 40)
+    assert out.complete and out.valid, (out.text, out.error)
+    assert isinstance(out.value, dict) and ("a" in out.value or "b" in out.value)
+
+
+@pytest.mark.parametrize("fmt", ["email", "date-time", "date", "time", "uri", "uuid", "ipv4", "ipv6", "hostname"])
+def test_grammar_path_formats_end_within_a_small_budget(tiny, fmt):
+    """xgrammar ignores maxLength next to a format, so a formatted string need never end; for_decoding
+    writes the format as a bounded pattern: even a model that wants letters and digits for ever ends
+    the value (within maxLength) and the final check, format included, accepts it."""
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt, "maxLength": 40}},
+              "required": ["v"]}
+    out = _biased_grammar(model, tok, schema, str.isalnum, 60)
+    assert out.complete and out.valid, (out.text, out.error)
+    assert 1 <= len(out.value["v"]) <= 40
+    validators = pytest.importorskip("jsonschema").validators
+    from jsonschema import FormatChecker
+    assert validators.validator_for(schema)(schema, format_checker=FormatChecker()).is_valid(out.value)
+
+
+def test_patterns_are_bounded_for_the_grammar(tiny):
+    """xgrammar ignores maxLength next to a pattern too (SchemaStore's GitHub assignee,
+    `^[a-zA-Z0-9](-?[a-zA-Z0-9])*$` with maxLength 39, came out hundreds of characters long):
+    for_decoding bounds the pattern's repeats. The bounded pattern matches only what the original
+    matches, within maxLength, and a model that wants letters for ever ends the value."""
+    import re
+
+    from clover.structured.normalize import _width, bounded_pattern
+
+    rng = random.Random(0)
+    cases = [(r"^[a-zA-Z0-9](-?[a-zA-Z0-9])*$", 39), (r"^[a-z]+$", 7), (r"[*+]a+b*", 20), (r"\+\d{2,}x*?", 12),
+             (r"^[^]a]+$", 5), (r"^(0|[1-9]\d*)(?:\.(0|[1-9]\d*))?$", 11)]
+    for pattern, n in cases:
+        bounded = bounded_pattern(pattern, n)
+        assert bounded != pattern and _width(bounded) <= n, (pattern, bounded)
+        for _ in range(300):
+            text = "".join(rng.choice("ab-+*.0123x]") for _ in range(rng.randint(0, 14)))
+            if re.search(bounded, text):
+                assert re.search(pattern, text), (pattern, bounded, text)
+    assert bounded_pattern("^a{3}$", 2) == "^a{3}$" and bounded_pattern("^a+$", 100) == "^a{1,16}$"
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"v": {"type": "string", "maxLength": 9, "pattern": "^[a-z](-?[a-z0-9])*$"}},
+              "required": ["v"]}
+    out = _biased_grammar(model, tok, schema, str.isalnum, 40)
+    assert out.complete and out.valid and 1 <= len(out.value["v"]) <= 9, (out.text, out.error)

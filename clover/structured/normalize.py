@@ -430,6 +430,9 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
                 s = met
     s.pop("then", None)
     s.pop("else", None)
+    branches = [k for k in ("anyOf", "oneOf") if k in s]
+    if len(branches) == 1 and set(s) - {branches[0], "$defs"}:
+        return for_decoding(_distribute(s, branches[0], path, defs), path, defs)
     for key in UNENFORCED:
         if key in s:
             raise Refused(key, f"{path}", "the grammar path cannot enforce it")
@@ -481,12 +484,134 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
     if isinstance(s.get("additionalProperties"), dict) or "patternProperties" in s:
         s.setdefault("maxProperties", max(s.get("minProperties", 0), len(s.get("properties", {})) + ARRAY_CAP))
     types = _types(s)
+    if "format" in s and "pattern" not in s and s["format"] in FORMAT_PATTERNS and (types is None or "string" in types):
+        pattern = _format_pattern(s["format"], s.get("maxLength"))
+        if pattern is not None:
+            del s["format"]
+            s["pattern"] = pattern
+    if isinstance(s.get("pattern"), str) and (types is None or "string" in types):
+        s["pattern"] = bounded_pattern(s["pattern"], s.get("maxLength", 2 * STRING_CAP))
     free = not any(k in s for k in ("enum", "const", "pattern", "format", "maxLength"))
     if free and (types is None or "string" in types) and ("type" in s or "minLength" in s):
         s["maxLength"] = max(s.get("minLength", 0), STRING_CAP)
     if "maxItems" not in s and (types is None or "array" in types) and ("type" in s or "items" in s):
         s["maxItems"] = max(s.get("minItems", 0), len(s.get("prefixItems", [])), ARRAY_CAP)
     return s
+
+
+def _distribute(s: dict, key: str, path: str, defs: dict) -> dict:
+    """`{..., "anyOf": [B1, B2]}` as `{"anyOf": [{... + B1}, {... + B2}]}` (the same for oneOf; the
+    same meaning): xgrammar reads an anyOf alone and ignores its siblings (measured: with
+    `{"type": "object", "anyOf": [{"required": ["a"]}]}` it accepts `82`). A branch that does not
+    combine with the siblings is left out; none left is Refused."""
+    rest = {k: v for k, v in s.items() if k not in (key, "$defs")}
+    out = []
+    for i, b in enumerate(s[key]):
+        try:
+            m = merge([rest, b], f"{path}/{key}/{i}", True, defs)
+        except Refused:
+            continue
+        if m is not False:
+            out.append(m)
+    if not out:
+        raise Refused(key, path, "no branch combines with the keywords beside it")
+    return {key: out, **({"$defs": s["$defs"]} if "$defs" in s else {})}
+
+
+# `format` as a bounded pattern for the grammar (xgrammar ignores maxLength next to a format, so a
+# formatted string need never end); each matches only strings jsonschema's format checker accepts
+_DAY = r"[12]\d{3}-(0[1-9]|1[0-2])-(0[1-9]|1\d|2[0-8])"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,3})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+FORMAT_PATTERNS = {
+    "date": f"^{_DAY}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DAY}T{_TIME}$",
+    "uuid": r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+    "ipv6": r"^([0-9a-f]{1,4}:){7}[0-9a-f]{1,4}$",
+    "email": r"^[a-z0-9._+-]{1,N}@[a-z0-9]{1,N}\.[a-z]{2,6}$",
+    "hostname": r"^([a-z0-9]{1,N}\.){0,2}[a-z][a-z0-9]{0,N}$",
+    "uri": r"^https?://[a-z0-9]{1,N}(\.[a-z0-9]{1,N}){0,2}(/[a-zA-Z0-9._~-]{1,N}){0,3}$",
+}
+
+
+def _format_pattern(fmt: str, max_length: int | None) -> str | None:
+    """FORMAT_PATTERNS[fmt] with its free parts (N) sized so that the whole stays within `max_length`
+    (None when it cannot: the format is then left as it is)."""
+    pattern = FORMAT_PATTERNS[fmt]
+    if fmt == "time" and not _rfc3339_time():
+        pattern = r"^([01]\d|2[0-3]):[0-5]\d:[0-5]\d$"  # the draft-3 checker jsonschema falls back on
+    if ",N}" not in pattern:
+        return pattern
+    fixed, per_n = {"email": (8, 2), "hostname": (3, 3), "uri": (13, 6)}[fmt]  # length = fixed + per_n * N
+    n = 12 if max_length is None else min(12, (max_length - fixed) // per_n)
+    return pattern.replace(",N}", f",{n}}}") if n >= 1 else None
+
+
+def _width(pattern: str) -> int | None:
+    """The longest string `pattern` matches (None: it does not compile in Python's re)."""
+    import re._parser as sre
+
+    try:
+        return sre.parse(pattern).getwidth()[1]
+    except (re.error, RecursionError, OverflowError):
+        return None
+
+
+def bounded_pattern(pattern: str, max_length: int) -> str:
+    """`pattern` with its unbounded repeats (`*`, `+`, `{n,}`) bounded to `{0,k}`, `{1,k}`, `{n,n+k}`,
+    k as large as keeps every match within `max_length` characters (at least 1): a strengthening
+    (fewer strings match) that makes the string end, since xgrammar ignores maxLength next to a
+    pattern (measured). A pattern already bounded, or one this cannot rewrite, is returned as it is."""
+    width = _width(pattern)
+    if width is None or width <= max_length:
+        return pattern
+
+    def rewrite(k: int) -> str:
+        out, i, klass = [], 0, False
+        while i < len(pattern):
+            c = pattern[i]
+            if c == "\\":
+                out.append(pattern[i:i + 2])
+                i += 2
+                continue
+            if klass:
+                klass = c != "]" or out[-1] in ("[", "[^")
+            elif c == "[":
+                klass = True
+                if pattern[i + 1:i + 2] == "^":
+                    c, i = "[^", i + 1
+            elif c == "*" and out:
+                c = f"{{0,{k}}}"
+            elif c == "+" and out and not out[-1].endswith(("}", "*", "+", "?")):
+                c = f"{{1,{k}}}"
+            elif c == "{":
+                m = re.match(r"\{(\d+),\}", pattern[i:])
+                if m:
+                    out.append(f"{{{m.group(1)},{int(m.group(1)) + k}}}")
+                    i += m.end()
+                    continue
+            out.append(c)
+            i += 1
+        return "".join(out)
+
+    for k in range(16, 0, -1):
+        p = rewrite(k)
+        w = _width(p)
+        if w is None:
+            return pattern
+        if w <= max_length or k == 1:
+            return p if w < 1 << 32 else pattern
+    return pattern
+
+
+def _rfc3339_time() -> bool:
+    """Whether jsonschema checks `time` as RFC 3339 (with rfc3339-validator installed) rather than
+    draft 3's HH:MM:SS, which rejects an offset."""
+    from jsonschema import FormatChecker
+
+    return FormatChecker().conforms("00:00:00Z", "time")
 
 
 def _never(s) -> bool:
