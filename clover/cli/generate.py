@@ -164,9 +164,7 @@ def run_schema(args) -> int:
         if given:
             raise UserError(f"{flag} does not apply to --json-schema")
     decoding_kwargs(args)
-    from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
-
-    model, tokenizer = load_sharded(args)  # clover.load in one process
+    model, tokenizer = load_model(args, len(prompts))  # the torch back end (--backend checked by run)
     results = [generate_json(model, tokenizer, p, schema, chat=args.chat, threshold=args.threshold,
                              block_size=args.block_size, max_new_tokens=args.max_new_tokens) for p in prompts]
     if args.json:

@@ -91,15 +91,12 @@ def run(args) -> int:
 
     check_args(args)
     sock = None if is_worker() else bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
-    import torch
     import uvicorn
 
     from ..api import eos_ids
     from ..distributed.parallel import load as load_sharded
     from ..server import Settings, create_app
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer = load_sharded(args)  # clover.load in one process; ranks > 0 never return
     block_size = args.block_size or model.config.block_size
     if block_size > model.config.max_block_size:

@@ -40,15 +40,12 @@ def run(args) -> int:
         raise UserError("--thresholds: thresholds must be in (0, 1)")
     if args.per_task < 1:
         raise UserError("--per-task must be >= 1")
-    import torch
 
     from ..api import DEFAULT_MODEL, encode, eos_ids, load
     from ..data.tasks import plain_prompt
     from ..engine import tuning
     from ..eval import pareto
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, args.device)
     jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in pareto.examples(args.per_task)]
     entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner)
