@@ -275,7 +275,7 @@ def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: 
     from jsonschema import FormatChecker, validators
 
     from .generate import generate_json
-    from .normalize import Refused, normalize
+    from .normalize import normalize
 
     start = time.perf_counter()
     rec = {"id": entry["id"], "source": entry["source"]}
