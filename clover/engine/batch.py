@@ -6,6 +6,8 @@ model, and only `RowBatch.forward` and `prefill` call the runner here."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -115,3 +117,40 @@ def _stack_pending(a, rows_a: int, b, rows_b: int, device) -> Pending | None:
     if width == 0 or bool(pad.all()):
         return None
     return ids, pad if bool(pad.any()) else None
+
+
+def merge(batches: list[RowBatch], clean_bs: int) -> RowBatch:
+    """One temporary batch over the rows of several (for one shared forward): their caches copied
+    side by side, their pending segments (one clean window size, `clean_bs`) left-padded to a
+    common width. `split` hands the rows back afterwards."""
+    first = batches[0]
+    out = RowBatch(first.runner, first.width, clean_bs, first.mask_id, first.device, first.prefill_chunk)
+    out.cache = copy_rows(first.cache, None)
+    out.pending, rows = first.pending, len(first.seqs)
+    for b in batches[1:]:
+        out.cache.append_rows(b.cache)
+        out.pending = _stack_pending(out.pending, rows, b.pending, len(b.seqs), first.device)
+        rows += len(b.seqs)
+    out.seqs = [s for b in batches for s in b.seqs]
+    return out
+
+
+def split(merged: RowBatch, batches: list[RowBatch]) -> None:
+    """After a forward of `merge(batches)`: each batch takes its rows of the merged cache back (its
+    pending segment was consumed by that forward)."""
+    start = 0
+    for b in batches:
+        n = len(b.seqs)
+        b.cache = copy_rows(merged.cache, torch.arange(start, start + n, device=b.device))
+        b.pending, start = None, start + n
+
+
+def copy_rows(cache, rows: torch.Tensor | None):
+    """A cache of its own holding `rows` of `cache` (all rows when None)."""
+    out = copy.copy(cache)
+    out.key, out.value, out.conv, out.state = (dict(d) for d in (cache.key, cache.value, cache.conv, cache.state))
+    out.recorded = {}
+    if rows is None:
+        rows = torch.arange(cache.batch_size, device=cache.lens.device)
+    out.select_rows(rows)
+    return out

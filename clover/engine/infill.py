@@ -30,11 +30,13 @@ Slots:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
 from .engine import DecodeConfig, Engine
+from .slots import Forward, Job, run
 
 _PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
 _MASKS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(name, size): bool mask})
@@ -285,34 +287,30 @@ class Row:
 
 
 # ---- denoising ------------------------------------------------------------------------------------------
-def _forward(runner, cache, pending, clean_bs: int, window: torch.Tensor | None) -> torch.Tensor:
-    """One model call on [pending clean segment ; draft window] (no window: commit the segment only)."""
-    clean, clean_pad = pending if pending is not None else (None, None)
-    if window is None:
-        return runner.forward(clean, cache, clean_block_size=clean_bs, pad=clean_pad, keep=1)
-    ids, pad, width = window, None, window.shape[1]
-    if clean is not None:
-        ids = torch.cat([clean, window], dim=1)
-        if clean_pad is not None:
-            pad = torch.cat([clean_pad, torch.zeros_like(window, dtype=torch.bool)], dim=1)
-    return runner.forward(ids, cache, block_size=width, draft_len=width, clean_block_size=clean_bs, pad=pad,
-                          keep=width)
-
-
-@torch.no_grad()
 def denoise(model, rows: list[Row], threshold: float) -> int:
     """Fill every slot of every row; returns the number of batched model calls after prefill.
-    `row.forwards` counts the calls each row took part in."""
+    `row.forwards` counts the calls each row took part in. One job of the slot mode
+    (engine/slots.py): alone, or batched with other requests' jobs by the server's scheduler."""
     if not any(u.open for r in rows for u in r.units):
         return 0  # all scaffold: nothing to ask the model
-    mask, device = model.config.mask_token_id, model.device
+    return run(Job(partial(_start_denoise, model, rows, threshold)))
+
+
+def _start_denoise(model, rows: list[Row], threshold: float):
+    mask = model.config.mask_token_id
     longest = max(sum(len(u.scaffold) + u.width for u in r.units) for r in rows)
     # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
     # windows of one size); the engine validates the context length and prefills prompt[:-1]
     first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
     engine = Engine(model, DecodeConfig(block_size=first, max_new_tokens=longest + 1))
     engine.add([r.prompt for r in rows])
-    cache, pending, clean_bs = engine.cache, engine.pending, engine.clean_bs
+    return engine.batch, _denoise_steps(engine.batch, rows, threshold, mask)
+
+
+def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int):
+    """The rows in lockstep, window after window: yields the forwards it needs, returns the count.
+    Each forward is [pending clean segment ; draft window]; a finished window becomes the pending
+    segment, one clean block of its own width (left-padded across rows)."""
     anchors = [r.prompt[-1] for r in rows]
     calls, w = 0, -1
     while (w := w + 1) < max(len(r.windows) for r in rows):
@@ -331,40 +329,47 @@ def denoise(model, rows: list[Row], threshold: float) -> int:
             window = torch.full((len(rows), width), mask, dtype=torch.long)
             for i, ((tokens, _), a) in enumerate(zip(regions, anchors)):
                 window[i, : len(tokens)] = torch.tensor([a] + tokens[:-1]) if tokens else torch.tensor([a])
-            logits = _forward(engine.runner, cache, pending, clean_bs, window.to(device)).float()
-            pending, calls = None, calls + 1
+            logits = (yield Forward(window.to(batch.device), width, width, width)).float()
+            calls += 1
             logits[..., mask] = float("-inf")
             logp = torch.log_softmax(logits, -1).cpu()  # column j predicts region position j
             for i, (row, (_, offsets)) in enumerate(zip(rows, regions)):
-                if not work[i]:
-                    continue
-                row.forwards += 1
-                proposals = [(s, s.propose(logp[i], off)) for s, off in zip(row.windows[w], offsets) if s.open]
-                sure = [(s, p) for s, p in proposals if p[2] > threshold]
-                for s, p in sure or [max(proposals, key=lambda sp: sp[1][2])]:
-                    row.commit(s, p)
-        if pending is not None:  # nothing to denoise here and too long to absorb: commit the previous window alone
-            _forward(engine.runner, cache, pending, clean_bs, None)
+                if work[i]:
+                    row.forwards += 1
+                    _commit_sure(row, w, offsets, logp[i], threshold)
+        if batch.pending is not None:  # nothing to denoise here and too long to absorb: commit the previous window alone
+            yield Forward(batch.window[:, :0], 0, 1)
             calls += 1
             for r in rows:
                 r.forwards += 1
-        # the finished window [anchor, region[:-1]] is committed with the next forward, left-padded
-        regions = [r.region(w, mask)[0] for r in rows]
-        width = max(map(len, regions))
-        clean = torch.zeros(len(rows), width, dtype=torch.long)
-        pad = torch.ones(len(rows), width, dtype=torch.bool)
-        for i, tokens in enumerate(regions):
-            if tokens:
-                clean[i, width - len(tokens):] = torch.tensor([anchors[i]] + tokens[:-1])
-                pad[i, width - len(tokens):] = False
-                anchors[i] = tokens[-1]
-        pending = (clean.to(device), pad.to(device) if bool(pad.any()) else None)
-        clean_bs = width
+        batch.pending, batch.clean_bs = _finished_window(rows, w, mask, anchors, batch.device)
     return calls
 
 
+def _commit_sure(row: Row, w: int, offsets: list[int], logp: torch.Tensor, threshold: float) -> None:
+    """Every open slot of window w above the threshold commits, or the most confident one."""
+    proposals = [(s, s.propose(logp, off)) for s, off in zip(row.windows[w], offsets) if s.open]
+    sure = [(s, p) for s, p in proposals if p[2] > threshold]
+    for s, p in sure or [max(proposals, key=lambda sp: sp[1][2])]:
+        row.commit(s, p)
+
+
+def _finished_window(rows: list[Row], w: int, mask: int, anchors: list[int], device):
+    """The finished window [anchor, region[:-1]] of every row, left-padded: the pending segment
+    committed with the next forward, and its clean window size (its width). Moves the anchors."""
+    regions = [r.region(w, mask)[0] for r in rows]
+    width = max(map(len, regions))
+    clean = torch.zeros(len(rows), width, dtype=torch.long)
+    pad = torch.ones(len(rows), width, dtype=torch.bool)
+    for i, tokens in enumerate(regions):
+        if tokens:
+            clean[i, width - len(tokens):] = torch.tensor([anchors[i]] + tokens[:-1])
+            pad[i, width - len(tokens):] = False
+            anchors[i] = tokens[-1]
+    return (clean.to(device), pad.to(device) if bool(pad.any()) else None), width
+
+
 # ---- constrained left-to-right decoding (the grammar path) ------------------------------------------------
-@torch.no_grad()
 def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor], None], accept: Callable[[int], bool],
                        stops: set[int], max_new_tokens: int, generator: torch.Generator | None = None,
                        closers: Callable[[list[int]], list[int]] | None = None,
@@ -374,31 +379,54 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
     greedy, or sampled at temperature 1 with `generator`. Returns (tokens without the stop token,
     ended with a stop token or the grammar's end, forwards). In the last `wrap_up` tokens of the
     budget the first of `closers(tokens so far)` (e.g. a closing quote, brackets, EOS) the grammar
-    allows is taken before the model's choice, so a document is likelier to close within the budget."""
-    engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1))
-    engine.add([prompt])
-    mask = model.config.mask_token_id
+    allows is taken before the model's choice, so a document is likelier to close within the budget.
+    One job of the slot mode (engine/slots.py): alone, or batched by the server's scheduler."""
+    def start():
+        engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1))
+        engine.add([prompt])
+        rule = Constraint(allow, accept, stops, generator, closers, wrap_up)
+        return engine.batch, _constrained_steps(engine.batch, rule, max_new_tokens, model.config.mask_token_id)
+
+    return run(Job(start))
+
+
+@dataclass
+class Constraint:
+    """The grammar of one row: see `decode_constrained`."""
+
+    allow: Callable[[torch.Tensor], None]
+    accept: Callable[[int], bool]
+    stops: set[int]
+    generator: torch.Generator | None
+    closers: Callable[[list[int]], list[int]] | None
+    wrap_up: int
+
+    def pick(self, logits: torch.Tensor, tokens: list[int], left: int) -> int:
+        late = self.closers is not None and left <= self.wrap_up
+        closing = [c for c in self.closers(tokens) if torch.isfinite(logits[0, c])] if late else []
+        if closing:
+            return closing[0]
+        if self.generator is None:
+            return int(logits.argmax(-1))
+        return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=self.generator))
+
+
+def _constrained_steps(batch, rule: Constraint, max_new_tokens: int, mask: int):
     tokens, forwards = [], 0
     while len(tokens) < max_new_tokens:
-        logits = engine.batch.forward(engine.batch.window, 0, 1)[:, -1].float()  # [1, V]; the last token is committed as fed
+        # [1, V]; the last token is committed as fed
+        logits = (yield Forward(batch.window, 0, 1))[:, -1].float()
         forwards += 1
         logits[:, mask] = float("-inf")
-        allow(logits)
-        late = closers is not None and max_new_tokens - len(tokens) <= wrap_up
-        closing = [c for c in closers(tokens) if torch.isfinite(logits[0, c])] if late else []
-        if closing:
-            t = closing[0]
-        elif generator is None:
-            t = int(logits.argmax(-1))
-        else:
-            t = int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator))
+        rule.allow(logits)
+        t = rule.pick(logits, tokens, max_new_tokens - len(tokens))
         if not torch.isfinite(logits[0, t]):
             return tokens, False, forwards  # the grammar allows nothing here
-        ok = accept(t)
-        if t in stops:
+        ok = rule.accept(t)
+        if t in rule.stops:
             return tokens, True, forwards
         tokens.append(t)
         if not ok:
             return tokens, True, forwards
-        engine.batch.window = torch.tensor([[t]], device=engine.device)
+        batch.window = torch.tensor([[t]], device=batch.device)
     return tokens, False, forwards
