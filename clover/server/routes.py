@@ -64,8 +64,6 @@ class Routes:
         # prompt encoding (chat template + tokenizer: CPU work that grows with the prompt) runs here, off the
         # event loop; one thread, so the tokenizer is never used by two encodings at once
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-encode")
-        # decisions and infilled replies run one at a time, in a worker thread beside the scheduler's
-        self.exclusive = asyncio.Lock()
         self.longest: list[int] = []  # characters of the vocabulary's longest token, found when first needed
 
     def register(self, app: FastAPI) -> None:
@@ -336,11 +334,10 @@ class Routes:
             job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size, room)
                    if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, key.threshold,
                                                key.block_size, room))
-            async with self.exclusive:
-                try:
-                    done = await asyncio.to_thread(job)
-                except ValueError as e:
-                    raise APIError(400, str(e))
+            try:  # planned in a worker thread, decoded by the scheduler (batched with other requests)
+                done = await self.scheduler.structured(job)
+            except ValueError as e:
+                raise APIError(400, str(e))
             return self.respond_infilled(req, len(ids), done)
         return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
 
@@ -381,10 +378,9 @@ class Routes:
             parse_questions(questions, req.split)
         except ValueError as e:
             raise APIError(400, str(e), param="questions")
-        async with self.exclusive:
-            try:
-                result = await asyncio.to_thread(decide, self.model, self.tokenizer, req.material, questions, req.mode,
-                                                 req.threshold, req.block_size, req.split)
-            except ValueError as e:
-                raise APIError(400, str(e))
+        try:
+            result = await self.scheduler.structured(decide, self.model, self.tokenizer, req.material, questions,
+                                                     req.mode, req.threshold, req.block_size, req.split)
+        except ValueError as e:
+            raise APIError(400, str(e))
         return result.to_dict()

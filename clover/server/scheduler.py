@@ -10,6 +10,12 @@
   starts there) -> one `step()` of every engine -> hand committed blocks to their jobs. A row leaves
   its engine when it finishes (EOS, budget) or is cancelled (client gone, stop string): its cache
   rows are freed at once (`Engine.finish`), and an engine with no rows is dropped.
+* Structured replies (response_format, forced tool calls) and /v1/decide are planned in a worker
+  thread each (`structured`: schema -> rows, verdict, retries), but every model forward they need
+  is a job of the slot mode (engine/slots.py) run by this thread: `run_job` queues it, the loop
+  prefills it and steps it beside the engines, one forward per job per loop turn, jobs of the same
+  shape batched in one forward. Their failures stay theirs (the job's error is raised in its
+  worker thread).
 * Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
@@ -24,16 +30,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 import traceback
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
 
 from ..engine import DEFAULTS, DecodeConfig, Engine, SamplingParams, Sequence
+from ..engine.slots import Job as SlotJob
+from ..engine.slots import SlotMode, driving
 from .metrics import Metrics
 
 
@@ -128,6 +138,11 @@ class Scheduler:
         self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.slots = SlotMode()  # the running infill / grammar jobs
+        self.slot_waiting: list[tuple[SlotJob, threading.Event]] = []
+        self.slot_events: dict[int, threading.Event] = {}  # id(job) -> set when it finished
+        # structured replies and decisions are planned here, one thread each (their forwards come back to ours)
+        self.planner = ThreadPoolExecutor(max_workers=max(max_batch, 1), thread_name_prefix="clover-plan")
 
     # ---- called from request handlers ----------------------------------------------------------
     def config(self, key: EngineKey, max_new_tokens: int = 1) -> DecodeConfig:
@@ -165,6 +180,31 @@ class Scheduler:
             self.metrics.queue_length = len(self.waiting)
             self.cv.notify()
 
+    async def structured(self, fn, *args):
+        """Run `fn(*args)` (structured output, a forced call, a decision) in a worker thread where every
+        denoise / decode_constrained call becomes a job of this scheduler (`run_job`)."""
+        ctx = contextvars.copy_context()
+
+        def call():
+            with driving(self.run_job):
+                return fn(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(self.planner, ctx.run, call)
+
+    def run_job(self, job: SlotJob):
+        """Called from a worker thread: queue a slot job, wait until the loop has run it, return its
+        result (or raise its error)."""
+        done = threading.Event()
+        with self.cv:
+            if self.stopping:
+                raise RuntimeError("the server is shutting down")
+            self.slot_waiting.append((job, done))
+            self.cv.notify()
+        done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
     # ---- the thread --------------------------------------------------------------------------------
     def start(self) -> None:
         self.thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
@@ -176,6 +216,7 @@ class Scheduler:
             self.cv.notify()
         if self.thread is not None:
             self.thread.join(timeout=30)
+        self.planner.shutdown(wait=False)
 
     @property
     def running_rows(self) -> int:
@@ -184,10 +225,13 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not (self.stopping or self.waiting or self.to_cancel or self.engines):
+                while not (self.stopping or self.waiting or self.to_cancel or self.engines or self.slot_waiting
+                           or self.slots.running):
                     self.cv.wait()
                 if self.stopping:
+                    self._fail_slots(RuntimeError("the server is shutting down"))
                     return
+                slot_admit, self.slot_waiting = self.slot_waiting, []
                 cancels, self.to_cancel = self.to_cancel, []
                 admit, room = [], self.max_batch - self.running_rows + sum(j.state == "running" for j, _ in cancels)
                 while self.waiting and len(admit) < room:
@@ -200,11 +244,14 @@ class Scheduler:
                     for job, reason in cancels:
                         self._cancel(job, reason)
                     self._admit(admit)
+                    self._admit_slots(slot_admit)
                     for key in list(self.engines):
                         self._step(key)
-            except Exception:  # never let the loop die: fail the rows involved, keep serving
+                    self._step_slots()
+            except Exception as e:  # never let the loop die: fail the rows involved, keep serving
                 traceback.print_exc()
                 self._fail_all("internal error in the decoding loop")
+                self._fail_slots(e)
             self.metrics.running_rows = self.running_rows
 
     def _admit(self, jobs: list[Job]) -> None:
@@ -223,6 +270,33 @@ class Scheduler:
                         self._join(key, [job])
                     except Exception as e1:  # noqa: BLE001
                         self._fail(job, e1)
+
+    def _admit_slots(self, admit: list[tuple[SlotJob, threading.Event]]) -> None:
+        for job, done in admit:
+            self.slot_events[id(job)] = done
+            self.slots.join(job)  # prefill; a job that fails there is finished with its error
+            if job.finished:
+                self.slot_events.pop(id(job)).set()
+
+    def _step_slots(self) -> None:
+        if not self.slots.running:
+            return
+        t0 = time.perf_counter()
+        for job in self.slots.step():
+            self.slot_events.pop(id(job)).set()
+        with self.metrics.lock:
+            self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _fail_slots(self, error: Exception) -> None:
+        for job in list(self.slots.jobs):
+            self.slots.leave(job, error)
+        for job, done in self.slot_waiting:
+            job.fail(error)
+            done.set()
+        self.slot_waiting = []
+        for done in self.slot_events.values():
+            done.set()
+        self.slot_events.clear()
 
     def _join(self, slot, jobs: list[Job], resume: bool = False) -> None:
         """Prefill jobs into the engine at `slot` (made when missing) and register them. `resume`: the
