@@ -1,0 +1,131 @@
+"""Structured replies run through the one scheduler: concurrent infilled (and grammar-path) requests
+share batched forwards and reply exactly what each would alone; a failing job fails alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers import save_tiny_model
+
+import clover
+from clover.engine import slots
+from clover.server.scheduler import Scheduler
+from clover.server.structured import format_plan, infill_format
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "ok": {"type": "boolean"}, "city": {"enum": ["Paris", "Rome", "Oslo"]}}, "required": ["name", "age", "ok"]}
+GRAMMAR = {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "integer"}]}
+ASKS = ["Tell me about Ann.", "Bob?", "Who lives in Rome, and how old?", "A person, please: any."]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return clover.load(save_tiny_model(tmp_path_factory.mktemp("slots-model")))
+
+
+class Counted:
+    """Counts the model's forwards and their row counts."""
+
+    def __init__(self, model):
+        self.rows: list[int] = []
+        self.handle = model.register_forward_hook(lambda m, args, kw, out: self.rows.append(kw["input_ids"].shape[0]
+                                                                                           if "input_ids" in kw
+                                                                                           else args[0].shape[0]),
+                                                  with_kwargs=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _reply(model, tok, text, schema, max_tokens=120):
+    ids = tok(text).input_ids
+    r = infill_format(model, tok, ids, format_plan({"type": "json_schema", "json_schema": {"schema": schema}}),
+                      0.5, 4, max_tokens)
+    return r.content, r.info, r.finish
+
+
+def _concurrent(model, tok, texts, schema, start_after: int):
+    """Each text planned in a thread of its own, its forwards run by one scheduler that starts once
+    `start_after` jobs are queued (so they are admitted together; the others join mid-run)."""
+    sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
+    out: dict[int, object] = {}
+
+    def plan(i, text):
+        with slots.driving(sched.run_job):
+            out[i] = _reply(model, tok, text, schema)
+
+    threads = [threading.Thread(target=plan, args=(i, t)) for i, t in enumerate(texts)]
+    for t in threads[:start_after]:
+        t.start()
+    deadline = time.time() + 30
+    while len(sched.slot_waiting) < start_after and time.time() < deadline:
+        time.sleep(0.005)
+    sched.start()
+    for t in threads[start_after:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    sched.stop()
+    return [out[i] for i in range(len(texts))]
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, GRAMMAR], ids=["infill", "grammar"])
+def test_concurrent_structured_requests_batch_and_equal_their_solo_replies(loaded, schema):
+    model, tok = loaded
+    with Counted(model) as solo:
+        alone = [_reply(model, tok, t, schema) for t in ASKS]
+    with Counted(model) as batched:
+        together = _concurrent(model, tok, ASKS, schema, start_after=3)
+    assert together == alone
+    assert alone[0][1]["method"] == ("infill" if schema is SCHEMA else "grammar")
+    assert max(batched.rows) > 1  # some forward served several requests
+    assert len(batched.rows) < len(solo.rows)  # fewer model calls than the requests made alone
+    assert sum(batched.rows) == sum(solo.rows)  # the same rows computed, only batched
+
+
+def test_a_failing_job_fails_alone(loaded, monkeypatch):
+    """A job whose own logic raises gets its error; the jobs beside it finish as they would alone."""
+    model, tok = loaded
+    calls = {"n": 0}
+    real = slots.Job.advance
+
+    def flaky(self, logits):
+        if logits is not None and getattr(self, "poison", False):
+            raise RuntimeError("boom")
+        return real(self, logits)
+
+    monkeypatch.setattr(slots.Job, "advance", flaky)
+    sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
+    results: dict[str, object] = {}
+    real_run = sched.run_job
+
+    def run_job(job):
+        if threading.current_thread().name == "bad":
+            job.poison = True
+        calls["n"] += 1
+        return real_run(job)
+
+    def plan(name, text):
+        with slots.driving(run_job):
+            try:
+                results[name] = _reply(model, tok, text, SCHEMA)
+            except RuntimeError as e:
+                results[name] = str(e)
+
+    threads = [threading.Thread(target=plan, args=(n, t), name=n) for n, t in (("good", ASKS[0]), ("bad", ASKS[1]))]
+    sched.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    sched.stop()
+    monkeypatch.setattr(slots.Job, "advance", real)
+    assert results["bad"] == "boom"
+    assert results["good"] == _reply(model, tok, ASKS[0], SCHEMA)
+    assert calls["n"] >= 2
