@@ -7,6 +7,14 @@ request when the last one ends. Every request generates exactly --max-tokens (`i
 levels do the same work per request. Prints a markdown table: aggregate generated tokens/s,
 per-request latency p50 / p99 and time to first block p50, and the 16-vs-1 throughput ratio
 (target: >= 4x, from continuous batching). --model defaults to the shipped default model.
+
+    python bench/serve.py --structured [--model DIR] [--max-tokens 48]
+
+`--structured`: 8 structured-output requests (response_format json_schema; a schema that infills,
+then one that takes the grammar path) sent one after another, then the same 8 at once while 8 free
+streams (greedy, --max-tokens each, ignore_eos) run alongside. Prints the wall time of each, the
+ratio concurrent / sequential (target < 0.5: infilled requests batch in the one scheduler), and
+whether the concurrent replies and the free streams equal their solo runs.
 """
 
 from __future__ import annotations
@@ -61,6 +69,90 @@ async def level(url: str, model: str, clients: int, requests: int, max_tokens: i
                 p50=percentile(lat, 0.5), p99=percentile(lat, 0.99), ttfb=percentile(ttfb, 0.5))
 
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"enum": ["Paris", "Rome", "Oslo", "Lima"]}, "member": {"type": "boolean"}},
+    "required": ["name", "age", "city", "member"]}
+GRAMMAR = {"anyOf": [{"type": "string", "maxLength": 12}, {"type": "integer"}]}
+ASKS = ["Describe a person as JSON.", "Who lives in Rome?", "Invent a club member.", "Name someone from Oslo.",
+        "A traveller, please.", "Give me a profile.", "Someone aged 40?", "Tell me about a neighbour."]
+
+
+async def structured_request(c, model: str, ask: str, schema: dict) -> tuple[str, dict]:
+    r = await c.chat.completions.create(model=model, messages=[{"role": "user", "content": ask}], max_tokens=160,
+                                        response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "reply", "schema": schema}})
+    return r.choices[0].message.content, r.model_extra["clover"]["structured"][0]
+
+
+async def free_stream(c, model: str, prompt: str, max_tokens: int) -> str:
+    r = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True})
+    return r.choices[0].text
+
+
+async def structured_case(url: str, model: str, schema: dict, max_tokens: int) -> dict:
+    import openai
+
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    solo_free = [await free_stream(c, model, p, max_tokens) for p in PROMPTS]
+    t0 = time.perf_counter()
+    sequential = [await structured_request(c, model, a, schema) for a in ASKS]
+    t_seq = time.perf_counter() - t0
+    free = [asyncio.create_task(free_stream(c, model, p, max_tokens)) for p in PROMPTS]
+    t0 = time.perf_counter()
+    concurrent = await asyncio.gather(*(structured_request(c, model, a, schema) for a in ASKS))
+    t_conc = time.perf_counter() - t0
+    free_out = await asyncio.gather(*free)
+    await c.close()
+    return dict(method=sequential[0][1]["method"], seq=t_seq, conc=t_conc, ratio=t_conc / t_seq,
+                same=list(concurrent) == sequential, free_same=free_out == solo_free,
+                valid=sum(info["valid"] for _, info in concurrent))
+
+
+def start_server(args, max_batch: int):
+    """`clover serve` in a subprocess: (process, url or None)."""
+    cmd = [sys.executable, "-m", "clover", "serve", "--port", "0", "--threads", str(args.threads),
+           "--block-size", str(args.block_size), "--threshold", str(args.threshold),
+           "--max-batch", str(max_batch), "--served-model-name", "bench"]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    for line in proc.stdout:
+        match = re.search(r"on (http://\S+)", line)
+        if match:
+            return proc, match.group(1)
+    return proc, None
+
+
+def structured_main(args) -> int:
+    proc, url = start_server(args, 32)
+    try:
+        if url is None:
+            print("bench/serve.py: the server did not start", file=sys.stderr)
+            return 1
+        asyncio.run(level(url, "bench", 1, 1, 8))  # warm-up
+        rows = [(name, asyncio.run(structured_case(url, "bench", schema, args.max_tokens)))
+                for name, schema in (("infill", PERSON), ("grammar", GRAMMAR))]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    model = args.model or "the shipped default model (clover/assets/default)"
+    print(f"`clover serve` on {model}, {os.cpu_count()} CPU cores (server: {args.threads} torch thread), "
+          f"block size {args.block_size}, threshold {args.threshold}: {len(ASKS)} structured-output requests "
+          f"one after another, then the same {len(ASKS)} at once beside {len(PROMPTS)} free streams "
+          f"({args.max_tokens} tokens each, greedy, ignore_eos).\n")
+    print("| schema | method | sequential s | concurrent s | concurrent / sequential | replies = solo | "
+          "free streams = solo | valid |")
+    print("|---|---|---:|---:|---:|---|---|---:|")
+    for name, r in rows:
+        print(f"| {name} | {r['method']} | {r['seq']:.2f} | {r['conc']:.2f} | {r['ratio']:.2f} | "
+              f"{'yes' if r['same'] else 'NO'} | {'yes' if r['free_same'] else 'NO'} | {r['valid']}/{len(ASKS)} |")
+    infill = dict(rows)["infill"]
+    print(f"\nInfilled requests: concurrent = {infill['ratio']:.2f}x sequential "
+          f"(target < 0.5x: {'met' if infill['ratio'] < 0.5 else 'NOT met'}).")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model folder (default: the shipped default model)")
@@ -71,22 +163,14 @@ def main() -> int:
                     help="default 8: the shipped model fills ~1 token per step, so wider blocks only add compute")
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=1, help="server torch threads")
+    ap.add_argument("--structured", action="store_true",
+                    help="structured-output requests: sequential vs concurrent beside free streams")
     args = ap.parse_args()
+    if args.structured:
+        return structured_main(args)
     levels = [int(x) for x in args.clients.split(",")]
-
-    cmd = [sys.executable, "-m", "clover", "serve", "--port", "0", "--threads", str(args.threads),
-           "--block-size", str(args.block_size), "--threshold", str(args.threshold),
-           "--max-batch", str(max(levels)), "--served-model-name", "bench"]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    proc, url = start_server(args, max(levels))
     try:
-        url = None
-        for line in proc.stdout:
-            match = re.search(r"on (http://\S+)", line)
-            if match:
-                url = match.group(1)
-                break
         if url is None:
             print("bench/serve.py: the server did not start", file=sys.stderr)
             return 1
