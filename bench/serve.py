@@ -109,6 +109,21 @@ async def structured_case(url: str, model: str, schema: dict, max_tokens: int) -
                 valid=sum(info["valid"] for _, info in concurrent))
 
 
+def served(args, max_batch: int, work):
+    """`work(url)` against `clover serve` in a subprocess (after a warm-up request); None when the
+    server did not start."""
+    proc, url = start_server(args, max_batch)
+    try:
+        if url is None:
+            print("bench/serve.py: the server did not start", file=sys.stderr)
+            return None
+        asyncio.run(level(url, "bench", 1, 1, 8))  # warm-up
+        return work(url)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def start_server(args, max_batch: int):
     """`clover serve` in a subprocess: (process, url or None)."""
     cmd = [sys.executable, "-m", "clover", "serve", "--port", "0", "--threads", str(args.threads),
@@ -125,17 +140,10 @@ def start_server(args, max_batch: int):
 
 
 def structured_main(args) -> int:
-    proc, url = start_server(args, 32)
-    try:
-        if url is None:
-            print("bench/serve.py: the server did not start", file=sys.stderr)
-            return 1
-        asyncio.run(level(url, "bench", 1, 1, 8))  # warm-up
-        rows = [(name, asyncio.run(structured_case(url, "bench", schema, args.max_tokens)))
-                for name, schema in (("infill", PERSON), ("grammar", GRAMMAR))]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    rows = served(args, 32, lambda url: [(name, asyncio.run(structured_case(url, "bench", schema, args.max_tokens)))
+                                         for name, schema in (("infill", PERSON), ("grammar", GRAMMAR))])
+    if rows is None:
+        return 1
     model = args.model or "the shipped default model (clover/assets/default)"
     print(f"`clover serve` on {model}, {os.cpu_count()} CPU cores (server: {args.threads} torch thread), "
           f"block size {args.block_size}, threshold {args.threshold}: {len(ASKS)} structured-output requests "
@@ -169,16 +177,10 @@ def main() -> int:
     if args.structured:
         return structured_main(args)
     levels = [int(x) for x in args.clients.split(",")]
-    proc, url = start_server(args, max(levels))
-    try:
-        if url is None:
-            print("bench/serve.py: the server did not start", file=sys.stderr)
-            return 1
-        asyncio.run(level(url, "bench", 1, 1, 8))  # warm-up
-        rows = [asyncio.run(level(url, "bench", n, args.requests, args.max_tokens)) for n in levels]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    rows = served(args, max(levels), lambda url: [asyncio.run(level(url, "bench", n, args.requests, args.max_tokens))
+                                                  for n in levels])
+    if rows is None:
+        return 1
 
     model = args.model or "the shipped default model (clover/assets/default)"
     print(f"`clover serve` on {model}, {os.cpu_count()} CPU cores (server: {args.threads} torch thread), "
