@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import pytest
 from helpers import save_tiny_model
 
 import clover
 from clover.engine import slots
-from clover.server.scheduler import Scheduler
+from clover.server.scheduler import Plan, Scheduler
 from clover.server.structured import format_plan, infill_format
 
 SCHEMA = {"type": "object", "properties": {
@@ -57,7 +58,7 @@ def _concurrent(model, tok, texts, schema, start_after: int):
     out: dict[int, object] = {}
 
     def plan(i, text):
-        with slots.driving(sched.run_job):
+        with slots.driving(partial(sched.run_job, Plan())):
             out[i] = _reply(model, tok, text, schema)
 
     threads = [threading.Thread(target=plan, args=(i, t)) for i, t in enumerate(texts)]
@@ -109,7 +110,7 @@ def test_a_failing_job_fails_alone(loaded, monkeypatch):
         if threading.current_thread().name == "bad":
             job.poison = True
         calls["n"] += 1
-        return real_run(job)
+        return real_run(Plan(), job)
 
     def plan(name, text):
         with slots.driving(run_job):
@@ -129,3 +130,35 @@ def test_a_failing_job_fails_alone(loaded, monkeypatch):
     assert results["bad"] == "boom"
     assert results["good"] == _reply(model, tok, ASKS[0], SCHEMA)
     assert calls["n"] >= 2
+
+
+def test_a_cancelled_request_leaves_between_steps(loaded):
+    """The client of a structured request went away: its running job leaves the scheduler (its worker
+    raises Cancelled), the request beside it finishes as it would alone."""
+    from clover.server.scheduler import Cancelled
+
+    model, tok = loaded
+    sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
+    gone, stays, out = Plan(), Plan(), {}
+
+    def plan(name, p, text):
+        with slots.driving(partial(sched.run_job, p)):
+            try:
+                out[name] = _reply(model, tok, text, GRAMMAR)
+            except Cancelled as e:
+                out[name] = e
+
+    threads = [threading.Thread(target=plan, args=a) for a in (("gone", gone, ASKS[0]), ("stays", stays, ASKS[1]))]
+    sched.start()
+    for t in threads:
+        t.start()
+    deadline = time.time() + 30
+    while len(sched.slots.jobs) < 2 and time.time() < deadline:
+        time.sleep(0.001)
+    sched.cancel_plan(gone)
+    for t in threads:
+        t.join(timeout=120)
+    sched.stop()
+    assert isinstance(out["gone"], Cancelled)
+    assert out["stays"] == _reply(model, tok, ASKS[1], GRAMMAR)
+    assert not sched.plan_of and not sched.slots.jobs

@@ -17,7 +17,7 @@ from ..agent.tool_format import call_frame_ids
 from ..engine import MODES
 from .choice import Choice
 from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, now, usage
-from .scheduler import EngineKey, Job, Live, QueueFull, Ticket
+from .scheduler import Cancelled, EngineKey, Job, Live, QueueFull, Ticket
 from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
 from .structured import Infilled, format_plan, infill_format, infill_tool_call
 
@@ -334,12 +334,27 @@ class Routes:
             job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size, room)
                    if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, key.threshold,
                                                key.block_size, room))
-            try:  # planned in a worker thread, decoded by the scheduler (batched with other requests)
-                done = await self.scheduler.structured(job)
-            except ValueError as e:
-                raise APIError(400, str(e))
+            done = await self.structured(request, job)
             return self.respond_infilled(req, len(ids), done)
         return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
+
+    async def structured(self, request: Request, fn):
+        """`fn()` planned in a worker thread, its forwards decoded by the scheduler (batched with other
+        requests); ValueError -> 400. A client that goes away cancels it (the reply is not sent)."""
+        plan = self.scheduler.structured(fn)
+        while True:
+            done, _ = await asyncio.wait({plan.future}, timeout=POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                self.scheduler.cancel_plan(plan)
+                break
+        try:
+            return await plan.future
+        except Cancelled as e:  # nobody reads this any more
+            raise APIError(499, str(e), "server_error", code="cancelled")
+        except ValueError as e:
+            raise APIError(400, str(e))
 
     def respond_infilled(self, req, n_prompt: int, done: Infilled):
         """An infilled reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
@@ -366,7 +381,7 @@ class Routes:
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
-    async def decide(self, req: DecideRequest):
+    async def decide(self, req: DecideRequest, request: Request):
         from ..decide import decide, parse_questions
 
         self.check_model(req)
@@ -378,9 +393,6 @@ class Routes:
             parse_questions(questions, req.split)
         except ValueError as e:
             raise APIError(400, str(e), param="questions")
-        try:
-            result = await self.scheduler.structured(decide, self.model, self.tokenizer, req.material, questions,
-                                                     req.mode, req.threshold, req.block_size, req.split)
-        except ValueError as e:
-            raise APIError(400, str(e))
+        result = await self.structured(request, partial(decide, self.model, self.tokenizer, req.material, questions,
+                                                        req.mode, req.threshold, req.block_size, req.split))
         return result.to_dict()

@@ -37,6 +37,7 @@ import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, NamedTuple
 
 import torch
@@ -96,6 +97,18 @@ class QueueFull(Exception):
     pass
 
 
+class Cancelled(Exception):
+    """Raised in a structured request's worker thread when its client went away."""
+
+
+@dataclass(eq=False)
+class Plan:
+    """A structured request's worker: its slot jobs and whether its client went away."""
+
+    cancelled: bool = False
+    future: object = None
+
+
 class Ticket:
     """One HTTP request's mailbox: the scheduler thread posts, the request's coroutine reads."""
 
@@ -141,6 +154,7 @@ class Scheduler:
         self.slots = SlotMode()  # the running infill / grammar jobs
         self.slot_waiting: list[tuple[SlotJob, threading.Event]] = []
         self.slot_events: dict[int, threading.Event] = {}  # id(job) -> set when it finished
+        self.plan_of: dict[int, Plan] = {}  # id(job) -> the structured request it belongs to
         # structured replies and decisions are planned here, one thread each (their forwards come back to ours)
         self.planner = ThreadPoolExecutor(max_workers=max(max_batch, 1), thread_name_prefix="clover-plan")
 
@@ -180,30 +194,39 @@ class Scheduler:
             self.metrics.queue_length = len(self.waiting)
             self.cv.notify()
 
-    async def structured(self, fn, *args):
-        """Run `fn(*args)` (structured output, a forced call, a decision) in a worker thread where every
-        denoise / decode_constrained call becomes a job of this scheduler (`run_job`)."""
-        ctx = contextvars.copy_context()
+    def structured(self, fn, *args) -> "Plan":
+        """Start `fn(*args)` (structured output, a forced call, a decision) in a worker thread where every
+        denoise / decode_constrained call becomes a job of this scheduler; await `plan.future`, or
+        `cancel_plan(plan)` when its client is gone."""
+        plan = Plan()
 
         def call():
-            with driving(self.run_job):
+            with driving(partial(self.run_job, plan)):
                 return fn(*args)
 
-        return await asyncio.get_running_loop().run_in_executor(self.planner, ctx.run, call)
+        plan.future = asyncio.get_running_loop().run_in_executor(self.planner, contextvars.copy_context().run, call)
+        return plan
 
-    def run_job(self, job: SlotJob):
+    def run_job(self, plan: "Plan", job: SlotJob):
         """Called from a worker thread: queue a slot job, wait until the loop has run it, return its
         result (or raise its error)."""
         done = threading.Event()
         with self.cv:
-            if self.stopping:
-                raise RuntimeError("the server is shutting down")
+            if self.stopping or plan.cancelled:
+                raise Cancelled("the request was cancelled" if plan.cancelled else "the server is shutting down")
+            self.plan_of[id(job)] = plan
             self.slot_waiting.append((job, done))
             self.cv.notify()
         done.wait()
         if job.error is not None:
             raise job.error
         return job.result
+
+    def cancel_plan(self, plan: "Plan") -> None:
+        """The client is gone: its running jobs leave between steps, its next ones are refused."""
+        with self.cv:
+            plan.cancelled = True
+            self.cv.notify()
 
     # ---- the thread --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -232,6 +255,7 @@ class Scheduler:
                     self._fail_slots(RuntimeError("the server is shutting down"))
                     return
                 slot_admit, self.slot_waiting = self.slot_waiting, []
+                slot_gone = [j for j in self.slots.jobs if self.plan_of[id(j)].cancelled]
                 cancels, self.to_cancel = self.to_cancel, []
                 admit, room = [], self.max_batch - self.running_rows + sum(j.state == "running" for j, _ in cancels)
                 while self.waiting and len(admit) < room:
@@ -244,6 +268,9 @@ class Scheduler:
                     for job, reason in cancels:
                         self._cancel(job, reason)
                     self._admit(admit)
+                    for job in slot_gone:
+                        self.slots.leave(job, Cancelled("the request was cancelled"))
+                        self._slot_done(job)
                     self._admit_slots(slot_admit)
                     for key in list(self.engines):
                         self._step(key)
@@ -274,18 +301,25 @@ class Scheduler:
     def _admit_slots(self, admit: list[tuple[SlotJob, threading.Event]]) -> None:
         for job, done in admit:
             self.slot_events[id(job)] = done
-            self.slots.join(job)  # prefill; a job that fails there is finished with its error
+            if self.plan_of[id(job)].cancelled:
+                job.fail(Cancelled("the request was cancelled"))
+            else:
+                self.slots.join(job)  # prefill; a job that fails there is finished with its error
             if job.finished:
-                self.slot_events.pop(id(job)).set()
+                self._slot_done(job)
 
     def _step_slots(self) -> None:
         if not self.slots.running:
             return
         t0 = time.perf_counter()
         for job in self.slots.step():
-            self.slot_events.pop(id(job)).set()
+            self._slot_done(job)
         with self.metrics.lock:
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _slot_done(self, job: SlotJob) -> None:
+        self.plan_of.pop(id(job), None)
+        self.slot_events.pop(id(job)).set()
 
     def _fail_slots(self, error: Exception) -> None:
         for job in list(self.slots.jobs):
@@ -297,6 +331,7 @@ class Scheduler:
         for done in self.slot_events.values():
             done.set()
         self.slot_events.clear()
+        self.plan_of.clear()
 
     def _join(self, slot, jobs: list[Job], resume: bool = False) -> None:
         """Prefill jobs into the engine at `slot` (made when missing) and register them. `resume`: the
