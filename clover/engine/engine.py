@@ -86,7 +86,7 @@ class Engine:
                               cfg.prefill_chunk)
         self.added = 0
 
-    # the row batch's parts, read by the server scheduler and the slot infiller
+    # the row batch's parts the server scheduler reads (the slot mode takes the whole `batch`)
     @property
     def seqs(self) -> list[Sequence]:
         return self.batch.seqs
@@ -94,14 +94,6 @@ class Engine:
     @property
     def cache(self):
         return self.batch.cache
-
-    @property
-    def pending(self):
-        return self.batch.pending
-
-    @property
-    def clean_bs(self) -> int:
-        return self.batch.clean_bs
 
     @property
     def policy(self):
