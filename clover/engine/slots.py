@@ -111,6 +111,7 @@ class SlotMode:
 
     def __init__(self):
         self.jobs: list[Job] = []
+        self.forwards = 0  # model calls made by `step` so far
 
     @property
     def running(self) -> bool:
@@ -132,6 +133,7 @@ class SlotMode:
 
     def step(self) -> list[Job]:
         for group in partition(self.jobs):
+            self.forwards += 1
             try:
                 outs = forward(group)
             except Exception as e:  # noqa: BLE001 - which job? each alone

@@ -311,10 +311,11 @@ class Scheduler:
     def _step_slots(self) -> None:
         if not self.slots.running:
             return
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), self.slots.forwards
         for job in self.slots.step():
             self._slot_done(job)
         with self.metrics.lock:
+            self.metrics.model_forwards += self.slots.forwards - before
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
     def _slot_done(self, job: SlotJob) -> None:
