@@ -162,3 +162,38 @@ def test_a_cancelled_request_leaves_between_steps(loaded):
     assert isinstance(out["gone"], Cancelled)
     assert out["stays"] == _reply(model, tok, ASKS[1], GRAMMAR)
     assert not sched.plan_of and not sched.slots.jobs
+
+
+def test_over_http_concurrent_structured_replies_and_free_streams_equal_solo(loaded):
+    """Through the routes: structured requests sent at once (beside free completions) reply what
+    they reply one after another, and the free completions equal their solo runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_utils import RunningServer, client
+
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+
+    model, tok = loaded
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=16, max_queue=64)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    with RunningServer(create_app(model, tok, settings, eos_ids(model, tok))) as server:
+        c = client(server)
+
+        def structured(ask):
+            r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ask}],
+                                          response_format=fmt, max_tokens=120)
+            return r.choices[0].message.content, r.model_extra["clover"]["structured"][0]
+
+        def free(prompt):
+            return c.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+
+        alone = [structured(a) for a in ASKS]
+        free_alone = [free(a) for a in ASKS]
+        with ThreadPoolExecutor(8) as pool:
+            frees = [pool.submit(free, a) for a in ASKS]
+            together = list(pool.map(structured, ASKS))
+            free_together = [f.result() for f in frees]
+    assert together == alone and free_together == free_alone
+    assert all(info["method"] == "infill" and info["valid"] for _, info in together)
