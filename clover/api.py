@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .chat import encode, split_thinking  # part of the Python API; their home is clover.chat
+
 if TYPE_CHECKING:
     from .engine import DecodeConfig
 
@@ -131,25 +133,6 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
                    getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
         found |= set(source if isinstance(source, (list, tuple)) else [source])
     return tuple(sorted(t for t in found if t is not None))
-
-
-def encode(tokenizer, prompt: str | list[dict], chat: bool = False, think: bool = False) -> list[int]:
-    """Token ids of a prompt; with chat (or a list of messages) through the chat template."""
-    if chat or not isinstance(prompt, str):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this tokenizer has no chat template (drop --chat)")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=think)
-        return tokenizer(prompt, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
-
-
-def split_thinking(text: str) -> tuple[str | None, str]:
-    """'<think>r</think>a' -> (r, a); text without a closed think block -> (None, text)."""
-    head, sep, answer = text.partition("</think>")
-    if not sep:
-        return None, text
-    return head.replace("<think>", "").strip(), answer.strip()
 
 
 def decode_config(model, tokenizer, max_new_tokens=128, block_size=32, threshold=0.95, mode="low_confidence",

@@ -11,13 +11,14 @@ import re
 import pytest
 
 import clover
-from clover.agent import bench, toolbox
-from clover.agent.toolbox import SPECS
+from clover.agent import bench
+from clover.data import toolbox
+from clover.data.toolbox import SPECS
 from clover.cli import main
 from helpers import save_tiny_model, tiny_tokenizer
 
 TOOLS = [SPECS["add"], SPECS["get_weather"], SPECS["convert_length"]]
-PLAIN_TEMPLATE = (  # a chat template that predates tools (the benchmark renders them through tool_format)
+PLAIN_TEMPLATE = (  # a chat template that predates tools (the benchmark renders them through clover.chat)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if not enable_thinking | default(false) %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
@@ -170,7 +171,7 @@ def test_episode_errors_rounds_and_wrong_answers():
 
 
 def test_native_template_renders_the_same_prompt():
-    from clover.data.tokenizer import CHAT_TEMPLATE
+    from clover.chat import CHAT_TEMPLATE
 
     plain, native = tiny_tokenizer(), tiny_tokenizer()
     plain.chat_template, native.chat_template = PLAIN_TEMPLATE, CHAT_TEMPLATE

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 import clover
-from clover.agent.tool_format import call_frame_ids
-from clover.api import decode_config, encode, eos_ids, result, split_thinking
+from clover.chat import call_frame_ids, encode, split_thinking
+from clover.api import decode_config, eos_ids, result
 from clover.engine import Engine
 from clover.cli import main
 from clover.server import Settings, create_app

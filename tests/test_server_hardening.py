@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import clover
-from clover.agent.tool_format import call_frame_ids
+from clover.chat import call_frame_ids
 from clover.api import decode_config, eos_ids
 from clover.cli import build_parser, main
 from clover.cli import serve as serve_cli

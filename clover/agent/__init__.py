@@ -1,2 +1,2 @@
-"""Agent features: the tool-call prompt format and parser, the local toolbox and its seeded
-dialogues (training data and the agent benchmark)."""
+"""Agent features: the agent (tool-use) benchmark. The tool-call wire format is in clover.chat, the
+local toolbox and its seeded dialogues in clover.data.toolbox."""

@@ -1,5 +1,5 @@
 """The local agent benchmark (`clover bench agent`): seeded, offline tool-use cases from
-`clover.agent.toolbox`, held out from the default model's training dialogues, scored three ways.
+`clover.data.toolbox`, held out from the default model's training dialogues, scored three ways.
 
 * **Call accuracy** (BFCL-style, single turn): the first assistant turn's tool calls against the
   expected ones by AST match (`match_calls`): same function names, same argument keys, values of the
@@ -26,14 +26,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import DEFAULTS
-from . import toolbox
-from .tool_format import function_spec, normalize_messages, parse_tool_calls
+from ..data import toolbox
+from ..data.toolbox import TRAINING_SEEDS
+from ..chat import CALL_OPEN, after_thinking, function_spec, normalize_messages, parse_tool_calls
 
 BENCH_SEED = 1000  # the benchmark's cases (the recipe's tool dialogues: toolbox.*_DIALOGUE_SEED)
-# Training requests excluded from the benchmark: cases(recipe_seed + s, n) for each (s, n). `cases` is
-# prefix-stable, so 20000 covers every training dialogue up to number 20000 (the recipe's base data
-# uses 8000 and 8000 // 20 held out; focus rounds continue the training stream, bounded by this).
-TRAINING_SEEDS = ((toolbox.HELD_DIALOGUE_SEED, 400), (toolbox.TRAIN_DIALOGUE_SEED, 20000))
 MAX_ROUNDS = 3
 MAX_NEW_TOKENS = 128
 ERROR_KINDS = ("no call", "malformed call", "wrong number of calls", "wrong function", "missing argument",
@@ -129,7 +126,7 @@ def plain_calls(tool_calls: list[dict]) -> list[dict]:
 
 def score_first_turn(case: dict, text: str) -> tuple[bool, str | None]:
     """(right, reason when wrong) for the first assistant turn of a case."""
-    attempted = text.count("<tool_call>")
+    attempted = text.count(CALL_OPEN)
     if not case["calls"]:
         return (True, None) if not attempted else (False, "called a tool")
     if not attempted:
@@ -194,12 +191,12 @@ class Episode:
         self.forward_passes += turn.forward_passes
         self.seconds += seconds
         self.generations += 1
-        text = turn.text.split("</think>")[-1].strip()  # a think block, if the model wrote one anyway
+        text = after_thinking(turn.text)  # a think block, if the model wrote one anyway
         tools = self.case["tools"]
         if self.first_turn is None:
             self.first_turn = text
             self.first_right, self.first_reason = score_first_turn(self.case, text)
-        attempted = text.count("<tool_call>")
+        attempted = text.count(CALL_OPEN)
         self.call_attempts += attempted
         self.valid_calls += len(parse_tool_calls(text, tools)[1])
         content, calls, problems = parse_tool_calls(text)  # unknown names too: the host answers them
@@ -304,7 +301,7 @@ def renders_tools(tokenizer) -> bool:
 
 def prompt_renderer(tokenizer) -> Callable[[list[dict], list[dict]], str]:
     """(messages, tools) -> the prompt text up to the non-thinking assistant generation prompt. A
-    template that does not know tools gets the messages already normalised (tool_format), which is
+    template that does not know tools gets the messages already normalised (clover.chat), which is
     what the tool-aware template writes."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this tokenizer has no chat template: the agent benchmark needs a chat model")

@@ -405,7 +405,7 @@ def run_agent(args) -> int:
           f"seconds summed over an episode's turns (prefill not counted in forwards). docs/agent.md.\n")
     if not runs[0]["template_renders_tools"]:
         print("Note: this model's chat template does not render tools (it predates tool-use training); tools were "
-              "rendered by clover.agent.tool_format.normalize_messages, as the tool-aware template writes them.\n")
+              "rendered by clover.chat.normalize_messages, as the tool-aware template writes them.\n")
     rows = []
     for r in runs:
         setting = r["mode"] if r["mode"] == "ar" else f"{r['mode']} b={r['block_size']} t={r['threshold']:g}"

@@ -23,8 +23,6 @@ class ReplyView:
     between `[thinking]` / `[answer]` lines otherwise), never its literal <think> tags, then the answer.
     `update(text)` takes the whole decoded reply so far and returns what to write now."""
 
-    OPEN, CLOSE = "<think>", "</think>"
-
     def __init__(self, think: bool, tty: bool):
         self.think, self.tty = think, tty
         self.sent_reasoning = self.sent_answer = 0
@@ -32,12 +30,12 @@ class ReplyView:
 
     def split(self, text: str) -> tuple[str, str, bool]:
         """(reasoning, answer, reasoning closed) of the reply so far, tags removed."""
+        from ..chat import THINK_CLOSE, THINK_OPEN, split_partial
+
         if not self.think:
-            return "", text.replace(self.OPEN, "").replace(self.CLOSE, ""), True
-        head, sep, tail = text.partition(self.CLOSE)
-        reasoning = head.replace(self.OPEN, "").lstrip()
-        return (reasoning.rstrip(), tail.replace(self.OPEN, "").replace(self.CLOSE, "").lstrip(), True) if sep \
-            else (reasoning, "", False)
+            return "", text.replace(THINK_OPEN, "").replace(THINK_CLOSE, ""), True
+        reasoning, answer, closed = split_partial(text.replace(THINK_OPEN, ""))
+        return reasoning, answer.replace(THINK_CLOSE, "").lstrip(), closed
 
     def update(self, text: str, final: bool = False) -> str:
         reasoning, answer, closed = self.split(text)
@@ -66,7 +64,7 @@ def chat_config(model, tokenizer, kwargs: dict):
     never generated (the same suppressed set as the server's requests without tools)."""
     from dataclasses import replace
 
-    from ..agent.tool_format import call_frame_ids
+    from ..chat import call_frame_ids
     from ..api import decode_config
 
     cfg = decode_config(model, tokenizer, **kwargs)
@@ -76,7 +74,7 @@ def chat_config(model, tokenizer, kwargs: dict):
 def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
     """Print the reply as blocks complete (reasoning styled apart, without its tags); return the full
     decoded text."""
-    from ..api import encode
+    from ..chat import encode
     from ..engine import Engine
 
     tty = sys.stdout.isatty()
@@ -95,7 +93,8 @@ def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
 
 
 def run(args) -> int:
-    from ..api import load, split_thinking
+    from ..api import load
+    from ..chat import split_thinking
 
     kwargs = decoding_kwargs(args)
     model, tokenizer = load(args.model, args.device)

@@ -63,7 +63,7 @@ def _chat_case(kind: str, text: str, schema: dict, expected) -> dict:
 
 
 def _tool_case(kind: str, rng: random.Random, toolbox_kind: str) -> dict:
-    from ..agent import toolbox
+    from ..data import toolbox
 
     case = toolbox.make_case(rng, toolbox_kind)
     (call,) = case["calls"]
