@@ -2,7 +2,8 @@
 reply is read back.
 
 * `template` - the chat template (`CHAT_TEMPLATE`, saved with Clover's tokenizer), its Python twin
-  (`normalize_messages`, `render_chat`) and `encode` (a prompt or messages -> token ids).
+  (`normalize_messages`, `render_chat`), `encode` (a prompt or messages -> token ids) and
+  `prompt_renderer` (a conversation with tools -> prompt text, also for templates that predate tools).
 * `think` - the `<think>` ... `</think>` reasoning block: `split_thinking` (finished reply),
   `split_partial` (growing reply), `EMPTY_THINK`.
 * `calls` - the `<tool_call>` frame: `format_tool_call`, `parse_tool_calls`, `text_before_call`
@@ -14,12 +15,13 @@ Nothing here imports torch or another clover package: data, agent, api, server a
 
 from .calls import (CALL_CLOSE, CALL_END, CALL_FRAME, CALL_HEAD, CALL_OPEN, call_frame_ids, format_tool_call,
                     function_spec, new_call_id, parse_tool_calls, text_before_call)
-from .template import CHAT_TEMPLATE, IM_END, IM_START, encode, normalize_messages, render_chat
+from .template import (CHAT_TEMPLATE, IM_END, IM_START, encode, normalize_messages, prompt_renderer, render_chat,
+                       renders_tools)
 from .think import EMPTY_THINK, THINK_CLOSE, THINK_OPEN, after_thinking, split_partial, split_thinking
 from .tools import TOOLS_FOOTER, TOOLS_HEADER, ToolSpecError, render_tools, tool_signature, validate_tools
 
 __all__ = ["CALL_CLOSE", "CALL_END", "CALL_FRAME", "CALL_HEAD", "CALL_OPEN", "CHAT_TEMPLATE", "EMPTY_THINK",
            "IM_END", "IM_START", "THINK_CLOSE", "THINK_OPEN", "TOOLS_FOOTER", "TOOLS_HEADER", "ToolSpecError",
            "after_thinking", "call_frame_ids", "encode", "format_tool_call", "function_spec", "new_call_id",
-           "normalize_messages", "parse_tool_calls", "render_chat", "render_tools", "split_partial",
+           "normalize_messages", "parse_tool_calls", "prompt_renderer", "render_chat", "renders_tools", "render_tools", "split_partial",
            "split_thinking", "text_before_call", "tool_signature", "validate_tools"]

@@ -18,6 +18,8 @@ prompt (text or messages) becomes token ids.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .calls import format_tool_call
 from .think import EMPTY_THINK, THINK_OPEN
 from .tools import TOOLS_FOOTER, TOOLS_HEADER, render_tools
@@ -127,3 +129,24 @@ def encode(tokenizer, prompt: str | list[dict], chat: bool = False, think: bool 
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=think)
         return tokenizer(prompt, add_special_tokens=False).input_ids
     return tokenizer(prompt).input_ids
+
+
+def renders_tools(tokenizer) -> bool:
+    """Does the tokenizer's own chat template render `tools` (models trained since tool use)?"""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def prompt_renderer(tokenizer) -> Callable[[list[dict], list[dict]], str]:
+    """(messages, tools) -> the prompt text up to the non-thinking assistant generation prompt. A
+    template that does not know tools gets the messages already normalised (`normalize_messages`), which is
+    what the tool-aware template writes."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template: the agent benchmark needs a chat model")
+    native = renders_tools(tokenizer)
+
+    def render(messages, tools):
+        kw = dict(add_generation_prompt=True, enable_thinking=False, tokenize=False)
+        if native:
+            return tokenizer.apply_chat_template(messages, tools=tools, **kw)
+        return tokenizer.apply_chat_template(normalize_messages(messages, tools), **kw)
+    return render

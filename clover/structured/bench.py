@@ -142,7 +142,7 @@ def case_prompt(tokenizer, case: dict):
     rendered request with its tools (clover.agent.bench.prompt_renderer) as text."""
     if not case["tools"]:
         return case["messages"]
-    from ..agent.bench import prompt_renderer
+    from ..chat import prompt_renderer
 
     return prompt_renderer(tokenizer)(case["messages"], case["tools"])
 
