@@ -52,7 +52,7 @@ def reference(loaded, prompt, max_tokens, chat=False, think=False, block_size=BL
     if isinstance(prompt, str) and not (chat or think):
         return clover.generate(model, tokenizer, prompt, max_new_tokens=max_tokens, block_size=block_size,
                                threshold=THRESH)
-    cfg = decode_config(model, tokenizer, max_tokens, block_size, THRESH)
+    cfg = decode_config(model, tokenizer, max_new_tokens=max_tokens, block_size=block_size, threshold=THRESH)
     cfg = replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer)))
     return result(Engine(model, cfg).generate([encode(tokenizer, prompt, chat=True, think=think)])[0], tokenizer, think)
 

@@ -35,7 +35,7 @@ from .report import markdown_table, set_threads, write_json
 
 BENCH_SEED = 1000  # the benchmark's cases (the recipe's tool dialogues: toolbox.*_DIALOGUE_SEED)
 MAX_ROUNDS = 3
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = DEFAULTS.max_new_tokens  # the budget of each assistant turn
 ERROR_KINDS = ("no call", "malformed call", "wrong number of calls", "wrong function", "missing argument",
                "unexpected argument", "type mismatch", "wrong value", "called a tool")
 METRICS = ("cases", "call_accuracy", "irrelevance_accuracy", "first_turn_accuracy", "episode_exact",
@@ -306,8 +306,8 @@ def model_generator(model, tokenizer, mode: str = DEFAULTS.mode, threshold: floa
     from ..api import decode_config
     from ..engine import Engine
 
-    cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode)
-    cfg.validate()
+    cfg = decode_config(model, tokenizer, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
+                        mode=mode)
 
     def generate(prompts: list[str]) -> list[Turn]:
         ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -349,7 +349,7 @@ def run(args) -> int:
         if m not in MODES:
             raise UserError(f"--mode: unknown mode {m!r} (known: {', '.join(MODES)})")
         DecodeConfig(mode=m, block_size=args.block_size, threshold=args.threshold,
-                     max_new_tokens=args.max_new_tokens).validate()
+                     max_new_tokens=args.max_new_tokens)  # checks the setting
     if args.n < 1 or args.batch < 1:
         raise UserError("--n and --batch must be >= 1")
     set_threads(args.threads)

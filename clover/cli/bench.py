@@ -13,7 +13,7 @@ import importlib
 import sys
 
 from . import UserError
-from .generate import block_size_arg, resolve_auto_block_size
+from .options import add_decode_args, add_model_args, add_threads_arg, fill_decode_defaults
 
 
 def register(sub) -> None:
@@ -24,7 +24,7 @@ def register(sub) -> None:
         q.add_argument("--json", nargs="?", const="-", metavar="FILE",
                        help="also write the results as JSON to FILE; bare --json prints one JSON object on stdout "
                             "(the table then goes to stderr)")
-        q.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+        add_threads_arg(q)
         add_flags(q)
         q.set_defaults(func=_json_on_stdout(module))
     p.set_defaults(func=lambda args: (_ for _ in ()).throw(UserError(f"name a benchmark: {', '.join(BENCHMARKS)}")))
@@ -34,8 +34,7 @@ def _json_on_stdout(module: str):
     """The benchmark's run; with bare --json its prints go to stderr and stdout gets only the JSON object."""
     def go(args) -> int:
         run = importlib.import_module(f"clover.benchmarks.{module}").run
-        if module == "decode":
-            resolve_auto_block_size(args)
+        fill_decode_defaults(args, *DECODE_FLAGS.get(module, ()))
         if args.json != "-":
             return run(args)
         args.json_stream = sys.stdout
@@ -45,25 +44,21 @@ def _json_on_stdout(module: str):
 
 
 def add_model_flags(p) -> None:
-    p.add_argument("--model", help="model folder (default: the shipped default model)")
-    p.add_argument("--device", default=None)
+    add_model_args(p, threads=False)  # --threads: every benchmark has it (register)
 
 
 # ---- decode -----------------------------------------------------------------------------------------
 def add_decode_flags(p) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="model folder (default: the shipped default model)")
+    add_model_args(p, threads=False, model_group=src)
     src.add_argument("--preset", help="a random-weight preset instead (default when no default model exists)")
-    p.add_argument("--device", default=None)
     p.add_argument("--workload", choices=("story", "tasks"), default="story",
                    help="story: one free-text prompt, EOS ignored, exactly --max-new-tokens per run; tasks: the "
                         "held-out synthetic task prompts the default model is evaluated on (--per-task of each task), "
                         "decoded one by one until EOS or the task's answer budget")
     p.add_argument("--prompt-tokens", type=int, default=64, help="story: prompt length")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="story: tokens per run")
+    add_decode_args(p, "max_new_tokens", "block_size", help=dict(max_new_tokens="story: tokens per run"))
     p.add_argument("--per-task", type=int, default=2, metavar="N", help="tasks: prompts per synthetic task (default 2)")
-    p.add_argument("--block-size", type=block_size_arg, default=32,
-                   help="block size, or auto: the one `clover tune` stored for this model and machine")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
 
@@ -74,7 +69,7 @@ def add_decide_flags(p) -> None:
     p.add_argument("--groups", type=int, default=500, help="held-out groups (default 500)")
     p.add_argument("--seed", type=int, default=0, help="benchmark seed (clover.data.tasks.decision_benchmark)")
     p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=32)
+    add_decode_args(p, "block_size")
 
 
 # ---- pareto ------------------------------------------------------------------------------------------
@@ -96,9 +91,8 @@ def add_agent_flags(p) -> None:
     p.add_argument("--seed", type=int, default=1000, help="benchmark seed (default 1000; training uses 3 and 4)")
     p.add_argument("--mode", default="low_confidence",
                    help="decoding mode, or a comma list to compare (e.g. low_confidence,ar; default low_confidence)")
-    p.add_argument("--threshold", type=float, default=0.95)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="budget of each assistant turn (default 128)")
+    add_decode_args(p, "threshold", "block_size", "max_new_tokens",
+                    help=dict(max_new_tokens="budget of each assistant turn"))
     p.add_argument("--batch", type=int, default=1, metavar="N",
                    help="episodes advanced together (default 1: seconds per case are per-case latency)")
     p.add_argument("--records", metavar="JSONL", help="write every case's record (transcript included) as JSONL")
@@ -110,7 +104,7 @@ def add_structured_flags(p) -> None:
     p.add_argument("--n", type=int, default=10, help="cases of each of the 7 kinds (default 10)")
     p.add_argument("--seed", type=int, default=1000, help="benchmark seed (default 1000)")
     p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=32)
+    add_decode_args(p, "block_size")
     p.add_argument("--max-new-tokens", type=int, default=64, help="budget of free generation (default 64)")
     p.add_argument("--records", metavar="JSONL", help="write every case's record (every method) as JSONL")
     p.add_argument("--corpus", action="store_true",
@@ -120,6 +114,10 @@ def add_structured_flags(p) -> None:
                    help="--corpus: SchemaStore definitions taken per document (default 6; 0: roots only)")
     p.add_argument("--max-tokens", type=int, default=600, help="--corpus: token budget of a reply (default 600)")
 
+
+# the shared decoding flags (clover/cli/options.py) each benchmark reads, DecodeConfig's defaults when not given
+DECODE_FLAGS = {"decode": ("block_size", "max_new_tokens"), "decide": ("block_size",),
+                "agent": ("threshold", "block_size", "max_new_tokens"), "structured": ("block_size",)}
 
 BENCHMARKS = {
     "decode": (add_decode_flags, "decode", "tokens/s and tokens per forward of each decoding mode vs transformers"),

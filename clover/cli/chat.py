@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import sys
 
-from .generate import add_decoding_args, add_model_args, decoding_kwargs
+from .options import add_generation_args, add_model_args, decode_config
 
 
 def register(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (streams block by block; /think /reset /exit)")
     add_model_args(p)
-    add_decoding_args(p)
+    add_generation_args(p)
     p.add_argument("--system", metavar="TEXT", help="a system message")
     p.set_defaults(func=run, max_new_tokens=512)
 
@@ -59,19 +59,19 @@ class ReplyView:
         return "".join(out)
 
 
-def chat_config(model, tokenizer, kwargs: dict):
+def chat_config(model, tokenizer, cfg):
     """The decoding for a chat turn: `clover chat` offers no tools, so the tool-call frame tokens are
     never generated (the same suppressed set as the server's requests without tools)."""
     from dataclasses import replace
 
+    from ..api import decode_config as for_model
     from ..chat import call_frame_ids
-    from ..api import decode_config
 
-    cfg = decode_config(model, tokenizer, **kwargs)
+    cfg = for_model(model, tokenizer, cfg)
     return replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer, model.config.vocab_size)))
 
 
-def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
+def stream_reply(model, tokenizer, messages, think: bool, cfg) -> str:
     """Print the reply as blocks complete (reasoning styled apart, without its tags); return the full
     decoded text."""
     from ..chat import encode
@@ -80,7 +80,7 @@ def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
     tty = sys.stdout.isatty()
     dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
     view, text = ReplyView(think, tty), ""
-    engine = Engine(model, chat_config(model, tokenizer, kwargs))
+    engine = Engine(model, chat_config(model, tokenizer, cfg))
     for seq, _ in engine.stream([encode(tokenizer, messages, chat=True, think=think)]):
         text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
         sys.stdout.write(view.update(text))
@@ -96,7 +96,7 @@ def run(args) -> int:
     from ..api import load
     from ..chat import split_thinking
 
-    kwargs = decoding_kwargs(args)
+    cfg = decode_config(args)
     model, tokenizer = load(args.model, args.device)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages, think = list(system), args.think
@@ -120,5 +120,5 @@ def run(args) -> int:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        text = stream_reply(model, tokenizer, messages, think, kwargs)
+        text = stream_reply(model, tokenizer, messages, think, cfg)
         messages.append({"role": "assistant", "content": split_thinking(text)[1] if think else text})
