@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .chat import encode, split_thinking  # part of the Python API; their home is clover.chat
+
 if TYPE_CHECKING:
     from .engine import DecodeConfig
 
@@ -133,33 +135,13 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(t for t in found if t is not None))
 
 
-def encode(tokenizer, prompt: str | list[dict], chat: bool = False, think: bool = False) -> list[int]:
-    """Token ids of a prompt; with chat (or a list of messages) through the chat template."""
-    if chat or not isinstance(prompt, str):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this tokenizer has no chat template (drop --chat)")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=think)
-        return tokenizer(prompt, add_special_tokens=False).input_ids
-    return tokenizer(prompt).input_ids
+def decode_config(model, tokenizer, config: DecodeConfig | None = None, /, **settings) -> DecodeConfig:
+    """The decoding settings for this model: `config` (default: DecodeConfig's defaults) with the
+    keyword `settings` (DecodeConfig.from_settings: any field, and temperature / top_p / top_k / seed)
+    and the model's EOS ids. Checked once, by DecodeConfig."""
+    from .engine import DecodeConfig
 
-
-def split_thinking(text: str) -> tuple[str | None, str]:
-    """'<think>r</think>a' -> (r, a); text without a closed think block -> (None, text)."""
-    head, sep, answer = text.partition("</think>")
-    if not sep:
-        return None, text
-    return head.replace("<think>", "").strip(), answer.strip()
-
-
-def decode_config(model, tokenizer, max_new_tokens=128, block_size=32, threshold=0.95, mode="low_confidence",
-                  steps=None, temperature=0.0, top_p=1.0, top_k=0, seed=None, runner="eager") -> DecodeConfig:
-    from .engine import DecodeConfig, SamplingParams
-
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    return DecodeConfig(mode=mode, block_size=block_size, threshold=threshold, steps=steps,
-                        max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(model, tokenizer),
-                        runner=runner)
+    return DecodeConfig.from_settings(config, **settings, eos_token_ids=eos_ids(model, tokenizer))
 
 
 def result(seq, tokenizer, think: bool = False, trajectory: bool = False) -> Generation:
@@ -172,19 +154,17 @@ def result(seq, tokenizer, think: bool = False, trajectory: bool = False) -> Gen
                       seq.seconds, n / seq.seconds, reasoning, seq.trajectory if trajectory else None)
 
 
-def generate(model, tokenizer, prompts, max_new_tokens: int = 128, block_size: int = 32, threshold: float = 0.95,
-             mode: str = "low_confidence", steps: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None, chat: bool = False, think: bool = False,
-             trajectory: bool = False, on_step=None, runner: str = "eager"):
+def generate(model, tokenizer, prompts, config: DecodeConfig | None = None, *, chat: bool = False,
+             think: bool = False, trajectory: bool = False, on_step=None, **settings):
     """Generate for one prompt (a string or a list of chat messages) -> Generation, or for a list of
-    prompts (one batch, each row finishing on its own) -> list[Generation]. See DecodeConfig for modes
-    and runners (runner="compiled": torch.compile'd steps, engine/runner.py);
+    prompts (one batch, each row finishing on its own) -> list[Generation]. Decoding follows `config`
+    and the keyword `settings` (`max_new_tokens=`, `block_size=`, `threshold=`, `mode=`, `steps=`,
+    `temperature=`, `top_p=`, `top_k=`, `seed=`, `runner=`; defaults: DecodeConfig's). See
+    DecodeConfig for modes and runners (runner="compiled": torch.compile'd steps, engine/runner.py);
     think=True uses the chat template in thinking mode and returns the reasoning apart."""
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
     batch = [prompts] if single else list(prompts)
-    cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode, steps, temperature, top_p, top_k, seed,
-                        runner)
-    cfg.validate()
+    cfg = decode_config(model, tokenizer, config, **settings)
     ids = [encode(tokenizer, p, chat or think, think) for p in batch]
     from .engine import Engine
 

@@ -16,7 +16,7 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 CALIBRATION_ANCHORS = (2, 4, 8, 16, 32, 64)
 
 PRESETS: dict[str, dict] = {
-    # Qwen3.5/3.6-35B-A3B text backbone, exact published dims (SPEC section 1).
+    # Qwen3.5/3.6-35B-A3B text backbone, exact published dims (docs/architecture.md section 1).
     "clover-35b-a3b": dict(
         vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
         num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0,

@@ -57,7 +57,7 @@ def generate_cases(model, tok, block_size: int, threshold: float, max_new: int, 
     from clover.api import decode_config
     from clover.engine import Engine
 
-    engine = Engine(model, decode_config(model, tok, max_new, block_size, threshold))
+    engine = Engine(model, decode_config(model, tok, max_new_tokens=max_new, block_size=block_size, threshold=threshold))
     first = engine.add([tok(PROMPTS[0]).input_ids], [max_new])
     engine.step()
     later = engine.add([tok(p).input_ids for p in PROMPTS[1:]], [max_new // 2, max_new])  # join mid-run

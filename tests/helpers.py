@@ -9,7 +9,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from clover.data.tokenizer import CHAT_TEMPLATE
+from clover.chat import CHAT_TEMPLATE
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PLAIN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]

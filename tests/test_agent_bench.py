@@ -1,4 +1,4 @@
-"""The agent benchmark (`clover.agent.bench`, `clover bench agent`): the AST matcher on hand-built
+"""The agent benchmark (`clover.benchmarks.agent`, `clover bench agent`): the AST matcher on hand-built
 calls, the episode runner under a scripted stand-in for the model (real tool results fed back and
 scored), a whole run on a tiny random model, and the CLI."""
 
@@ -11,13 +11,15 @@ import re
 import pytest
 
 import clover
-from clover.agent import bench, toolbox
-from clover.agent.toolbox import SPECS
+from clover.benchmarks import agent as bench
+from clover.chat import prompt_renderer, renders_tools
+from clover.data import toolbox
+from clover.data.toolbox import SPECS
 from clover.cli import main
 from helpers import save_tiny_model, tiny_tokenizer
 
 TOOLS = [SPECS["add"], SPECS["get_weather"], SPECS["convert_length"]]
-PLAIN_TEMPLATE = (  # a chat template that predates tools (the benchmark renders them through tool_format)
+PLAIN_TEMPLATE = (  # a chat template that predates tools (the benchmark renders them through clover.chat)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if not enable_thinking | default(false) %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
@@ -114,7 +116,7 @@ def _case_of(prompt, cases):
 
 def test_episodes_feed_real_results_back_and_score_them():
     cases = bench.held_out_cases(14)
-    render = bench.prompt_renderer(tiny_tokenizer())
+    render = prompt_renderer(tiny_tokenizer())
 
     def perfect(prompt):  # the expected calls, then the answer the fed-back results call for
         case = _case_of(prompt, cases)
@@ -153,7 +155,7 @@ def test_episode_errors_rounds_and_wrong_answers():
         block("get_weather", city="Oslo"),  # a 4th round is not run: no final answer
     ])
     generate, prompts = scripted(lambda p: next(turns))
-    rec = bench.run_episodes([case], generate, bench.prompt_renderer(tiny_tokenizer()), seed=0)[0]
+    rec = bench.run_episodes([case], generate, prompt_renderer(tiny_tokenizer()), seed=0)[0]
     tool = [m["content"] for m in rec["messages"] if m["role"] == "tool"]
     assert tool[0].startswith("error: bad arguments") and tool[1] == "error: unknown tool get_age"
     assert tool[2].startswith("error: malformed tool call") and tool[3].startswith("error: bad arguments")
@@ -165,22 +167,22 @@ def test_episode_errors_rounds_and_wrong_answers():
     assert "error: unknown tool get_age" in prompts[1]
 
     generate, _ = scripted(lambda p: "It is 20 C." if "<tool_response>" in p else block("get_weather", city="Oslo"))
-    rec = bench.run_episodes([case], generate, bench.prompt_renderer(tiny_tokenizer()), seed=0)[0]
+    rec = bench.run_episodes([case], generate, prompt_renderer(tiny_tokenizer()), seed=0)[0]
     assert rec["first_turn_right"] and rec["final"] == "It is 20 C." and not rec["episode_exact"]
 
 
 def test_native_template_renders_the_same_prompt():
-    from clover.data.tokenizer import CHAT_TEMPLATE
+    from clover.chat import CHAT_TEMPLATE
 
     plain, native = tiny_tokenizer(), tiny_tokenizer()
     plain.chat_template, native.chat_template = PLAIN_TEMPLATE, CHAT_TEMPLATE
-    assert bench.renders_tools(native) and not bench.renders_tools(plain)
+    assert renders_tools(native) and not renders_tools(plain)
     case = bench.held_out_cases(4)[3]  # weather2: parallel calls
     generate, prompts = scripted(lambda p: "done" if "<tool_response>" in p else
                                  "\n".join(block(c["name"], **c["arguments"]) for c in case["calls"]))
-    rec = bench.run_episodes([case], generate, bench.prompt_renderer(plain))[0]
-    render = bench.prompt_renderer(native)
-    assert render(rec["messages"], case["tools"]) == bench.prompt_renderer(plain)(rec["messages"], case["tools"])
+    rec = bench.run_episodes([case], generate, prompt_renderer(plain))[0]
+    render = prompt_renderer(native)
+    assert render(rec["messages"], case["tools"]) == prompt_renderer(plain)(rec["messages"], case["tools"])
     assert render(rec["messages"][:1], case["tools"]) == prompts[0]
 
 
@@ -193,7 +195,7 @@ def tiny_dir(tmp_path_factory):
 def test_benchmark_runs_on_a_tiny_model(tiny_dir):
     model, tokenizer = clover.load(tiny_dir)
     out = bench.run_benchmark(model, tokenizer, n=7, block_size=4, max_new_tokens=8, batch=4)
-    assert len(out["records"]) == 7 and out["mode"] == "low_confidence" and out["template_renders_tools"] == bench.renders_tools(tokenizer)
+    assert len(out["records"]) == 7 and out["mode"] == "low_confidence" and out["template_renders_tools"] == renders_tools(tokenizer)
     assert set(out["overall"]) == set(bench.METRICS) and list(out["per_kind"]) == list(toolbox.KINDS)
     assert out["overall"]["forward_passes_per_case"] > 0 and out["overall"]["seconds_per_case"] > 0
     ar = bench.run_benchmark(model, tokenizer, n=2, mode="ar", max_new_tokens=4)

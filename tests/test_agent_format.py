@@ -1,90 +1,23 @@
-"""Tool-use prompt format: the chat template vs its Python twin, the tool-call parser, tool-spec
-validation, the local toolbox and its training dialogues (loss on the assistant turns only)."""
+"""The local toolbox and its training dialogues (loss on the assistant turns only); the wire format
+itself (template, tool-call frame, think split) is tested in test_chat.py."""
 
 import json
 import random
 
 import pytest
 
-from clover.agent import toolbox
-from clover.agent.tool_format import (EMPTY_THINK, ToolSpecError, normalize_messages, parse_tool_calls,
-                                      tool_signature, validate_tools)
+from clover.data import toolbox
+from clover.chat import EMPTY_THINK, normalize_messages, parse_tool_calls, render_chat
 from clover.data import tasks
 from clover.data.dataset import encode_record
-from clover.data.tokenizer import load_tokenizer, render_chat, train_tokenizer
+from clover.data.tokenizer import load_tokenizer, train_tokenizer
 
-ADD = toolbox.SPECS["add"]
-CONVERT = toolbox.SPECS["convert_length"]
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     texts = [render_chat(d["messages"], tools=d["tools"]) for d in toolbox.training_dialogues(0, 60)]
     return load_tokenizer(train_tokenizer(texts, 600, tmp_path_factory.mktemp("tok")))
-
-
-def dialogues():
-    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
-    yield [{"role": "user", "content": "hi"}], None
-    yield [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}], [ADD, CONVERT]
-    yield [{"role": "user", "content": "What is 2+3?"},
-           {"role": "assistant", "content": None, "tool_calls": [call, {"function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]},
-           {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "tool", "content": "2"},
-           {"role": "assistant", "content": "It is 5."}, {"role": "user", "content": "thanks"}], [ADD]
-    yield [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure.", "tool_calls": [call]},
-           {"role": "tool", "content": "5"}], [ADD]
-    for d in toolbox.training_dialogues(5, 14):
-        yield d["messages"], d["tools"]
-
-
-@pytest.mark.parametrize("gen", [False, True])
-@pytest.mark.parametrize("think", [False, True])
-def test_template_equals_python_twin(tok, gen, think):
-    for msgs, tools in dialogues():
-        got = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen, enable_thinking=think)
-        assert got == render_chat(msgs, gen, think, tools=tools)
-
-
-def test_rendering_details():
-    msgs, tools = list(dialogues())[2]
-    turns = normalize_messages(msgs, tools)
-    assert [t["role"] for t in turns] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert turns[0]["content"].endswith("<tools>\nadd(a: integer, b: integer) - Add two integers.\n</tools>")
-    assert turns[2]["content"] == (EMPTY_THINK + '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
-                                   '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>')
-    assert turns[3]["content"] == "<tool_response>\n5\n</tool_response>\n<tool_response>\n2\n</tool_response>"
-    assert turns[4]["content"] == EMPTY_THINK + "It is 5."
-    sys_turn = normalize_messages(*list(dialogues())[1])[0]["content"]
-    assert sys_turn.startswith("Be brief.\n\n# Tools")
-    assert tool_signature(CONVERT) == ('convert_length(value: number, from_unit: "km"|"mi"|"m"|"ft", '
-                                       'to_unit: "km"|"mi"|"m"|"ft") - Convert a length.')
-    opt = {"name": "f", "parameters": {"type": "object", "properties": {"x": {}}}}
-    assert tool_signature(opt) == "f(x?: any)"
-
-
-def test_parse_tool_calls():
-    text = 'ok <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
-    content, calls, problems = parse_tool_calls(text, [ADD])
-    assert content == "ok" and not problems
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
-    assert all(c["type"] == "function" and c["function"]["name"] == "add" and c["id"].startswith("call_") for c in calls)
-    assert len({c["id"] for c in calls}) == 2
-    for bad, why in [('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', "malformed"),
-                     ('<tool_call>{"name": "mul", "arguments": {}}</tool_call>', "unknown function"),
-                     ('<tool_call>{"arguments": {}}</tool_call>', "malformed"),
-                     ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "arguments an object"),
-                     ('<tool_call>{"name": "add", "arg', "unterminated")]:
-        content, calls, problems = parse_tool_calls(bad, [ADD])
-        assert calls == [] and content == bad and any(why in p for p in problems), (bad, problems)
-    assert parse_tool_calls("plain answer") == ("plain answer", [], [])
-
-
-def test_validate_tools_names_the_fault():
-    assert validate_tools([ADD, CONVERT]) == [ADD["function"], CONVERT["function"]]
-    for tools, why in [("x", "must be a list"), ([{"type": "code"}], "only"), ([{"function": {"name": "1x"}}], "identifier"),
-                       ([ADD, ADD], "duplicate"), ([{"function": {"name": "f", "parameters": {"type": "array"}}}], "object")]:
-        with pytest.raises(ToolSpecError, match=why):
-            validate_tools(tools)
 
 
 def test_toolbox_runs_tools_for_real():

@@ -215,14 +215,14 @@ def test_import_clover_is_light_and_registers_auto_classes(fx, transformers_firs
 
 
 def test_mode_help_names_every_engine_mode():
-    from clover.cli.generate import MODE_HELP
+    from clover.cli.options import MODE_HELP
     from clover.engine import MODES
 
     assert sorted(m.strip() for m in MODE_HELP.replace(" (default)", "").replace(" or ", ", ").split(",")) == sorted(MODES)
 
 
 def test_runner_choices_are_the_engine_runners():
-    from clover.cli.generate import RUNNER_CHOICES
+    from clover.cli.options import RUNNER_CHOICES
     from clover.engine.runner import RUNNERS
 
     assert tuple(RUNNER_CHOICES) == tuple(RUNNERS)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import clover
-from clover.api import DEFAULT_MODEL, split_thinking
+from clover.api import DEFAULT_MODEL
 from clover.cli import main
 from helpers import save_tiny_model
 
@@ -72,11 +72,6 @@ def test_chat_think_show_and_trajectory(model_dir, capsys, tmp_path):
         assert code == 0, err
         assert picture.stat().st_size > 100
     assert "\u2591" in out or "\x1b[" in out  # the live view drew something
-
-
-def test_split_thinking():
-    assert split_thinking("<think>\ncarry 1\n</think>\n\n4") == ("carry 1", "4")
-    assert split_thinking("just text") == (None, "just text")
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -8,7 +8,8 @@ import torch
 
 from clover.data import tasks
 from clover.data.dataset import encode_record, pack, read_records
-from clover.data.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, load_tokenizer, render_chat, train_tokenizer
+from clover.chat import CHAT_TEMPLATE, render_chat
+from clover.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
 
 
 def test_tasks_are_seeded_and_correct():
@@ -176,7 +177,7 @@ def test_build_focus_adds_fresh_short_tasks_and_replays_the_base_set(tmp_path):
 
 
 def test_build_focus_fresh_tool_dialogues_continue_the_base_stream(tmp_path):
-    from clover.agent import toolbox
+    from clover.data import toolbox
     from clover.data.build import build, build_focus
 
     build(tmp_path, n_train=30, n_heldout=10, n_eval=1, n_tool=40)

@@ -37,3 +37,44 @@ def test_every_default_comes_from_the_one_config():
     params = inspect.signature(CloverLM.__init__).parameters
     assert (params["block_size"].default, params["threshold"].default, params["mode"].default) == (
         DEFAULTS.block_size, DEFAULTS.threshold, DEFAULTS.mode)
+
+
+def test_a_config_is_checked_when_made_and_built_from_flat_settings():
+    with pytest.raises(ValueError, match="unknown mode"):
+        DecodeConfig(mode="fast")
+    cfg = DecodeConfig.from_settings(threshold="0.5", block_size="8", steps="None", temperature=0.7, seed=3, mode=None)
+    assert (cfg.threshold, cfg.block_size, cfg.steps, cfg.mode) == (0.5, 8, None, DEFAULTS.mode)
+    assert (cfg.sampling.temperature, cfg.sampling.seed, cfg.sampling.top_p) == (0.7, 3, DEFAULTS.sampling.top_p)
+    assert DecodeConfig.from_settings() == DEFAULTS
+    assert DecodeConfig.from_settings(cfg, top_k=5).sampling == dataclasses.replace(cfg.sampling, top_k=5)
+    for bad, why in [(dict(speed=2), "unknown decoding setting 'speed'"), (dict(block_size="x"), "block_size must be a number"),
+                     (dict(top_p=0), "top_p")]:
+        with pytest.raises(ValueError, match=why):
+            DecodeConfig.from_settings(**bad)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_cli_flags_build_the_config_through_one_helper(command):
+    from clover.cli import build_parser
+    from clover.cli.options import decode_config
+    from clover.errors import UserError
+
+    argv = [command] + (["--prompt", "x"] if command == "generate" else [])
+    got = decode_config(build_parser().parse_args(argv))
+    want = DEFAULTS.with_(max_new_tokens=512) if command == "chat" else DEFAULTS  # chat's longer replies
+    assert got == want
+    got = decode_config(build_parser().parse_args(argv + ["--threshold", "0.7", "--mode", "ar"]))
+    assert (got.threshold, got.mode) == (0.7, "ar")
+    with pytest.raises(UserError, match="unknown mode"):
+        decode_config(build_parser().parse_args(argv + ["--mode", "fast"]))
+
+
+def test_api_takes_a_config_or_keyword_settings():
+    from clover.api import decode_config
+    from helpers import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model(0), tiny_tokenizer()
+    cfg = decode_config(model, tok, DEFAULTS.with_(block_size=4), threshold=0.5)
+    assert (cfg.block_size, cfg.threshold) == (4, 0.5) and cfg.eos_token_ids
+    with pytest.raises(TypeError):
+        decode_config(model, tok, 16, 4)  # the settings are keyword-only

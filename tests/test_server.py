@@ -13,8 +13,8 @@ import openai
 import pytest
 
 import clover
-from clover.agent.tool_format import call_frame_ids
-from clover.api import decode_config, encode, eos_ids, result, split_thinking
+from clover.chat import call_frame_ids, encode, split_thinking
+from clover.api import decode_config, eos_ids, result
 from clover.engine import Engine
 from clover.cli import main
 from clover.server import Settings, create_app
@@ -52,7 +52,7 @@ def reference(loaded, prompt, max_tokens, chat=False, think=False, block_size=BL
     if isinstance(prompt, str) and not (chat or think):
         return clover.generate(model, tokenizer, prompt, max_new_tokens=max_tokens, block_size=block_size,
                                threshold=THRESH)
-    cfg = decode_config(model, tokenizer, max_tokens, block_size, THRESH)
+    cfg = decode_config(model, tokenizer, max_new_tokens=max_tokens, block_size=block_size, threshold=THRESH)
     cfg = replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer)))
     return result(Engine(model, cfg).generate([encode(tokenizer, prompt, chat=True, think=think)])[0], tokenizer, think)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import clover
-from clover.agent.tool_format import call_frame_ids
+from clover.chat import call_frame_ids
 from clover.api import decode_config, eos_ids
 from clover.cli import build_parser, main
 from clover.cli import serve as serve_cli
@@ -404,7 +404,7 @@ def test_suppressed_tokens_are_never_generated(loaded, mode):
     frame = call_frame_ids(tokenizer)
     assert frame == tuple(sorted(tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])))
     prompts = [tokenizer("Hello there").input_ids, tokenizer("a b c d e").input_ids[:5]]  # batch of 2, odd lengths
-    cfg = decode_config(model, tokenizer, 13, 4, THRESH, mode)
+    cfg = decode_config(model, tokenizer, max_new_tokens=13, block_size=4, threshold=THRESH, mode=mode)
     free = Engine(lover, cfg).generate(prompts)
     assert all(frame[0] in s.token_ids for s in free)  # the boost works: without the mask, calls
     masked_cfg = replace(cfg, sampling=replace(cfg.sampling, suppress=frame))

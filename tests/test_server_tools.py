@@ -1,7 +1,7 @@
 """OpenAI function calling in `clover serve`: `tools` / `tool_choice` / `parallel_tool_calls` in,
 `tool_calls` out (streamed and not), driven by the official `openai` client against a tiny random model
 with a real Clover tokenizer (byte-level BPE, atomic <tool_call> tokens, the chat template that renders
-tools); plus the reply assembly on given generated text (parsing, forcing, malformed calls), forced
+tools); plus the reply assembly on given generated text (parsing, malformed calls), forced
 calls and `response_format` by schema-guided infilling or the grammar path (docs/structured.md); the
 corpus-level checks (BFCL-style tools, pydantic models through `parse`) are in test_structured_corpus.py."""
 
@@ -13,10 +13,11 @@ import torch
 
 import clover
 from clover.api import eos_ids
-from clover.data.tokenizer import EOS, IM_END, MASK, build_bpe, render_chat, save_tokenizer
+from clover.chat import IM_END, render_chat
+from clover.data.tokenizer import EOS, MASK, build_bpe, save_tokenizer
 from clover.server import Settings, create_app
 from clover.server.app import Choice
-from clover.server.protocol import ToolPlan, forced_prefix
+from clover.server.protocol import ToolPlan
 from server_utils import RunningServer
 
 WEATHER = {"type": "function", "function": {
@@ -93,27 +94,6 @@ def test_malformed_calls_are_content(bad):
     content, calls, finish = plan().reply("Hmm. " + bad, "stop")
     assert calls == [] and finish == "stop" and content == ("Hmm. " + bad).strip()
     assert plan("none").reply(CALL, "stop") == (CALL, [], "stop")  # none: never parsed
-
-
-def test_forced_prefixes_and_salvage():
-    assert forced_prefix("auto", [WEATHER]) == forced_prefix("none", [WEATHER]) == ""
-    assert forced_prefix("required", [WEATHER["function"], TIME["function"]]) == '<tool_call>\n{"name": "'
-    named = '<tool_call>\n{"name": "get_weather", "arguments":'
-    assert forced_prefix(NAMED, [WEATHER["function"], TIME["function"]]) == named
-    assert forced_prefix("required", [WEATHER["function"]]) == named  # one tool: required = that one
-    # named: the model wrote the call whole / went on past its arguments / ran out of budget inside them
-    assert plan(NAMED).reply(' {"city": "Rome"}}\n</tool_call>', "stop")[1][0]["function"]["arguments"] == \
-        '{"city": "Rome"}'
-    content, calls, finish = plan(NAMED).reply(' {"city": "Rome"} zzz', "length")
-    assert (content, calls[0]["function"]["arguments"], finish) == (None, '{"city": "Rome"}', "tool_calls")
-    content, calls, finish = plan(NAMED).reply(' {"city": "Ro', "length")
-    assert (calls[0]["function"]["name"], calls[0]["function"]["arguments"], finish) == \
-        ("get_weather", '{"city": "Ro', "length")
-    # required: a known name is a call; anything else is returned as the model wrote it
-    content, calls, finish = plan("required").reply('get_time", "arguments": {}}\n</tool_call>\nDone.', "stop")
-    assert (content, calls[0]["function"]["name"], finish) == ("Done.", "get_time", "tool_calls")
-    content, calls, finish = plan("required").reply("qq xx", "stop")
-    assert (content, calls, finish) == ('<tool_call>\n{"name": "qq xx', [], "stop")
 
 
 def test_streamed_content_stops_at_the_call_and_matches_the_reply(loaded):

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import sys
 
-from .generate import add_decoding_args, add_model_args, decoding_kwargs
+from .options import add_generation_args, add_model_args, decode_config
 
 
 def register(sub) -> None:
     p = sub.add_parser("chat", help="interactive chat (streams block by block; /think /reset /exit)")
     add_model_args(p)
-    add_decoding_args(p)
+    add_generation_args(p)
     p.add_argument("--system", metavar="TEXT", help="a system message")
     p.set_defaults(func=run, max_new_tokens=512)
 
@@ -23,8 +23,6 @@ class ReplyView:
     between `[thinking]` / `[answer]` lines otherwise), never its literal <think> tags, then the answer.
     `update(text)` takes the whole decoded reply so far and returns what to write now."""
 
-    OPEN, CLOSE = "<think>", "</think>"
-
     def __init__(self, think: bool, tty: bool):
         self.think, self.tty = think, tty
         self.sent_reasoning = self.sent_answer = 0
@@ -32,12 +30,12 @@ class ReplyView:
 
     def split(self, text: str) -> tuple[str, str, bool]:
         """(reasoning, answer, reasoning closed) of the reply so far, tags removed."""
+        from ..chat import THINK_CLOSE, THINK_OPEN, split_partial
+
         if not self.think:
-            return "", text.replace(self.OPEN, "").replace(self.CLOSE, ""), True
-        head, sep, tail = text.partition(self.CLOSE)
-        reasoning = head.replace(self.OPEN, "").lstrip()
-        return (reasoning.rstrip(), tail.replace(self.OPEN, "").replace(self.CLOSE, "").lstrip(), True) if sep \
-            else (reasoning, "", False)
+            return "", text.replace(THINK_OPEN, "").replace(THINK_CLOSE, ""), True
+        reasoning, answer, closed = split_partial(text.replace(THINK_OPEN, ""))
+        return reasoning, answer.replace(THINK_CLOSE, "").lstrip(), closed
 
     def update(self, text: str, final: bool = False) -> str:
         reasoning, answer, closed = self.split(text)
@@ -61,28 +59,28 @@ class ReplyView:
         return "".join(out)
 
 
-def chat_config(model, tokenizer, kwargs: dict):
+def chat_config(model, tokenizer, cfg):
     """The decoding for a chat turn: `clover chat` offers no tools, so the tool-call frame tokens are
     never generated (the same suppressed set as the server's requests without tools)."""
     from dataclasses import replace
 
-    from ..agent.tool_format import call_frame_ids
-    from ..api import decode_config
+    from ..api import decode_config as for_model
+    from ..chat import call_frame_ids
 
-    cfg = decode_config(model, tokenizer, **kwargs)
+    cfg = for_model(model, tokenizer, cfg)
     return replace(cfg, sampling=replace(cfg.sampling, suppress=call_frame_ids(tokenizer, model.config.vocab_size)))
 
 
-def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
+def stream_reply(model, tokenizer, messages, think: bool, cfg) -> str:
     """Print the reply as blocks complete (reasoning styled apart, without its tags); return the full
     decoded text."""
-    from ..api import encode
+    from ..chat import encode
     from ..engine import Engine
 
     tty = sys.stdout.isatty()
     dim, reset = ("\x1b[2m", "\x1b[0m") if tty else ("", "")
     view, text = ReplyView(think, tty), ""
-    engine = Engine(model, chat_config(model, tokenizer, kwargs))
+    engine = Engine(model, chat_config(model, tokenizer, cfg))
     for seq, _ in engine.stream([encode(tokenizer, messages, chat=True, think=think)]):
         text = tokenizer.decode(seq.token_ids, skip_special_tokens=True)
         sys.stdout.write(view.update(text))
@@ -95,9 +93,10 @@ def stream_reply(model, tokenizer, messages, think: bool, kwargs: dict) -> str:
 
 
 def run(args) -> int:
-    from ..api import load, split_thinking
+    from ..api import load
+    from ..chat import split_thinking
 
-    kwargs = decoding_kwargs(args)
+    cfg = decode_config(args)
     model, tokenizer = load(args.model, args.device)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages, think = list(system), args.think
@@ -121,5 +120,5 @@ def run(args) -> int:
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        text = stream_reply(model, tokenizer, messages, think, kwargs)
+        text = stream_reply(model, tokenizer, messages, think, cfg)
         messages.append({"role": "assistant", "content": split_thinking(text)[1] if think else text})

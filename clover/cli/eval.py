@@ -85,13 +85,10 @@ def check_model_args(argv: list[str]) -> None:
                 if tok.startswith("-"):
                     break
                 kv.update(p.split("=", 1) for p in tok.split(",") if "=" in p)
-    try:
-        cfg = DecodeConfig(mode=kv.get("mode", "low_confidence"), block_size=int(kv.get("block_size", 32)),
-                           threshold=float(kv.get("threshold", 0.95)),
-                           steps=int(kv["steps"]) if kv.get("steps") not in (None, "", "None") else None)
+    try:  # built as the lm-eval model builds it (clover/eval/lm.py)
+        DecodeConfig.from_settings(**{k: kv.get(k) for k in ("mode", "block_size", "threshold", "steps")})
     except ValueError as e:
         raise UserError(f"--model_args: {e}") from None
-    cfg.validate()
     if kv.get("likelihood", "ar") not in LIKELIHOODS:
         raise UserError(f"--model_args: likelihood must be one of {', '.join(LIKELIHOODS)}, got {kv['likelihood']!r}")
 

@@ -4,7 +4,6 @@ the denoising (`--show`), and optionally a picture of the fill order (`--traject
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -12,65 +11,9 @@ from pathlib import Path
 
 from ..distributed.flags import add_parallel_flags
 from . import UserError, print_json
-from .options import add_model_args, seed_type, utf8
+from .options import add_generation_args, add_model_args, decode_config, utf8
 
 STEP_COLOURS = (34, 36, 32, 33, 35, 31, 94, 96, 92, 93, 95, 91)  # ANSI: one per denoising step, cycling
-
-
-MODE_HELP = "low_confidence (default), topk, entropy, margin, self_spec or ar"  # engine.MODES (a test checks)
-RUNNER_CHOICES = ("eager", "compiled")  # engine.runner.RUNNERS (a test checks)
-
-
-def add_decoding_args(p) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
-    p.add_argument("--block-size", type=block_size_arg, default=32, metavar="B",
-                   help="block size, or auto: the setting `clover tune` stored for this model and machine "
-                        "(block size and threshold; 32 / 0.95 where nothing is tuned)")
-    p.add_argument("--threshold", type=float, default=0.95, metavar="T",
-                   help="low_confidence: fill every masked position with confidence > T (default 0.95)")
-    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=MODE_HELP)
-    p.add_argument("--steps", type=int, metavar="S", help="topk/entropy/margin: steps per block (default B/4)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=seed_type, metavar="S", help="sampling seed, a 64-bit signed integer")
-    p.add_argument("--think", action="store_true", help="thinking mode (chat template); reasoning shown apart")
-    p.add_argument("--runner", default="eager", choices=RUNNER_CHOICES,
-                   help="eager (default) or compiled: torch.compile'd decode steps (compiles once per shape)")
-
-
-def block_size_arg(text: str):
-    """argparse type of --block-size: a positive int or "auto"."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
-
-
-def resolve_auto_block_size(args) -> None:
-    """--block-size auto -> the tuned block size (and threshold) for --model on this machine."""
-    if args.block_size == "auto":
-        from ..api import DEFAULT_MODEL
-        from ..engine.tuning import resolve_block_size
-
-        args.block_size, args.threshold = resolve_block_size("auto", args.model or DEFAULT_MODEL, args.device)
-
-
-def decoding_kwargs(args) -> dict:
-    """Engine settings from the flags, validated before any model is loaded."""
-    from ..engine import DecodeConfig, SamplingParams
-
-    resolve_auto_block_size(args)
-
-    kw = dict(max_new_tokens=args.max_new_tokens, block_size=args.block_size, threshold=args.threshold,
-              mode=args.mode, steps=args.steps, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, runner=args.runner)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    DecodeConfig(mode=args.mode, block_size=args.block_size, threshold=args.threshold, steps=args.steps,
-                 max_new_tokens=args.max_new_tokens, sampling=sampling, runner=args.runner).validate()
-    return kw
 
 
 def register(sub) -> None:
@@ -80,7 +23,7 @@ def register(sub) -> None:
     p.add_argument("--prompt-file", metavar="F",
                    help="a file whose whole text is the prompt, trailing newline kept (the task prompts are "
                         "trained as 'prompt\\n' + answer); - reads standard input")
-    add_decoding_args(p)
+    add_generation_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list for several prompts)")
     p.add_argument("--show", action="store_true", help="animate the denoising in the terminal")
@@ -159,14 +102,14 @@ def run_schema(args) -> int:
     schema = read_schema(args.json_schema)
     prompts = read_prompts(args)
     model_folder(args.model)
+    cfg = decode_config(args)
     for flag, given in (("--show", args.show), ("--trajectory-out", args.trajectory_out), ("--think", args.think),
-                        ("--mode", args.mode != "low_confidence")):
+                        ("--mode", cfg.mode != "low_confidence")):
         if given:
             raise UserError(f"{flag} does not apply to --json-schema")
-    decoding_kwargs(args)
     model, tokenizer = load_model(args, len(prompts))  # the torch back end (--backend checked by run)
-    results = [generate_json(model, tokenizer, p, schema, chat=args.chat, threshold=args.threshold,
-                             block_size=args.block_size, max_new_tokens=args.max_new_tokens) for p in prompts]
+    results = [generate_json(model, tokenizer, p, schema, chat=args.chat, threshold=cfg.threshold,
+                             block_size=cfg.block_size, max_new_tokens=cfg.max_new_tokens) for p in prompts]
     if args.json:
         dicts = [r.to_dict() for r in results]
         print_json(dicts[0] if len(dicts) == 1 else dicts)
@@ -212,19 +155,19 @@ def run(args) -> int:
 
     from ..engine.trajectory import FORMATS, write_trajectory
 
-    kwargs = decoding_kwargs(args)
+    cfg = decode_config(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
     model, tokenizer = load_model(args, len(prompts))
-    with tqdm(total=len(prompts) * args.max_new_tokens, unit="tok", desc="generate", leave=False,
+    with tqdm(total=len(prompts) * cfg.max_new_tokens, unit="tok", desc="generate", leave=False,
               disable=True if args.show else None, file=sys.stderr) as bar:  # None: on terminals only
         progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))
-        results = generate(model, tokenizer, prompts, chat=args.chat or args.think, think=args.think,
-                           trajectory=bool(args.trajectory_out), on_step=progress, **kwargs)
+        results = generate(model, tokenizer, prompts, cfg, chat=args.chat or args.think, think=args.think,
+                           trajectory=bool(args.trajectory_out), on_step=progress)
     if args.trajectory_out:
         first = results[0]
         pieces = [tokenizer.decode([t]) for t in first.token_ids]
-        write_trajectory(args.trajectory_out, pieces, first.trajectory, f"clover generate --mode {args.mode}")
+        write_trajectory(args.trajectory_out, pieces, first.trajectory, f"clover generate --mode {cfg.mode}")
     if args.json:
         dicts = [r.to_dict(token_ids=False, trajectory=False) for r in results]
         print_json(dicts[0] if len(dicts) == 1 else dicts)

@@ -1,5 +1,7 @@
-"""Flags shared by the subcommands that run a model (--model, --device, --threads, --seed) and the
-process set-up they imply. Nothing here imports torch: `--help` and argument errors stay instant."""
+"""Flags shared by the subcommands that run a model (--model, --device, --threads, --seed, the decoding
+flags) and the process set-up they imply. Nothing here imports torch: `--help` and argument errors stay
+instant. The decoding flags default to None ("not given"); `decode_config(args)` turns them into the
+one settings object, DecodeConfig, whose own defaults fill what was not given and which checks them."""
 
 from __future__ import annotations
 
@@ -50,10 +52,84 @@ def add_threads_arg(p) -> None:
                         "OMP_WAIT_POLICY says otherwise)")
 
 
-def add_model_args(p) -> None:
-    p.add_argument("--model", help="model folder (default: the shipped default model)")
+def add_model_args(p, threads: bool = True, model_group=None) -> None:
+    """--model, --device and (with `threads`) --threads; `model_group` (a mutually exclusive group)
+    takes --model when it has rivals (e.g. `bench decode --preset`)."""
+    (model_group or p).add_argument("--model", help="model folder (default: the shipped default model)")
     p.add_argument("--device", type=device_type, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    add_threads_arg(p)
+    if threads:
+        add_threads_arg(p)
+
+
+# ---- decoding ------------------------------------------------------------------------------------------
+MODE_HELP = "low_confidence (default), topk, entropy, margin, self_spec or ar"  # engine.MODES (a test checks)
+RUNNER_CHOICES = ("eager", "compiled")  # engine.runner.RUNNERS (a test checks)
+
+
+def block_size_arg(text: str):
+    """argparse type of --block-size: a positive int or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
+_DECODE_FLAGS = {  # DecodeConfig setting -> (flag, argparse keywords); defaults are DecodeConfig's
+    "max_new_tokens": ("--max-new-tokens", dict(type=int, metavar="N", help="tokens to generate at most")),
+    "block_size": ("--block-size", dict(type=block_size_arg, metavar="B", help=(
+        "block size, or auto: the setting `clover tune` stored for this model and machine (block size and "
+        "threshold; the defaults where nothing is tuned)"))),
+    "threshold": ("--threshold", dict(type=float, metavar="T",
+                                      help="low_confidence: fill every masked position with confidence > T")),
+    "mode": ("--mode", dict(metavar="MODE", help=MODE_HELP)),
+    "steps": ("--steps", dict(type=int, metavar="S", help="topk/entropy/margin: steps per block (default B/4)")),
+    "temperature": ("--temperature", dict(type=float, metavar="X", help="0 = greedy (default)")),
+    "top_p": ("--top-p", dict(type=float, metavar="P", help="nucleus sampling (default 1: off)")),
+    "top_k": ("--top-k", dict(type=int, metavar="K", help="top-k sampling (default 0: off)")),
+    "seed": ("--seed", dict(type=seed_type, metavar="S", help="sampling seed, a 64-bit signed integer")),
+    "runner": ("--runner", dict(choices=RUNNER_CHOICES, help=(
+        "eager (default) or compiled: torch.compile'd decode steps (compiles once per shape)"))),
+}
+
+
+def add_decode_args(p, *names: str, help: dict | None = None) -> None:
+    """The shared decoding flags: the named DecodeConfig settings (all of them by default), each
+    defined here once; `help` rewords a flag's help for a command (e.g. serve's per-request defaults)."""
+    for name in names or _DECODE_FLAGS:
+        flag, kw = _DECODE_FLAGS[name]
+        p.add_argument(flag, **{**kw, "help": (help or {}).get(name, kw["help"])})
+
+
+def add_generation_args(p) -> None:
+    """`clover generate` / `clover chat`: every decoding flag, and --think."""
+    add_decode_args(p)
+    p.add_argument("--think", action="store_true", help="thinking mode (chat template); reasoning shown apart")
+
+
+def resolve_auto_block_size(args) -> None:
+    """--block-size auto -> the tuned block size (and threshold) for --model on this machine."""
+    if getattr(args, "block_size", None) == "auto":
+        from ..api import DEFAULT_MODEL
+        from ..engine.tuning import resolve_block_size
+
+        args.block_size, args.threshold = resolve_block_size("auto", args.model or DEFAULT_MODEL, args.device)
+
+
+def decode_config(args, **settings):
+    """The DecodeConfig of the decoding flags a command has (those not given keep DecodeConfig's
+    defaults), with `settings` on top; --block-size auto resolved. Checked once, by DecodeConfig: a
+    bad setting is a one-line UserError, before any model loads. Imports torch."""
+    from ..engine import DecodeConfig
+    from ..errors import UserError
+
+    resolve_auto_block_size(args)
+    given = {name: getattr(args, name) for name in _DECODE_FLAGS if hasattr(args, name)}
+    try:
+        return DecodeConfig.from_settings(**given, **settings)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def utf8(data: bytes, name: str) -> str:
@@ -76,3 +152,15 @@ def setup_process(args) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch loads
         if "torch" in sys.modules:  # already loaded (the CLI called in-process, e.g. by tests)
             sys.modules["torch"].set_num_threads(threads)
+
+
+def fill_decode_defaults(args, *names: str) -> None:
+    """For the benchmarks, which read their flags themselves: --block-size auto resolved, and the named
+    decoding flags that were not given set to DecodeConfig's defaults. Imports torch."""
+    from ..engine import DEFAULTS
+
+    resolve_auto_block_size(args)
+    for name in names:
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(DEFAULTS.sampling if name in ("temperature", "top_p", "top_k", "seed")
+                                        else DEFAULTS, name))

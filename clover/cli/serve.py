@@ -9,14 +9,12 @@ import sys
 
 from ..distributed.flags import add_parallel_flags
 from . import UserError
-from .options import add_model_args
+from .options import add_decode_args, add_model_args, decode_config
 
 API_KEY_ENV = "CLOVER_API_KEY"
 
 
 def register(sub) -> None:
-    from .generate import MODE_HELP
-
     p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, playground at /)")
     add_model_args(p)  # --model, --device, --threads: the same flags and checks as `clover generate`
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -30,9 +28,9 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="rows waiting for a slot before requests get 503 (default 256)")
-    p.add_argument("--block-size", type=int, metavar="B", help="default block size (default: the model's)")
-    p.add_argument("--threshold", type=float, default=0.95, metavar="T", help="default low_confidence threshold")
-    p.add_argument("--mode", default="low_confidence", metavar="MODE", help=f"default mode: {MODE_HELP}")
+    add_decode_args(p, "block_size", "threshold", "mode", help=dict(  # per-request defaults (a request may override)
+        block_size="default block size (default: the model's; auto: the one `clover tune` stored)",
+        threshold="default low_confidence threshold"))
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
                    help="chat completion budget when a request gives none (default 512, capped by the context)")
     p.add_argument("--max-body-bytes", type=int, metavar="N",
@@ -42,9 +40,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def check_args(args) -> None:
-    from ..engine import DecodeConfig
-
+def check_args(args):
+    """The flags checked before anything loads; returns the default decoding (DecodeConfig)."""
     for name in ("max_batch", "max_queue", "default_max_tokens", "max_body_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -52,10 +49,9 @@ def check_args(args) -> None:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise UserError("--served-model-name: a name must not be empty")
-    # the checks `clover generate` makes (DecodeConfig.validate); the model's own maximum block size is
-    # checked once it is loaded
-    DecodeConfig(mode=args.mode, block_size=1 if args.block_size is None else args.block_size,
-                 threshold=args.threshold).validate()
+    # the decoding flags as `clover generate` builds and checks them; without --block-size the model's own
+    # is used, and the model's maximum block size is checked once it is loaded
+    return decode_config(args)
 
 
 def served_names(args) -> list[str]:
@@ -89,7 +85,7 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args) -> int:
     from ..distributed.flags import is_worker
 
-    check_args(args)
+    cfg = check_args(args)
     sock = None if is_worker() else bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
     import uvicorn
 
@@ -98,13 +94,13 @@ def run(args) -> int:
     from ..server import Settings, create_app
 
     model, tokenizer = load_sharded(args)  # clover.load in one process; ranks > 0 never return
-    block_size = args.block_size or model.config.block_size
+    block_size = args.block_size or model.config.block_size  # --block-size auto was resolved by check_args
     if block_size > model.config.max_block_size:
         raise UserError(f"--block-size must be in [1, {model.config.max_block_size}], got {block_size}")
     name, *aliases = served_names(args)
     key = api_key(args)
     settings = Settings(model_id=name, aliases=tuple(aliases), api_key=key, max_batch=args.max_batch,
-                        max_queue=args.max_queue, block_size=block_size, threshold=args.threshold, mode=args.mode,
+                        max_queue=args.max_queue, block_size=block_size, threshold=cfg.threshold, mode=cfg.mode,
                         default_max_tokens=args.default_max_tokens)
     if args.max_body_bytes is not None:
         settings.max_body_bytes = args.max_body_bytes

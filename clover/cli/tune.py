@@ -5,8 +5,7 @@ model and machine (clover/engine/tuning.py), which `--block-size auto` then uses
 from __future__ import annotations
 
 from . import UserError, print_json
-from .generate import RUNNER_CHOICES
-from .options import add_model_args
+from .options import RUNNER_CHOICES, add_model_args
 
 
 def register(sub) -> None:

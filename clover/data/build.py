@@ -9,10 +9,10 @@ import json
 import random
 from pathlib import Path
 
-from clover.agent import toolbox
+from . import toolbox
 
 from . import shakespeare, tasks
-from .tokenizer import render_chat
+from clover.chat import render_chat
 
 
 def _write(path: Path, recs) -> int:
@@ -46,7 +46,7 @@ def build(out_dir, seed: int = 0, n_train: int = 60000, n_heldout: int = 2000, n
     With `n_decision`, decision groups come from the decision benchmark's train split (2-8 questions,
     `tasks.decision_train_examples`) plus `n_single_questions` one-question groups (so answering one
     question alone, the independent mode, is in distribution too) instead of the generic `group`
-    task; `n_tool` adds tool-use dialogues (`clover.agent.toolbox`)."""
+    task; `n_tool` adds tool-use dialogues (`clover.data.toolbox`)."""
     out = Path(out_dir)
     rng = random.Random(seed)
     # held-out tasks first; the training set never repeats one of their prompts
@@ -128,12 +128,10 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
                   for r in tasks.decision_split(seed * 2 + 1001 + offset, n_decision, exclude=held_groups)]
     recs = list(task_records(fresh + groups, rng, chat_frac, think_frac))
     if n_tool:
-        from clover.agent.bench import TRAINING_SEEDS
-
-        bound = dict(TRAINING_SEEDS)[toolbox.TRAIN_DIALOGUE_SEED]
+        bound = dict(toolbox.TRAINING_SEEDS)[toolbox.TRAIN_DIALOGUE_SEED]
         if tool_start + n_tool > bound:
             raise ValueError(f"tool dialogues {tool_start}..{tool_start + n_tool} pass the agent benchmark's "
-                             f"exclusion bound {bound} (clover.agent.bench.TRAINING_SEEDS)")
+                             f"exclusion bound {bound} (clover.data.toolbox.TRAINING_SEEDS)")
         recs += toolbox.training_dialogues(seed + toolbox.TRAIN_DIALOGUE_SEED, tool_start + n_tool)[tool_start:]
     replay = [r for r in read_records(base_train) if rng.random() < replay_frac]
     recs += replay

@@ -2,7 +2,7 @@
 
 Every document becomes token ids plus a loss mask (1 = this token is a training target). Plain text
 and "text" records train on every token; chat records are rendered with the chat template
-(`tokenizer.render_chat`) and train on the assistant turns only (their content and <|im_end|>).
+(`clover.chat.render_chat`) and train on the assistant turns only (their content and <|im_end|>).
 Each document ends with end-of-text (a target too). Documents are concatenated and cut into rows of
 `seq_len` tokens (`pack`).
 
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from clover.agent.tool_format import EMPTY_THINK, normalize_messages
+from clover.chat import EMPTY_THINK, IM_END, IM_START, normalize_messages
 
-from .tokenizer import EOS, IM_END, IM_START
+from .tokenizer import EOS
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import random
 import string
 
+from clover.chat import EMPTY_THINK, THINK_CLOSE, THINK_OPEN
+
 PEOPLE = ["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon", "Kim", "Lou", "Max", "Ned"]
 CITIES = ["Paris", "Rome", "Oslo", "Lima", "Kyiv", "Riga", "Bern", "Doha"]
 PETS = ["cat", "dog", "fish", "bird", "frog"]
@@ -170,9 +172,9 @@ def plain_prompt(ex: dict) -> str:
 
 def chat_messages(ex: dict, think: bool) -> list[dict]:
     if think and ex.get("think"):
-        reply = f"<think>\n{ex['think']}\n</think>\n\n{ex['answer']}"
+        reply = f"{THINK_OPEN}\n{ex['think']}\n{THINK_CLOSE}\n\n{ex['answer']}"
     else:
-        reply = f"<think>\n\n</think>\n\n{ex['answer']}"
+        reply = EMPTY_THINK + ex["answer"]
     return [{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": reply}]
 
 

@@ -33,9 +33,10 @@ MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar")
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """How to decode: every decoding default lives here once (`DEFAULTS`); the API, the server's
-    Settings and EngineKey, the lm-eval model and the benchmarks take theirs from it. Frozen: derive
-    a variant with `dataclasses.replace` / `with_`."""
+    """How to decode: every decoding default lives here once (`DEFAULTS`); the API, the CLI, the
+    server's Settings and EngineKey, the lm-eval model and the benchmarks take theirs from it, and
+    build one from flat settings the same way (`from_settings`). Frozen and checked when made (a bad
+    setting is a ValueError naming it): derive a variant with `dataclasses.replace` / `with_`."""
 
     mode: str = "low_confidence"
     block_size: int = 32
@@ -47,8 +48,37 @@ class DecodeConfig:
     prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
     runner: str = "eager"  # how the model is called: "eager" or "compiled" (engine/runner.py)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def with_(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)
+
+    @classmethod
+    def from_settings(cls, base: "DecodeConfig | None" = None, **settings) -> "DecodeConfig":
+        """`base` (default: the defaults) with flat settings: any field, and the sampling's
+        `temperature`, `top_p`, `top_k`, `seed`. A setting given as None keeps the base's value;
+        numbers may come as text (lm-eval's model_args; "" / "None" = None). ValueError names a bad
+        or unknown setting."""
+        base = DEFAULTS if base is None else base
+        fields, sampling = {}, {}
+        for name, value in settings.items():
+            if isinstance(value, str) and name in _NUMBERS:
+                try:
+                    value = None if value in ("", "None") else _NUMBERS[name](value)
+                except ValueError:
+                    raise ValueError(f"{name} must be a number, got {value!r}") from None
+            if value is None:
+                continue
+            if name in _SAMPLING:
+                sampling[name] = value
+            elif name in cls.__dataclass_fields__:
+                fields[name] = value
+            else:
+                raise ValueError(f"unknown decoding setting {name!r}")
+        if sampling:
+            fields["sampling"] = replace(fields.get("sampling", base.sampling), **sampling)
+        return replace(base, **fields)
 
     def validate(self) -> None:
         """Checks that need no model (so a CLI can fail before loading one)."""
@@ -68,6 +98,9 @@ class DecodeConfig:
 
 
 DEFAULTS = DecodeConfig()
+_SAMPLING = ("temperature", "top_p", "top_k", "seed")  # flat names of DecodeConfig.sampling's fields
+_NUMBERS = {"block_size": int, "threshold": float, "steps": int, "max_new_tokens": int, "prefill_chunk": int,
+            "temperature": float, "top_p": float, "top_k": int, "seed": int}  # settings that may come as text
 
 
 class Engine:

@@ -46,13 +46,12 @@ class CloverLM(TemplateLM):
                  device=None, dtype=None, batch_size=None, max_batch_size=None, max_gen_toks: int = 256, **kwargs):
         super().__init__()
         from ..api import eos_ids, load
-        from ..engine import DecodeConfig, SamplingParams
+        from ..engine import DecodeConfig
 
         if likelihood not in LIKELIHOODS:
             raise ValueError(f"likelihood must be one of {', '.join(LIKELIHOODS)}, got {likelihood!r}")
-        # checks that need no model first, so a bad mode / threshold fails before loading anything
-        DecodeConfig(mode=mode, block_size=int(block_size), threshold=float(threshold),
-                     steps=int(steps) if steps not in (None, "", "None") else None, sampling=SamplingParams()).validate()
+        # built and checked before any model loads (a bad mode / threshold fails at once); model_args are text
+        decoding = DecodeConfig.from_settings(mode=mode, block_size=block_size, threshold=threshold, steps=steps)
         if isinstance(pretrained, torch.nn.Module):  # (model, tokenizer) objects from Python
             self.model, self.tokenizer = pretrained, kwargs.pop("tokenizer")
         else:
@@ -60,8 +59,8 @@ class CloverLM(TemplateLM):
             dt = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else None
             self.model, self.tokenizer = load(pretrained, device=device, dtype=dt)
         self.model.eval()
-        self.block_size, self.threshold, self.mode = int(block_size), float(threshold), mode
-        self.steps = int(steps) if steps not in (None, "", "None") else None
+        self.block_size, self.threshold, self.mode = decoding.block_size, decoding.threshold, decoding.mode
+        self.steps = decoding.steps
         # lm-eval's --batch_size (default 1) raises the batch only when given above 1: `max_batch` rules
         bs = int(batch_size) if str(batch_size or "").isdigit() else 1
         self.max_batch = max(int(max_batch), bs)

@@ -3,6 +3,7 @@ what may be sent yet."""
 
 from __future__ import annotations
 
+from ..chat import split_partial
 from .protocol import ToolPlan
 
 
@@ -48,9 +49,8 @@ class Choice:
     def _split(self, text: str) -> tuple[str, str]:
         if not self.think:
             return "", text
-        head, sep, tail = text.partition("</think>")
-        reasoning = head.replace("<think>", "", 1).lstrip()
-        return (reasoning.rstrip(), tail.lstrip()) if sep else (reasoning, "")
+        reasoning, answer, _ = split_partial(text)
+        return reasoning, answer
 
     def deltas(self) -> tuple[str, str]:
         """(reasoning, content) not sent yet; while running, hold back what could be the start of a

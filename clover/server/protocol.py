@@ -3,11 +3,10 @@
 Unknown fields are accepted and ignored (clients send many); Clover's own decoding parameters
 (`block_size`, `threshold`, `mode`, `steps`) and vLLM's `ignore_eos` are extra body fields
 (`extra_body=` in the openai client). Function calling (`tools`, `tool_choice`, `parallel_tool_calls`)
-is checked by `ChatRequest.tool_plan`; `ToolPlan` forces and parses the reply (docs/serving.md)."""
+is checked by `ChatRequest.tool_plan`; `ToolPlan` parses the reply (docs/serving.md)."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -16,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..agent.tool_format import ToolSpecError, function_spec, parse_tool_calls, validate_tools
+from ..chat import ToolSpecError, function_spec, parse_tool_calls, text_before_call, validate_tools
 from ..api import SEED_MAX, SEED_MIN  # OpenAI's seed: a 64-bit signed integer
 
 
@@ -228,11 +227,7 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-# ---- function calling: forcing and parsing the reply ---------------------------------------------------
-CALL_OPEN = "<tool_call>"
-_FORCED_RE = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:(.*)\Z', re.S)
-
-
+# ---- function calling: parsing the reply -------------------------------------------------------------
 def forced_name(tool_choice, tools: list[dict]) -> str | None:
     """The function a reply must call: the named one, or the only tool under "required"."""
     if isinstance(tool_choice, dict):
@@ -240,40 +235,6 @@ def forced_name(tool_choice, tools: list[dict]) -> str | None:
     if tool_choice == "required" and len(tools) == 1:
         return function_spec(tools[0])["name"]
     return None
-
-
-def forced_prefix(tool_choice, tools: list[dict]) -> str:
-    """The start of the assistant turn that makes the reply a tool call, prefilled after the generation
-    prompt: nothing for "auto" / "none"; the call up to its arguments for a named function (and for
-    "required" with one tool); the call up to the function's name for "required"."""
-    name = forced_name(tool_choice, tools)
-    if name is not None:
-        return CALL_OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments":'
-    return CALL_OPEN + '\n{"name": "' if tool_choice == "required" else ""
-
-
-def _salvage(text: str, names: list[str], finish: str | None) -> tuple[dict, str, bool] | None:
-    """A forced call that does not parse whole (the model went on past its arguments, or ran out of
-    budget): (the call, the text after it, arguments cut by the budget), when the name is known. Arguments that
-    are no JSON object are returned as generated (OpenAI: "the model does not always generate valid JSON")."""
-    m = _FORCED_RE.match(text)
-    if not m or m.group(1) not in names:
-        return None
-    head, sep, tail = m.group(2).partition("</tool_call>")
-    try:
-        obj, _ = json.JSONDecoder().raw_decode(head.lstrip())
-    except ValueError:
-        obj = None
-    whole = isinstance(obj, dict)
-    if whole:
-        arguments = json.dumps(obj, ensure_ascii=False)
-    else:
-        arguments = head.strip()
-        if arguments.endswith("}") and arguments.count("}") > arguments.count("{"):
-            arguments = arguments[:-1].rstrip()  # the call object's own closing brace
-    call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": m.group(1), "arguments": arguments}}
-    return call, tail.strip(), not whole and not sep and finish == "length"
 
 
 @dataclass
@@ -294,39 +255,24 @@ class ToolPlan:
     def forced(self) -> bool:
         return self.choice not in ("auto", "none")
 
-    @property
-    def prefix(self) -> str:
-        return forced_prefix(self.choice, self.functions)
-
     def reply(self, generated: str, finish: str | None) -> tuple[str | None, list[dict], str | None]:
-        """(content, tool_calls, finish_reason) of a finished reply (`generated` follows the prefix).
-        Calls found: content is the text around them or None, finish_reason "tool_calls" ("length"
-        when the budget cut a forced call's arguments). Malformed calls stay in the content."""
+        """(content, tool_calls, finish_reason) of a finished reply. Calls found: content is the text
+        around them or None, finish_reason "tool_calls". Malformed calls stay in the content. (Forced
+        calls are infilled whole, server/structured.py.)"""
         if not self.parses:
             return generated, [], finish
-        text = self.prefix + generated
-        content, calls, _ = parse_tool_calls(text, self.functions)
+        content, calls, _ = parse_tool_calls(generated, self.functions)
         name = forced_name(self.choice, self.functions)
         if name is not None:
             calls = [c for c in calls if c["function"]["name"] == name][:1]
-        cut = False
-        if self.forced and not calls:
-            salvaged = _salvage(text, [f["name"] for f in self.functions], finish)
-            if salvaged:
-                call, content, cut = salvaged
-                calls = [call]
         if not self.parallel:
             calls = calls[:1]
         if not calls:
             return content, [], finish
-        return content or None, calls, "length" if cut else "tool_calls"
+        return content or None, calls, "tool_calls"
 
     def streamable(self, generated: str) -> str:
         """The content that may be streamed while the reply is still running: the text before the first
         <tool_call> (held back from there on, and a possible start of one at the end), stripped as the
         final content is."""
-        text = self.prefix + generated
-        end = text.find(CALL_OPEN)
-        if end < 0:
-            end = len(text) - max((k for k in range(1, len(CALL_OPEN)) if text.endswith(CALL_OPEN[:k])), default=0)
-        return text[:end].strip()
+        return text_before_call(generated).strip()

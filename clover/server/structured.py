@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from ..structured import (JsonResult, Refused, Skeleton, Unsupported, check_grammar, grammar_json, infill_json,
                           is_json_object, normalize, skeleton)
 from ..structured import check as check_schema
+from ..chat import CALL_END, CALL_HEAD
 from .protocol import APIError, ToolPlan, forced_name
 
-CALL_HEAD = '<tool_call>\n{"name": '
-CALL_END = "}\n</tool_call>"
 SCHEMA_PARAM = "response_format.json_schema.schema"
 
 

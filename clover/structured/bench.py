@@ -63,7 +63,7 @@ def _chat_case(kind: str, text: str, schema: dict, expected) -> dict:
 
 
 def _tool_case(kind: str, rng: random.Random, toolbox_kind: str) -> dict:
-    from ..agent import toolbox
+    from ..data import toolbox
 
     case = toolbox.make_case(rng, toolbox_kind)
     (call,) = case["calls"]
@@ -142,7 +142,7 @@ def case_prompt(tokenizer, case: dict):
     rendered request with its tools (clover.agent.bench.prompt_renderer) as text."""
     if not case["tools"]:
         return case["messages"]
-    from ..agent.bench import prompt_renderer
+    from ..chat import prompt_renderer
 
     return prompt_renderer(tokenizer)(case["messages"], case["tools"])
 

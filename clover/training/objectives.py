@@ -147,7 +147,7 @@ def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible
 
 def self_spec_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, generator=None,
                    shard: Shard | None = None) -> tuple[torch.Tensor, int]:
-    """Self-speculation samples (design-notes section 3): a prefix committed causally (clean block
+    """Self-speculation samples (docs/architecture.md section 5): a prefix committed causally (clean block
     size 1, as `self_spec` decoding commits it) followed by ONE noisy window of `block` columns at a
     random place, noised by the same rules as `sample_noise`. Costs a forward over the prefix for one
     window's loss, so it is mixed in at a small rate (`self_spec_frac`)."""

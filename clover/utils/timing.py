@@ -1,4 +1,4 @@
-"""Side-by-side timing for benchmarks on shared, noisy machines (design-notes section 5): warm up,
+"""Side-by-side timing for benchmarks on shared, noisy machines: warm up,
 then run the candidates alternately A B A B ... and report medians, so that load from other
 processes hits every candidate alike. Benchmarks only; tests never assert times."""
 

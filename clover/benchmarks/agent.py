@@ -1,5 +1,5 @@
 """The local agent benchmark (`clover bench agent`): seeded, offline tool-use cases from
-`clover.agent.toolbox`, held out from the default model's training dialogues, scored three ways.
+`clover.data.toolbox`, held out from the default model's training dialogues, scored three ways.
 
 * **Call accuracy** (BFCL-style, single turn): the first assistant turn's tool calls against the
   expected ones by AST match (`match_calls`): same function names, same argument keys, values of the
@@ -20,22 +20,22 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..chat import CALL_OPEN, after_thinking, function_spec, parse_tool_calls, prompt_renderer, renders_tools
+from ..data import toolbox
+from ..data.toolbox import TRAINING_SEEDS
 from ..engine import DEFAULTS
-from . import toolbox
-from .tool_format import function_spec, normalize_messages, parse_tool_calls
+from ..errors import UserError
+from .report import markdown_table, set_threads, write_json
 
 BENCH_SEED = 1000  # the benchmark's cases (the recipe's tool dialogues: toolbox.*_DIALOGUE_SEED)
-# Training requests excluded from the benchmark: cases(recipe_seed + s, n) for each (s, n). `cases` is
-# prefix-stable, so 20000 covers every training dialogue up to number 20000 (the recipe's base data
-# uses 8000 and 8000 // 20 held out; focus rounds continue the training stream, bounded by this).
-TRAINING_SEEDS = ((toolbox.HELD_DIALOGUE_SEED, 400), (toolbox.TRAIN_DIALOGUE_SEED, 20000))
 MAX_ROUNDS = 3
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = DEFAULTS.max_new_tokens  # the budget of each assistant turn
 ERROR_KINDS = ("no call", "malformed call", "wrong number of calls", "wrong function", "missing argument",
                "unexpected argument", "type mismatch", "wrong value", "called a tool")
 METRICS = ("cases", "call_accuracy", "irrelevance_accuracy", "first_turn_accuracy", "episode_exact",
@@ -129,7 +129,7 @@ def plain_calls(tool_calls: list[dict]) -> list[dict]:
 
 def score_first_turn(case: dict, text: str) -> tuple[bool, str | None]:
     """(right, reason when wrong) for the first assistant turn of a case."""
-    attempted = text.count("<tool_call>")
+    attempted = text.count(CALL_OPEN)
     if not case["calls"]:
         return (True, None) if not attempted else (False, "called a tool")
     if not attempted:
@@ -194,12 +194,12 @@ class Episode:
         self.forward_passes += turn.forward_passes
         self.seconds += seconds
         self.generations += 1
-        text = turn.text.split("</think>")[-1].strip()  # a think block, if the model wrote one anyway
+        text = after_thinking(turn.text)  # a think block, if the model wrote one anyway
         tools = self.case["tools"]
         if self.first_turn is None:
             self.first_turn = text
             self.first_right, self.first_reason = score_first_turn(self.case, text)
-        attempted = text.count("<tool_call>")
+        attempted = text.count(CALL_OPEN)
         self.call_attempts += attempted
         self.valid_calls += len(parse_tool_calls(text, tools)[1])
         content, calls, problems = parse_tool_calls(text)  # unknown names too: the host answers them
@@ -297,27 +297,6 @@ def summarize(records: list[dict]) -> dict:
 
 
 # ---- the model ----------------------------------------------------------------------------------------
-def renders_tools(tokenizer) -> bool:
-    """Does the tokenizer's own chat template render `tools` (models trained since tool use)?"""
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
-
-
-def prompt_renderer(tokenizer) -> Callable[[list[dict], list[dict]], str]:
-    """(messages, tools) -> the prompt text up to the non-thinking assistant generation prompt. A
-    template that does not know tools gets the messages already normalised (tool_format), which is
-    what the tool-aware template writes."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template: the agent benchmark needs a chat model")
-    native = renders_tools(tokenizer)
-
-    def render(messages, tools):
-        kw = dict(add_generation_prompt=True, enable_thinking=False, tokenize=False)
-        if native:
-            return tokenizer.apply_chat_template(messages, tools=tools, **kw)
-        return tokenizer.apply_chat_template(normalize_messages(messages, tools), **kw)
-    return render
-
-
 def model_generator(model, tokenizer, mode: str = DEFAULTS.mode, threshold: float = DEFAULTS.threshold,
                     block_size: int = DEFAULTS.block_size,
                     max_new_tokens: int = MAX_NEW_TOKENS) -> Callable[[list[str]], list[Turn]]:
@@ -327,8 +306,8 @@ def model_generator(model, tokenizer, mode: str = DEFAULTS.mode, threshold: floa
     from ..api import decode_config
     from ..engine import Engine
 
-    cfg = decode_config(model, tokenizer, max_new_tokens, block_size, threshold, mode)
-    cfg.validate()
+    cfg = decode_config(model, tokenizer, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold,
+                        mode=mode)
 
     def generate(prompts: list[str]) -> list[Turn]:
         ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -349,3 +328,70 @@ def run_benchmark(model, tokenizer, n: int = 70, seed: int = BENCH_SEED, mode: s
     return dict(mode=mode, threshold=threshold if mode != "ar" else None, block_size=block_size if mode != "ar" else 1,
                 seed=seed, n=n, max_rounds=max_rounds, max_new_tokens=max_new_tokens, batch=batch,
                 template_renders_tools=renders_tools(tokenizer), **summarize(records), records=records)
+
+
+# ---- the report (`clover bench agent`) --------------------------------------------------------------------
+def _pct_cell(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def run(args) -> int:
+    """Tool-call accuracy (AST), irrelevance, and real multi-turn episodes on the seeded toolbox."""
+    import torch
+
+    from ..api import load
+    from ..engine import MODES, DecodeConfig
+
+    modes = [m for m in args.mode.split(",") if m]
+    if not modes:
+        raise UserError("--mode: name at least one decoding mode")
+    for m in modes:
+        if m not in MODES:
+            raise UserError(f"--mode: unknown mode {m!r} (known: {', '.join(MODES)})")
+        DecodeConfig(mode=m, block_size=args.block_size, threshold=args.threshold,
+                     max_new_tokens=args.max_new_tokens)  # checks the setting
+    if args.n < 1 or args.batch < 1:
+        raise UserError("--n and --batch must be >= 1")
+    set_threads(args.threads)
+    model, tokenizer = load(args.model, args.device)
+    if not 1 <= args.block_size <= model.config.max_block_size:
+        raise UserError(f"--block-size must be in [1, {model.config.max_block_size}]")
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.n * len(modes), desc="bench agent", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())
+    runs = []
+    for m in modes:
+        bar.set_postfix_str(m)
+        runs.append(run_benchmark(model, tokenizer, args.n, args.seed, m, args.threshold, args.block_size,
+                                  args.max_new_tokens, args.batch, progress=bar.update))
+    bar.close()
+    described = args.model or "default model"
+    print(f"Agent benchmark: {described}; {args.n} held-out toolbox cases (seed {args.seed}, 7 kinds, requests unseen "
+          f"in training except weather/weather2/age), greedy, max {args.max_new_tokens} tokens a turn, up to "
+          f"{MAX_ROUNDS} tool rounds, {model.device} {str(model.dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads. Call accuracy = first turn's calls AST-match the expected ones "
+          f"(BFCL-style); irrelevance = no call where no tool helps; episode = final reply after real tool results "
+          f"(exact / contains every value); valid = parsable calls to offered tools / call attempts; forwards and "
+          f"seconds summed over an episode's turns (prefill not counted in forwards). docs/agent.md.\n")
+    if not runs[0]["template_renders_tools"]:
+        print("Note: this model's chat template does not render tools (it predates tool-use training); tools were "
+              "rendered by clover.chat.normalize_messages, as the tool-aware template writes them.\n")
+    rows = []
+    for r in runs:
+        setting = r["mode"] if r["mode"] == "ar" else f"{r['mode']} b={r['block_size']} t={r['threshold']:g}"
+        for kind, g in [*r["per_kind"].items(), ("overall", r["overall"])]:
+            rows.append([setting, f"**{kind}**" if kind == "overall" else kind, g["cases"], _pct_cell(g["call_accuracy"]),
+                         _pct_cell(g["irrelevance_accuracy"]), _pct_cell(g["episode_exact"]),
+                         _pct_cell(g["episode_values"]), _pct_cell(g["call_validity"]),
+                         f"{g['forward_passes_per_case']:.1f}", f"{g['seconds_per_case']:.3f}"])
+    print(markdown_table(["decoding", "kind", "cases", "call acc %", "irrelevance %", "episode exact %",
+                          "episode values %", "valid calls %", "forwards / case", "s / case"], rows))
+    if args.records:
+        with open(args.records, "w") as f:
+            for r in runs:
+                for rec in r["records"]:
+                    f.write(json.dumps(dict(mode=r["mode"], **rec)) + "\n")
+    write_json(args, dict(model=described, n=args.n, seed=args.seed, threads=torch.get_num_threads(),
+                          runs=[{k: v for k, v in r.items() if k != "records"} for r in runs]))
+    return 0

@@ -1,0 +1,54 @@
+"""`clover bench pareto`: the speed-quality curve, suite accuracy against tokens per forward and
+tokens/s over low_confidence thresholds and block sizes (the evaluation itself: clover.eval.pareto)."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import UserError
+from .report import markdown_table, progress_iter, set_threads, write_json
+
+
+def run(args) -> int:
+    import torch
+
+    from ..api import eos_ids, load
+    from ..eval import pareto
+
+    try:
+        thresholds = [float(x) for x in args.thresholds.split(",") if x]
+        blocks = [int(x) for x in args.block_sizes.split(",") if x]
+    except ValueError as e:
+        raise UserError(f"--thresholds / --block-sizes: {e}") from None
+    if not thresholds or not blocks or args.batch < 1 or args.per_task < 0:
+        raise UserError("need at least one threshold and block size, --batch >= 1, --per-task >= 0")
+    if not str(args.plot).endswith(".png"):
+        raise UserError(f"--plot must name a .png file, got {args.plot}")
+    set_threads(args.threads)
+    model, tokenizer = load(args.model, args.device)
+    if max(blocks) > model.config.max_block_size or min(blocks) < 2:
+        raise UserError(f"block sizes must be in [2, {model.config.max_block_size}]")
+    exs = pareto.examples(args.per_task)
+    eos = eos_ids(model, tokenizer)
+    settings = [("low_confidence", b, t) for b in blocks for t in thresholds] + ([] if args.no_ar else [("ar", 1, 0.0)])
+    rows = []
+    with torch.inference_mode():
+        pareto.evaluate(model, tokenizer, exs[:2], "low_confidence", blocks[0], thresholds[0], args.batch, eos)  # warm-up
+        for mode, b, t in progress_iter(settings, "bench pareto"):
+            rows.append(pareto.evaluate(model, tokenizer, exs, mode, b, t, args.batch, eos))
+    described = args.model or "default model"
+    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    pareto.plot(rows, args.plot, f"Clover speed-quality curve: {described}, {len(exs)} held-out prompts")
+    front = pareto.pareto_front(rows)
+    names = list(rows[0]["per_task"])
+    print(f"Speed-quality curve: {described}; {len(exs)} held-out prompts ({args.per_task or 'all'} per synthetic task: "
+          f"{', '.join(names)}), exact match, greedy, batches of {args.batch}, {model.device} "
+          f"{str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads. TPF = generated tokens / "
+          f"forwards per row; tokens/s = batched wall-clock throughput. * = on the accuracy-TPF Pareto front.\n")
+    table = [[r["mode"], r["block_size"], "-" if r["threshold"] is None else f"{r['threshold']:g}",
+              f"{100 * r['accuracy']:.1f}" + (" *" if i in front else ""), f"{r['tpf']:.2f}", f"{r['tokens_per_second']:.1f}",
+              *(f"{100 * r['per_task'][n]:.0f}" for n in names)] for i, r in enumerate(rows)]
+    print(markdown_table(["mode", "block", "threshold", "accuracy %", "TPF", "tokens/s", *names], table))
+    print(f"\n![accuracy against tokens per forward and tokens/s]({args.plot})")
+    write_json(args, dict(model=described, prompts=len(exs), per_task=args.per_task, batch=args.batch, results=rows))
+    return 0
