@@ -150,10 +150,30 @@ class LlamaCppRunner:
                 out[i] = r
         return out
 
-    def __call__(self, input_ids, cache: LlamaCppCache | None = None, block_size: int | None = None, draft_len: int = 0,
-                 clean_block_size: int | None = None, pad_mask=None, logits_to_keep: int = 0, logits_index=None, **unused):
+    def commit_chunks(self, n_clean: int, clean_bs: int, rows: int, pad: list[list[bool]]) -> list[list[int]]:
+        """The clean segment's columns, one list per decode. Causal (clean_bs 1): all in one. Block mode:
+        the windows of clean_bs anchored at the segment's end, as many per decode as fit in n_batch (the
+        patch keeps attention, the bidirectional branch and the right conv inside each window of a
+        sequence's tokens, windows anchored at their end) when each row's padding is a prefix of the
+        segment (so its real tokens keep those windows); else one window per decode."""
+        if clean_bs <= 1:
+            return [list(range(n_clean))]
         from ...models.modeling_clover import window_ids
 
+        wid = window_ids(n_clean, clean_bs).tolist()
+        windows = [[c for c in range(n_clean) if wid[c] == w] for w in sorted(set(wid))]
+        if not all(p[:n_clean] == sorted(p[:n_clean], reverse=True) for p in pad):  # padding not only on the left
+            return windows
+        chunks: list[list[int]] = []
+        for cols in windows:
+            if chunks and rows * (len(chunks[-1]) + len(cols)) <= self.cpp.n_batch:
+                chunks[-1] += cols
+            else:
+                chunks.append(list(cols))
+        return chunks
+
+    def __call__(self, input_ids, cache: LlamaCppCache | None = None, block_size: int | None = None, draft_len: int = 0,
+                 clean_block_size: int | None = None, pad_mask=None, logits_to_keep: int = 0, logits_index=None, **unused):
         if cache is None:
             raise ValueError("the llama.cpp runner needs a cache (model.new_cache)")
         ids = input_ids.tolist()
@@ -178,9 +198,7 @@ class LlamaCppRunner:
 
         # 1. commit the clean segment
         if n_clean:
-            wid = window_ids(n_clean, clean_bs).tolist() if clean_bs > 1 else [0] * n_clean
-            for w in sorted(set(wid)):
-                cols = [c for c in range(n_clean) if wid[c] == w]
+            for cols in self.commit_chunks(n_clean, clean_bs, rows, pad):
                 toks, want, where = [], [], []
                 for r in range(rows):
                     real = [c for c in cols if not pad[r][c]]
