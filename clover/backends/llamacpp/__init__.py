@@ -181,7 +181,7 @@ class LlamaCppModel:
         if logits == "all":
             wanted = [range(len(t)) for t in tokens]
         elif logits == "last":
-            wanted = [range(len(t) - 1, len(t)) for t in tokens]
+            wanted = [range(max(len(t) - 1, 0), len(t)) for t in tokens]
         else:
             wanted = [k if isinstance(k, (list, tuple, range)) else range(len(t) - min(k, len(t)), len(t))
                       for t, k in zip(tokens, logits)]
