@@ -125,38 +125,35 @@ def step_table(label, folder, tmp, args):
 def decode_table(tmp, args):
     """Greedy tokens/s and tokens per forward on the held-out task prompts (one at a time, each to
     EOS or its task's answer budget): Clover's modes on PyTorch and on our llama.cpp runner, and
-    stock llama.cpp's AR decode of the same bf16 file."""
+    stock llama.cpp's AR decode of the same bf16 file; per thread count, all candidates interleaved
+    round by round, with each one's speed relative to stock AR in the same round (median ratio)."""
+    import dataclasses
+    import os
+
     from clover.api import encode, eos_ids
     from clover.data.tasks import plain_prompt
     from clover.engine import DecodeConfig, Engine
     from clover.eval import pareto
 
     model, tok = load(DEFAULT_MODEL, "cpu")
-    torch.set_num_threads(1)
     exs = pareto.examples(args.per_task)
     jobs = [(encode(tok, plain_prompt(ex)), ex["budget"]) for ex in exs]
     eos = eos_ids(model, tok)
     bf16 = tmp / "default-bf16.gguf"
     runner = LlamaCppRunner(bf16, model.config, max_rows=1, threads=1)
-    modes = [("ar", 1), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32), ("self_spec", 8)]
-    print(f"\n**Greedy decoding, shipped default model, {len(jobs)} held-out task prompts ({args.per_task} per task) "
-          "one at a time, to EOS or the task's budget, 1 thread** (median of "
-          f"{args.decode_repeats} interleaved rounds)\n")
-    print("| decoder | mode | B | tokens/s | tokens per forward |")
-    print("|---|---|---:|---:|---:|")
+    cpp = LlamaCppModel(bf16, threads=1)
+    modes = [("ar", 1), ("low_confidence", 4), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32),
+             ("self_spec", 8)]
 
     def clover_run(m, mode, bs):
         def go():
             cfg = DecodeConfig(mode=mode, block_size=bs, eos_token_ids=eos)
             toks = fwd = 0
             for ids, budget in jobs:
-                cfg.max_new_tokens = budget
-                seq = Engine(m, cfg).generate([ids])[0]
+                seq = Engine(m, dataclasses.replace(cfg, max_new_tokens=budget)).generate([ids])[0]
                 toks, fwd = toks + len(seq.token_ids), fwd + seq.forward_passes
             return toks, fwd
         return go
-
-    cpp = LlamaCppModel(bf16, threads=1)
 
     def stock_run():
         toks = 0
@@ -164,18 +161,32 @@ def decode_table(tmp, args):
             toks += len(greedy_ar(cpp, ids, budget, eos))
         return toks, toks
 
-    runs = {("PyTorch f32", "ar", 1): clover_run(model, "ar", 1), ("PyTorch f32", "low_confidence", 16): clover_run(model, "low_confidence", 16)}
+    stock = ("stock llama.cpp bf16", "ar", 1)
+    runs = {stock: stock_run}
     runs.update({("our llama.cpp runner bf16", m, b): clover_run(runner, m, b) for m, b in modes})
-    runs[("stock llama.cpp bf16", "ar", 1)] = stock_run
-    results = {k: [] for k in runs}
-    for _ in range(args.decode_repeats):
-        for k, fn in runs.items():
-            start = time.perf_counter()
-            with torch.inference_mode():
-                toks, fwd = fn()
-            results[k].append((toks / (time.perf_counter() - start), toks / max(fwd, 1)))
-    for (name, mode, bs), rs in results.items():
-        print(f"| {name} | {mode} | {bs} | {statistics.median(r[0] for r in rs):.1f} | {rs[-1][1]:.2f} |")
+    runs[("PyTorch f32", "ar", 1)] = clover_run(model, "ar", 1)
+    runs[("PyTorch f32", "low_confidence", 16)] = clover_run(model, "low_confidence", 16)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        cpp.set_threads(threads)
+        runner.cpp.set_threads(threads)
+        load_before = os.getloadavg()[0]
+        results = {k: [] for k in runs}
+        for _ in range(args.decode_repeats):
+            for k, fn in runs.items():
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    toks, fwd = fn()
+                results[k].append((toks / (time.perf_counter() - start), toks / max(fwd, 1)))
+        print(f"\n**Greedy decoding, shipped default model, {len(jobs)} held-out task prompts ({args.per_task} per task) "
+              f"one at a time, to EOS or the task's budget, {threads} thread{'s' if threads > 1 else ''}** (median of "
+              f"{args.decode_repeats} interleaved rounds; load average {load_before:.1f} before, "
+              f"{os.getloadavg()[0]:.1f} after, on the machine's {os.cpu_count()} cores)\n")
+        print("| decoder | mode | B | tokens/s | vs stock AR (same round) | tokens per forward |")
+        print("|---|---|---:|---:|---:|---:|")
+        for (name, mode, bs), rs in results.items():
+            ratio = statistics.median(r[0] / s[0] for r, s in zip(rs, results[stock]))
+            print(f"| {name} | {mode} | {bs} | {statistics.median(r[0] for r in rs):.1f} | {ratio:.2f}x | {rs[-1][1]:.2f} |")
     cpp.close()
     runner.close()
 
@@ -187,17 +198,22 @@ def main() -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--per-task", type=int, default=2, help="task prompts per synthetic task (default 2)")
     ap.add_argument("--decode-repeats", type=int, default=3, help="interleaved rounds of the decode table")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode table (no step tables)")
     args = ap.parse_args()
     if find_build() is None or find_build(variant="clover") is None:
         print("bench/llamacpp.py: no llama.cpp build (make llamacpp)", file=sys.stderr)
         return 2
     print(f"`python bench/llamacpp.py --repeats {args.repeats} --context {args.context} --threads "
-          f"{' '.join(map(str, args.threads))} --per-task {args.per_task} --decode-repeats {args.decode_repeats}` "
+          f"{' '.join(map(str, args.threads))} --per-task {args.per_task} --decode-repeats {args.decode_repeats}"
+          f"{' --decode-only' if args.decode_only else ''}` "
           f"(llama.cpp from llama-cpp-python 0.3.36's sdist, torch {torch.__version__})")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for label, folder in models(tmp):
-            step_table(label, Path(folder), tmp, args)
+        if args.decode_only:
+            export_gguf(DEFAULT_MODEL, tmp / "default-bf16.gguf", "bf16")
+        else:
+            for label, folder in models(tmp):
+                step_table(label, Path(folder), tmp, args)
         decode_table(tmp, args)
     return 0
 

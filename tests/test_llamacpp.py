@@ -87,6 +87,20 @@ def test_all_logits_block_after_cached_prefix(files, torch_models):
     assert np.abs(got - ref).max() <= 1e-3
 
 
+def test_decode_column_selection(files):
+    """`decode`'s logits argument: "last" on an empty entry gives no row, a column list gives exactly
+    those columns of the all-logits decode (llama.cpp computes only them)."""
+    ids = list(range(40, 51))
+    with parity_model(files["odd"][1], rows=2) as cpp:
+        full = cpp.decode([ids])[0]
+        cpp.reset()
+        got, empty = cpp.decode([ids, []], logits=[[0, 4, 10], 0])
+        cpp.reset()
+        last, none = cpp.decode([ids, []], logits="last")
+    assert got.shape == (3, full.shape[1]) and empty.shape == (0, full.shape[1]) and none.shape[0] == 0
+    assert np.abs(got - full[[0, 4, 10]]).max() <= 1e-5 and np.abs(last[0] - full[-1]).max() <= 1e-5
+
+
 def test_tokenizer_equals_transformers(files, torch_models):
     _, tok = torch_models["default"]
     texts = SAMPLE_PROMPTS + ["Sort: 41 7 93 28 65 12 80\n", "a  b\n\n  c\t3.14159 <|im_start|>user\nhi<|im_end|>\n",

@@ -58,7 +58,11 @@ def test_commit_and_draft_logits_equal_torch(pair, name, B):
     caches = (model.new_cache(2), runner.new_cache(2))
     worst = []
     # prefill: the clean prompt committed in windows of B anchored at its end (rows left-padded)
-    worst.append(both(model, runner, caches, ids, clean_block_size=B, pad_mask=pad, logits_to_keep=1))
+    # in one decode (several windows of one sequence in one ubatch: the patch's window masks); the
+    # logits of every column both rows hold a real token in
+    assert width > 2 * B and len(runner.commit_chunks(width, B, 2, pad.tolist())) == 1
+    worst.append(both(model, runner, caches, ids, clean_block_size=B, pad_mask=pad,
+                      logits_to_keep=min(map(len, prompts)) - 1))
     window = torch.full((2, B), mask)
     window[:, 0] = torch.tensor([p[-1] for p in prompts])
     worst.append(both(model, runner, caches, window, block_size=B, draft_len=B, logits_to_keep=B))

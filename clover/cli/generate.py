@@ -133,7 +133,7 @@ def load_model(args, rows: int):
     from ..backends.llamacpp.runner import load_runner
 
     try:
-        return load_runner(args.model, args.gguf, max_rows=rows)
+        return load_runner(args.model, args.gguf, max_rows=rows, threads=getattr(args, "threads", None) or 1)
     except LlamaCppError as e:
         raise UserError(str(e)) from None
 

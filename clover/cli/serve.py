@@ -36,6 +36,10 @@ def register(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, metavar="N",
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--backend", choices=["torch", "llamacpp"], default="torch",
+                   help="llamacpp: decode in the patched llama.cpp build, every mode (make llamacpp; docs/llamacpp.md)")
+    p.add_argument("--gguf", metavar="FILE", help="--backend llamacpp: the model's exported GGUF (default: export "
+                   "the model folder to a temporary f32 file)")
     add_parallel_flags(p)  # under torchrun: rank 0 serves HTTP, the others hold their shards (docs/distributed.md)
     p.set_defaults(func=run)
 
@@ -86,14 +90,17 @@ def run(args) -> int:
     from ..distributed.flags import is_worker
 
     cfg = check_args(args)
+    if args.gguf and args.backend != "llamacpp":
+        raise UserError("--gguf needs --backend llamacpp")
     sock = None if is_worker() else bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
     import uvicorn
 
     from ..api import eos_ids
-    from ..distributed.parallel import load as load_sharded
     from ..server import Settings, create_app
+    from .generate import load_model
 
-    model, tokenizer = load_sharded(args)  # clover.load in one process; ranks > 0 never return
+    # clover.load in one process (ranks > 0 never return), or the llama.cpp runner for up to --max-batch rows
+    model, tokenizer = load_model(args, args.max_batch)
     block_size = args.block_size or model.config.block_size  # --block-size auto was resolved by check_args
     if block_size > model.config.max_block_size:
         raise UserError(f"--block-size must be in [1, {model.config.max_block_size}], got {block_size}")

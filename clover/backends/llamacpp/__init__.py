@@ -171,37 +171,48 @@ class LlamaCppModel:
         self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
         self.lens[seq] = 0
 
-    def decode(self, tokens: list[list[int]], logits: str | list[int] = "all", seq_ids: list[int] | None = None) -> list[np.ndarray]:
+    def decode(self, tokens: list[list[int]], logits: str | list = "all", seq_ids: list[int] | None = None) -> list[np.ndarray]:
         """Append tokens[i] to sequence seq_ids[i] (default i) in one llama_decode; returns per entry
-        the logits of its last k columns [k, V]: k = all of them ("all"), 1 ("last"), or logits[i]."""
+        the logits of the columns it asks for [k, V]: all of them ("all"), the last one ("last"), or per
+        entry logits[i]: an int k (its last k columns) or a list of column indices (ascending). llama.cpp
+        computes the head only for those columns."""
         lib, batch = self.lib, self._batch
         seq_ids = list(range(len(tokens))) if seq_ids is None else seq_ids
-        keep = [len(t) if logits == "all" else min(1, len(t)) if logits == "last" else k
-                for t, k in zip(tokens, logits if isinstance(logits, list) else [0] * len(tokens))]
+        if logits == "all":
+            wanted = [range(len(t)) for t in tokens]
+        elif logits == "last":
+            wanted = [range(max(len(t) - 1, 0), len(t)) for t in tokens]
+        else:
+            wanted = [k if isinstance(k, (list, tuple, range)) else range(len(t) - min(k, len(t)), len(t))
+                      for t, k in zip(tokens, logits)]
         total = sum(len(t) for t in tokens)
         if total > self.n_batch:
             raise LlamaCppError(f"{total} tokens in one decode exceed n_batch={self.n_batch}")
         n = 0
-        for seq, toks, k in zip(seq_ids, tokens, keep):
+        for seq, toks, want in zip(seq_ids, tokens, wanted):
+            flags = [False] * len(toks)
+            for j in want:
+                flags[j] = True
+            base = self.lens[seq]
             for j, tok in enumerate(toks):
                 batch.token[n] = int(tok)
-                batch.pos[n] = self.lens[seq] + j
+                batch.pos[n] = base + j
                 batch.n_seq_id[n] = 1
                 batch.seq_id[n][0] = seq
-                batch.logits[n] = j >= len(toks) - k
+                batch.logits[n] = flags[j]
                 n += 1
         batch.n_tokens = n
         rc = lib.llama_decode(self.ctx, batch)
         if rc != 0:
             raise LlamaCppError(f"llama_decode returned {rc}")
-        n_out = sum(keep)
+        n_out = sum(len(w) for w in wanted)
         flat = (np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)).copy()
                 if n_out else np.zeros((0, self.n_vocab), np.float32))
         out, at = [], 0
-        for seq, toks, k in zip(seq_ids, tokens, keep):
+        for seq, toks, want in zip(seq_ids, tokens, wanted):
             self.lens[seq] += len(toks)
-            out.append(flat[at : at + k])
-            at += k
+            out.append(flat[at : at + len(want)])
+            at += len(want)
         return out
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:

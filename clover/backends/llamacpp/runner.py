@@ -132,9 +132,10 @@ class LlamaCppRunner:
     def new_cache(self, batch_size: int, capacity: int = 256) -> LlamaCppCache:
         return LlamaCppCache(self, batch_size)
 
-    def decode(self, tokens: list[list[int]], seqs: list[int], block: int, keep: list[int]) -> list[np.ndarray]:
+    def decode(self, tokens: list[list[int]], seqs: list[int], block: int, keep: list) -> list[np.ndarray]:
         """One llama_decode per group of rows with the same token count (in block mode a sequence's
-        tokens must be one ubatch); returns per row the logits of its last keep[i] columns."""
+        tokens must be one ubatch); returns per row the logits of the columns keep[i] names (an int k:
+        its last k; a list: those column indices)."""
         self.cpp.set_block(block)
         out: list[np.ndarray | None] = [None] * len(tokens)
         groups: dict[int, list[int]] = {}
@@ -149,10 +150,30 @@ class LlamaCppRunner:
                 out[i] = r
         return out
 
-    def __call__(self, input_ids, cache: LlamaCppCache | None = None, block_size: int | None = None, draft_len: int = 0,
-                 clean_block_size: int | None = None, pad_mask=None, logits_to_keep: int = 0, logits_index=None, **unused):
+    def commit_chunks(self, n_clean: int, clean_bs: int, rows: int, pad: list[list[bool]]) -> list[list[int]]:
+        """The clean segment's columns, one list per decode. Causal (clean_bs 1): all in one. Block mode:
+        the windows of clean_bs anchored at the segment's end, as many per decode as fit in n_batch (the
+        patch keeps attention, the bidirectional branch and the right conv inside each window of a
+        sequence's tokens, windows anchored at their end) when each row's padding is a prefix of the
+        segment (so its real tokens keep those windows); else one window per decode."""
+        if clean_bs <= 1:
+            return [list(range(n_clean))]
         from ...models.modeling_clover import window_ids
 
+        wid = window_ids(n_clean, clean_bs).tolist()
+        windows = [[c for c in range(n_clean) if wid[c] == w] for w in sorted(set(wid))]
+        if not all(p[:n_clean] == sorted(p[:n_clean], reverse=True) for p in pad):  # padding not only on the left
+            return windows
+        chunks: list[list[int]] = []
+        for cols in windows:
+            if chunks and rows * (len(chunks[-1]) + len(cols)) <= self.cpp.n_batch:
+                chunks[-1] += cols
+            else:
+                chunks.append(list(cols))
+        return chunks
+
+    def __call__(self, input_ids, cache: LlamaCppCache | None = None, block_size: int | None = None, draft_len: int = 0,
+                 clean_block_size: int | None = None, pad_mask=None, logits_to_keep: int = 0, logits_index=None, **unused):
         if cache is None:
             raise ValueError("the llama.cpp runner needs a cache (model.new_cache)")
         ids = input_ids.tolist()
@@ -162,40 +183,45 @@ class LlamaCppRunner:
         n_clean = length - draft_len
         pad = pad_mask.tolist() if pad_mask is not None else [[False] * length for _ in range(rows)]
         keep = logits_to_keep or length
-        first = length - keep  # columns >= first get logits
-        logits = torch.zeros(rows, keep, self.cpp.n_vocab)
+        first = length - keep  # columns >= first are kept; of those only logits_index's when given
+        index = None if logits_index is None else torch.as_tensor(logits_index).reshape(-1).tolist()
+        out_cols = list(range(first, length)) if index is None else [first + i for i in index]
+        slot: dict[int, list[int]] = {}  # absolute column -> its output positions
+        for i, c in enumerate(out_cols):
+            slot.setdefault(c, []).append(i)
+        logits = torch.zeros(rows, len(out_cols), self.cpp.n_vocab)
         seqs = cache.seqs
+
+        def fill(r, cols, res):  # cols: the absolute columns whose logits `res` holds, in order
+            for c, row in zip(cols, res):
+                logits[r, slot[c]] = torch.from_numpy(row)  # (a column named twice in logits_index: both)
+
         # 1. commit the clean segment
         if n_clean:
-            wid = window_ids(n_clean, clean_bs).tolist() if clean_bs > 1 else [0] * n_clean
-            for w in sorted(set(wid)):
-                cols = [c for c in range(n_clean) if wid[c] == w]
+            for cols in self.commit_chunks(n_clean, clean_bs, rows, pad):
                 toks, want, where = [], [], []
                 for r in range(rows):
                     real = [c for c in cols if not pad[r][c]]
                     toks.append([ids[r][c] for c in real])
-                    wanted = [c for c in real if c >= first]
-                    want.append(len(wanted))  # wanted columns are the last ones of `real`
-                    where.append(wanted)
+                    where.append([c for c in real if c in slot])
+                    want.append([j for j, c in enumerate(real) if c in slot])
                 res = self.decode(toks, seqs, clean_bs if clean_bs > 1 else 0, want)
                 for r in range(rows):
                     cache.record(seqs[r], toks[r])
-                    for c, row in zip(where[r], res[r]):
-                        logits[r, c - first] = torch.from_numpy(row)
-        # 2. the draft window, on scratch copies of the committed sequences
+                    fill(r, where[r], res[r])
+        # 2. the draft window, on scratch copies of the committed sequences; the head runs only for
+        # the columns asked for (a draft's still-masked ones when logits_index is given)
         if draft_len:
             scratch = [self.take_seq() for _ in range(rows)]
             for s, t in zip(seqs, scratch):
                 self.cpp.fork(s, t)
             toks = [row[n_clean:] for row in ids]
-            k = min(draft_len, keep)
-            res = self.decode(toks, scratch, block, [k] * rows)
+            cols = [c for c in range(n_clean, length) if c in slot]
+            res = self.decode(toks, scratch, block, [[c - n_clean for c in cols]] * rows)
             for r in range(rows):
-                logits[r, keep - k :] = torch.from_numpy(res[r])
+                fill(r, cols, res[r])
             for t in scratch:
                 self.give_seq(t)
-        if logits_index is not None:
-            logits = logits[:, logits_index]
         return _Out(logits)
 
 
