@@ -15,7 +15,7 @@ API_KEY_ENV = "CLOVER_API_KEY"
 
 
 def register(sub) -> None:
-    from .generate import MODE_HELP
+    from .generate import MODE_HELP, block_size_arg
 
     p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, playground at /)")
     add_model_args(p)  # --model, --device, --threads: the same flags and checks as `clover generate`
@@ -30,7 +30,8 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="rows waiting for a slot before requests get 503 (default 256)")
-    p.add_argument("--block-size", type=int, metavar="B", help="default block size (default: the model's)")
+    p.add_argument("--block-size", type=block_size_arg, metavar="B",
+                   help="default block size (default: the model's), or auto: the one `clover tune` stored")
     p.add_argument("--threshold", type=float, default=0.95, metavar="T", help="default low_confidence threshold")
     p.add_argument("--mode", default="low_confidence", metavar="MODE", help=f"default mode: {MODE_HELP}")
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
@@ -52,6 +53,9 @@ def check_args(args) -> None:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise UserError("--served-model-name: a name must not be empty")
+    from .generate import resolve_auto_block_size
+
+    resolve_auto_block_size(args)  # --block-size auto: the tuned block size and threshold, as generate
     # the checks `clover generate` makes (DecodeConfig.validate); the model's own maximum block size is
     # checked once it is loaded
     DecodeConfig(mode=args.mode, block_size=1 if args.block_size is None else args.block_size,
