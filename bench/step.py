@@ -8,11 +8,22 @@ One process, the shipped default model (or --model DIR) in fp32 with a prefilled
 (medians). The floor of a step is max(bytes of the weights it reads / measured memory bandwidth,
 its FLOPs / measured fp32 GEMM rate): a step reads every dense weight, the lm head and the experts
 its tokens route to (all of them once T * top_k >= experts), and does 2 FLOPs per weight per token.
+
+Each step is timed twice per sample: wall time and this thread's CPU time (`time.thread_time`); on
+a machine shared with other processes the wall time also counts the time the scheduler gave them.
+
+    python bench/step.py --profile [--sizes 1,32]
+
+prints, instead, a torch.profiler summary per runner and step size: aten ops per step, wall time,
+time inside aten ops and inside other recorded regions (a compiled graph's own kernels, dynamo's
+frame), time outside any recorded event (Python, guards), and the top ops by self time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import torch
@@ -23,27 +34,41 @@ from clover.models import CloverForBlockDiffusion
 from clover.utils.timing import time_alternately
 
 
-def bandwidth() -> float:
-    """Bytes/s of a large copy (read + write), best of a few."""
-    a = torch.empty(64 * 2**20 // 4 * 4)  # 256 MiB: well past the caches
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clock(device):
+    """This thread's CPU time on a CPU (see the module docstring); wall time after a sync on CUDA."""
+    if device.type == "cuda":
+        return lambda: (_sync(device), time.perf_counter())[1]
+    return time.thread_time
+
+
+def bandwidth(device=torch.device("cpu")) -> float:
+    """Bytes/s of a large copy (read + write), best of a few (thread CPU time: the hardware's rate,
+    not the share of it a loaded machine's scheduler leaves us)."""
+    a = torch.empty(64 * 2**20 * (16 if device.type == "cuda" else 1), device=device)  # past the caches
     b = torch.empty_like(a)
-    best = float("inf")
+    clock, best = _clock(device), float("inf")
     for _ in range(5):
-        t = time.perf_counter()
+        t = clock()
         b.copy_(a)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return 2 * a.numel() * 4 / best
 
 
-def gemm_rate() -> float:
-    """fp32 FLOP/s of a 1024^3 matmul, best of a few."""
-    x, w = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = float("inf")
+def gemm_rate(device=torch.device("cpu"), dtype=torch.float32) -> float:
+    """fp32 FLOP/s of a 1024^3 matmul, best of a few (thread CPU time, as above)."""
+    n = 8192 if device.type == "cuda" else 1024
+    x, w = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    clock, best = _clock(device), float("inf")
     for _ in range(5):
-        t = time.perf_counter()
+        t = clock()
         x @ w
-        best = min(best, time.perf_counter() - t)
-    return 2 * 1024**3 / best
+        best = min(best, clock() - t)
+    return 2 * n**3 / best
 
 
 def step_weights(model, tokens: int) -> tuple[float, float]:
@@ -53,7 +78,60 @@ def step_weights(model, tokens: int) -> tuple[float, float]:
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) - c.vocab_size * c.hidden_size
     used = min(1.0, tokens * c.num_experts_per_tok / c.num_experts)  # embedding rows: negligible
     per_token = dense + expert * c.num_experts_per_tok / c.num_experts
-    return 4.0 * (dense + expert * used), per_token
+    return model.dtype.itemsize * (dense + expert * used), per_token
+
+
+def load_model(args):
+    """The shipped default model (or --model), or random weights at a preset's dims (--preset)."""
+    dtype = getattr(torch, args.dtype)
+    if args.preset is None:
+        return CloverForBlockDiffusion.from_pretrained(args.model or DEFAULT_MODEL, dtype=dtype).to(args.device).eval()
+    from clover.models.configuration_clover import preset_config
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype on its device: 35B params in fp32 would not fit
+    try:
+        with torch.device(args.device):
+            model = CloverForBlockDiffusion(preset_config(args.preset))
+            model.apply(model._init_weights)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def profile_steps(candidates: dict, setup, steps: int = 20, top: int = 5) -> None:
+    """The torch.profiler summary of `steps` calls of each (runner, size) candidate (already warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    print("| runner | tokens | wall ms/step | aten ops/step | ms in aten ops | ms in other regions "
+          "| ms outside events | top ops by self time (ms/step) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for (kind, n), fn in candidates.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall = 0.0
+            for _ in range(steps):
+                setup(kind)
+                t = time.perf_counter()
+                fn()
+                wall += time.perf_counter() - t
+        events = [e for e in prof.key_averages() if e.key not in ("cudaDeviceSynchronize",)]
+        # setup (cache restore) runs under the profiler too: leave its copies out of the counts
+        setup_ops = {"aten::copy_", "aten::clone", "aten::empty_like", "aten::empty_strided"}
+        aten = [e for e in events if e.key.startswith("aten::")]
+        in_aten = sum(e.self_cpu_time_total for e in aten) / 1e3 / steps
+        other = sum(e.self_cpu_time_total for e in events if not e.key.startswith("aten::")) / 1e3 / steps
+        ops = sum(e.count for e in aten if e.key not in setup_ops) / steps
+        tops = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+        top_s = ", ".join(f"{e.key} x{e.count / steps:g} {e.self_cpu_time_total / 1e3 / steps:.2f}" for e in tops)
+        w = wall * 1e3 / steps
+        print(f"| {kind} | {n} | {w:.2f} | {ops:.0f} | {in_aten:.2f} | {other:.2f} | {max(0.0, w - in_aten - other):.2f} "
+              f"| {top_s} |")
+    print(f"\n(ops/step leaves out the cache restore's copies between steps; their time is in the ms columns.)")
+
+
+def _extra(args) -> str:
+    return "".join(f" --{k} {v}" for k, v in (("device", args.device), ("dtype", args.dtype), ("preset", args.preset))
+                   if v not in (None, "cpu", "float32")) + ("" if args.runners.count(",") == 2 else f" --runners {args.runners}")
 
 
 def main() -> None:
@@ -63,14 +141,21 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8,16,32", help="tokens per step; 1 = AR step")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler summary per step instead")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--preset", help="random weights at a built-in preset's dims instead of a model folder")
+    ap.add_argument("--runners", default="eager,compiled,compiled-skip-guards")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = CloverForBlockDiffusion.from_pretrained(args.model or DEFAULT_MODEL, dtype=torch.float32).eval()
+    model = load_model(args)
+    device = model.device
     sizes = [int(s) for s in args.sizes.split(",")]
     torch.manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size - 1, (1, args.context))
-    runners = {kind: make_runner(kind, model) for kind in ("eager", "compiled")}
-    runners["compiled-skip-guards"] = CompiledRunner(model, skip_guards=True)  # shares the compiled graphs
+    prompt = torch.randint(0, model.config.vocab_size - 1, (1, args.context), device=device)
+    kinds = args.runners.split(",")
+    runners = {kind: (CompiledRunner(model, skip_guards=True) if kind == "compiled-skip-guards"  # shares the graphs
+                      else make_runner(kind, model)) for kind in kinds}
     caches = {}
     with torch.inference_mode():
         for kind, r in runners.items():
@@ -83,9 +168,10 @@ def main() -> None:
         for n in sizes:
             ids = prompt[:, -n:]
             if n == 1:
-                fn = (lambda r=r, c=cache, ids=ids: r.forward(ids, c, keep=1))
+                fn = (lambda r=r, c=cache, ids=ids: (r.forward(ids, c, keep=1), _sync(device)))
             else:
-                fn = (lambda r=r, c=cache, ids=ids, n=n: r.forward(ids, c, block_size=n, draft_len=n, clean_block_size=n, keep=n))
+                fn = (lambda r=r, c=cache, ids=ids, n=n: (r.forward(ids, c, block_size=n, draft_len=n, clean_block_size=n,
+                                                                    keep=n), _sync(device)))
             candidates[(kind, n)] = fn
     with torch.inference_mode():
         for key, fn in candidates.items():  # first call = compilation (cold, unless inductor's cache has it)
@@ -94,26 +180,48 @@ def main() -> None:
                 fn()
                 caches[key[0]][0].restore(caches[key[0]][1])
                 compile_s.setdefault(key, time.perf_counter() - t)
-        times = time_alternately({f"{k} {n}": fn for (k, n), fn in candidates.items()}, repeats=args.repeats,
-                                 setup=lambda name: caches[name.split()[0]][0].restore(caches[name.split()[0]][1]))
-    bw, rate = bandwidth(), gemm_rate()
+        restore = lambda name: caches[name.split()[0]][0].restore(caches[name.split()[0]][1])  # noqa: E731
+        if args.profile:
+            print(f"`python bench/step.py --profile --context {args.context} --sizes {args.sizes} "
+                  f"--threads {args.threads}` ({torch.get_num_threads()} thread(s), torch {torch.__version__}, fp32)\n")
+            profile_steps({k: fn for k, fn in candidates.items() if k[0] != "compiled-skip-guards"}, restore)
+            return
+        times, cpu = {}, {}
+        for _ in range(2):  # wall and thread-CPU samples interleaved in halves, so load drifts hit both
+            for out, clock in ((times, time.perf_counter), (cpu, _clock(device))):
+                got = time_alternately({f"{k} {n}": fn for (k, n), fn in candidates.items()},
+                                       repeats=max(1, args.repeats // 2), setup=restore, clock=clock)
+                for name, v in got.items():
+                    out.setdefault(name, []).append(v)
+        times = {name: statistics.median(v) for name, v in times.items()}
+        cpu = {name: statistics.median(v) for name, v in cpu.items()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    bw, rate = bandwidth(device), gemm_rate(device, model.dtype)
     print(f"`python bench/step.py --context {args.context} --sizes {args.sizes} --repeats {args.repeats} "
-          f"--threads {args.threads}` ({torch.get_num_threads()} thread(s), torch {torch.__version__}, fp32; "
-          f"measured: copy bandwidth {bw / 1e9:.1f} GB/s, fp32 GEMM {rate / 1e9:.1f} GFLOP/s)\n")
+          f"--threads {args.threads}{_extra(args)}` ({torch.get_num_threads()} thread(s), torch {torch.__version__}, "
+          f"{model.dtype} on {device}; measured: copy bandwidth {bw / 1e9:.1f} GB/s, {model.dtype} GEMM {rate / 1e9:.1f} GFLOP/s; load average "
+          f"{load:.1f} on {os.cpu_count()} CPUs)\n")
     print("| ms per step | " + " | ".join("1 token (AR)" if n == 1 else f"{n}-token draft" for n in sizes) + " |")
     print("|---|" + "---:|" * len(sizes))
     for kind in runners:
         print(f"| {kind} | " + " | ".join(f"{times[f'{kind} {n}'] * 1e3:.2f}" for n in sizes) + " |")
+    for kind in runners:
+        print(f"| {kind} ({'thread CPU time' if device.type == 'cpu' else 'synced wall, 2nd half'}) | " + " | ".join(f"{cpu[f'{kind} {n}'] * 1e3:.2f}" for n in sizes) + " |")
     floors = []
     for n in sizes:
         nbytes, per_token = step_weights(model, n)
         floors.append(max(nbytes / bw, 2 * per_token * n / rate))
     print("| floor | " + " | ".join(f"{f * 1e3:.2f}" for f in floors) + " |")
-    best = {n: min(times[f"compiled {n}"], times[f"compiled-skip-guards {n}"]) for n in sizes}
-    print("| best compiled / floor | " + " | ".join(f"{best[n] / f:.1f}x" for n, f in zip(sizes, floors)) + " |")
-    print("| eager / best compiled | " + " | ".join(f"{times[f'eager {n}'] / best[n]:.2f}x" for n in sizes) + " |")
+    comp = [k for k in runners if k.startswith("compiled")] or list(runners)
+    label = "best compiled" if comp[0].startswith("compiled") else comp[0]
+    best = {n: min(times[f"{k} {n}"] for k in comp) for n in sizes}
+    print(f"| {label} / floor | " + " | ".join(f"{best[n] / f:.1f}x" for n, f in zip(sizes, floors)) + " |")
+    if "eager" in runners and label == "best compiled":
+        print("| eager / best compiled | " + " | ".join(f"{times[f'eager {n}'] / best[n]:.2f}x" for n in sizes) + " |")
+    best_cpu = {n: min(cpu[f"{k} {n}"] for k in comp) for n in sizes}
+    print(f"| {label} CPU time / floor | " + " | ".join(f"{best_cpu[n] / f:.1f}x" for n, f in zip(sizes, floors)) + " |")
     print("\nFirst call (compile, or inductor's on-disk cache when warm) of each compiled shape: "
-          + ", ".join(f"{n} tok {compile_s[('compiled', n)]:.1f} s" for n in sizes) + ".")
+          + ", ".join(f"{n} tok {compile_s[(comp[0], n)]:.1f} s" for n in sizes) + ".")
 
 
 if __name__ == "__main__":

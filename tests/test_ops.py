@@ -12,7 +12,7 @@ from clover.ops.gated_delta_rule import (
     gated_delta_rule,
     naive_gated_delta_rule,
 )
-from clover.ops.moe import grouped_experts, naive_experts
+from clover.ops.moe import gathered_experts, grouped_experts, naive_experts
 from clover.ops.short_conv import block_short_conv, naive_block_short_conv
 
 
@@ -121,3 +121,14 @@ def test_chunk_form_trains_after_running_under_inference_mode():
     out, _, _ = chunk_gated_delta_rule(*leaves, 0.4, state, chunk_size=23)
     out.sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_gathered_experts_match_naive(tokens):
+    experts, topk, hidden, inter = 16, 3, 10, 7
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, hidden)
+    gate_up, down = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
+    torch.testing.assert_close(gathered_experts(x, top_idx, top_w, gate_up, down),
+                               naive_experts(x, top_idx, top_w, gate_up, down), atol=1e-4, rtol=1e-4)

@@ -46,8 +46,14 @@ def run(args) -> int:
     from ..eval import pareto
 
     model, tokenizer = load(args.model, args.device)
-    jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in pareto.examples(args.per_task)]
-    entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner)
+    exs = pareto.examples(args.per_task)
+    jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in exs]
+
+    def score(i, ids):  # the task suite's exact match of the output's stripped first line
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return text.strip().split("\n")[0].strip() == exs[i]["answer"]
+
+    entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner, score)
     keys = tuning.model_key(args.model or DEFAULT_MODEL), tuning.machine_key(str(model.device))
     path = None if args.dry_run else tuning.store(*keys, entry)
     if args.json:
@@ -55,11 +61,14 @@ def run(args) -> int:
         return 0
     ar = entry["ar"]["tokens_per_second"]
     print(f"{keys[1]}, {len(jobs)} task prompts; ar {ar:.1f} tokens/s")
-    print("| block | threshold | TPF | tokens/s | vs ar | step ms |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    ref = entry["reference"]
+    print(f"accuracy: ar {entry['ar']['accuracy']:.3f}, low_confidence at block {ref['block_size']} / "
+          f"{ref['threshold']} {ref['accuracy']:.3f} (a setting may lose {tuning.ACCURACY_SLACK:.2f})")
+    print("| block | threshold | TPF | tokens/s | vs ar | accuracy | step ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in entry["curve"]:
         print(f"| {r['block_size']} | {r['threshold']} | {r['tpf']:.2f} | {r['tokens_per_second']:.1f} | "
-              f"{r['tokens_per_second'] / ar:.2f}x | {entry['step_ms'][str(r['block_size'])]:.2f} |")
+              f"{r['tokens_per_second'] / ar:.2f}x | {r['accuracy']:.3f} | {entry['step_ms'][str(r['block_size'])]:.2f} |")
     print(f"best: block {entry['block_size']}, threshold {entry['threshold']}"
           + (f" (stored in {path})" if path else " (not stored: --dry-run)"))
     return 0

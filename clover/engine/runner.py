@@ -6,8 +6,9 @@ another back end plugs in without touching them.
 * `CompiledRunner`: the steady steps (an AR token, a draft window, a window plus the block it
   commits) as one `torch.compile` graph each (inductor; on CUDA `mode="reduce-overhead"`, CUDA
   graphs). Shapes are static: the attention layers read the cache's whole capacity (masked past each
-  row's length), capacities come in buckets, the MoE routing runs as one opaque custom op, the
-  cache commit needs no `nonzero`. A graph is compiled once per shape (rows, window width, clean
+  row's length), capacities come in buckets, the MoE routing is traced into the graph as a gather
+  of the chosen experts' weights + bmm where tokens x top_k < experts (an AR step) and runs as one
+  opaque custom op otherwise, the cache commit needs no `nonzero`. A graph is compiled once per shape (rows, window width, clean
   columns, capacity bucket) and replayed after; prefill (arbitrary widths) runs eagerly. Logits
   equal the eager runner's within float rounding (fp32: 1e-5); tests/test_runner_compiled.py checks
   it in every mode.

@@ -116,11 +116,14 @@ def step_ms(model, sizes, context: int = 256, repeats: int = 10, runner: str = "
     return {n: 1e3 * t for n, t in times.items()}
 
 
-def decode_rate(model, jobs, eos, mode: str, block_size: int, threshold: float, runner: str = "eager") -> dict:
-    """Decode every (prompt, budget) one at a time; tokens, forwards, seconds, tokens/s."""
+def decode_rate(model, jobs, eos, mode: str, block_size: int, threshold: float, runner: str = "eager",
+                score=None) -> dict:
+    """Decode every (prompt, budget) one at a time; tokens, forwards, seconds, tokens/s, and with
+    `score(i, token_ids) -> bool` (is job i's output right?) the accuracy."""
     from . import DecodeConfig, Engine
 
     tokens = forwards = 0
+    outputs = []
     start = time.perf_counter()
     for prompt, budget in jobs:
         cfg = DecodeConfig(mode=mode, block_size=block_size, threshold=threshold, max_new_tokens=budget,
@@ -128,18 +131,32 @@ def decode_rate(model, jobs, eos, mode: str, block_size: int, threshold: float, 
         seq = Engine(model, cfg).generate([prompt])[0]
         tokens += len(seq.token_ids)
         forwards += seq.forward_passes
-    seconds = time.perf_counter() - start
+        outputs.append(list(seq.token_ids))
+    seconds = time.perf_counter() - start  # scoring (detokenising) is not decode time
+    accuracy = None if score is None else sum(bool(score(i, ids)) for i, ids in enumerate(outputs)) / max(len(jobs), 1)
     return dict(block_size=block_size, threshold=threshold, tokens=tokens, forwards=forwards, seconds=seconds,
-                tpf=tokens / max(forwards, 1), tokens_per_second=tokens / seconds)
+                tpf=tokens / max(forwards, 1), tokens_per_second=tokens / seconds, accuracy=accuracy)
 
 
-def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=(0.9, 0.95), runner: str = "eager") -> dict:
+ACCURACY_SLACK = 0.02  # a tuned setting may lose at most 2 points of accuracy against lc at the defaults
+
+
+def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=(0.9, 0.95), runner: str = "eager", score=None) -> dict:
     """Measure the step cost per window and low_confidence tokens/s per (block size, threshold) on
-    `jobs`; the entry to store: the best setting, the curve, ar's rate and the step costs."""
+    `jobs`; the entry to store: the best setting, the curve, ar's rate and the step costs. With
+    `score` (see decode_rate) the best is the fastest setting whose accuracy is within
+    ACCURACY_SLACK of low_confidence at the announced defaults (measured too when not on the grid)."""
     with torch.inference_mode():
-        ar = decode_rate(model, jobs, eos, "ar", 1, DEFAULT_THRESHOLD, runner)
-        curve = [decode_rate(model, jobs, eos, "low_confidence", b, t, runner) for b in sizes for t in thresholds]
-    best = max(curve, key=lambda r: r["tokens_per_second"])
+        ar = decode_rate(model, jobs, eos, "ar", 1, DEFAULT_THRESHOLD, runner, score)
+        curve = [decode_rate(model, jobs, eos, "low_confidence", b, t, runner, score) for b in sizes for t in thresholds]
+        reference = None
+        if score is not None:
+            grid = {(r["block_size"], r["threshold"]): r for r in curve}
+            reference = grid.get((DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD)) or decode_rate(
+                model, jobs, eos, "low_confidence", DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD, runner, score)
+    eligible = [r for r in curve if reference is None or r["accuracy"] >= reference["accuracy"] - ACCURACY_SLACK - 1e-9]
+    best = max(eligible or [reference], key=lambda r: r["tokens_per_second"])
     return dict(block_size=best["block_size"], threshold=best["threshold"], runner=runner, ar=ar, curve=curve,
+                reference=reference,
                 step_ms={str(k): v for k, v in step_ms(model, [1, *sizes], runner=runner).items()},
                 prompts=len(jobs), tuned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

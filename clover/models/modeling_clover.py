@@ -30,7 +30,7 @@ from ..ops.gated_delta_rule import (
     chunk_gated_delta_rule_from_states,
     gated_delta_rule,
 )
-from ..ops.moe import grouped_experts, grouped_experts_op
+from ..ops.moe import gathered_experts, grouped_experts, grouped_experts_op
 from ..ops.short_conv import block_short_conv
 from ..ops.utils import cast
 from ..quant import apply_quantization
@@ -439,7 +439,9 @@ class CloverExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def forward(self, x, top_idx, top_w):
-        dispatch = grouped_experts_op if torch.compiler.is_compiling() else grouped_experts
+        dispatch = grouped_experts
+        if torch.compiler.is_compiling():  # a few tokens: gathered into the graph; more: one opaque op
+            dispatch = gathered_experts if top_idx.numel() < self.gate_up_proj.shape[0] else grouped_experts_op
         return dispatch(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 

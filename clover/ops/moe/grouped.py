@@ -87,6 +87,19 @@ def sort_by_expert(top_idx, num_experts):
     return order, flat[order], order // top_idx.shape[1], torch.bincount(flat, minlength=num_experts)
 
 
+def gathered_experts(x, top_idx, top_w, gate_up, down):
+    """The same dispatch for a few tokens as plain tensor ops (no host sync, no data-dependent
+    shapes, so torch.compile traces it into the step's graph): the k chosen experts' weights of
+    every token are gathered and run as two batched matrix-vector products. Reads T*k expert
+    matrices: the choice where T * top_k is below the number of experts (a decode step)."""
+    t, k = top_idx.shape
+    flat = top_idx.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [T*k, H, 1]
+    gate, up = torch.bmm(gate_up[flat], xs).squeeze(-1).split(down.shape[-1], dim=-1)
+    y = torch.bmm(down[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)  # [T*k, H]
+    return (y.view(t, k, -1) * cast(top_w, x.dtype)[:, :, None]).sum(1)
+
+
 def segmented_experts(x, top_idx, top_w, num_experts, expert_fn):
     """The same dispatch for experts that are not plain weight tensors (e.g. int4): `expert_fn(e, xs)`
     maps the rows routed to expert e to its output. One call per used expert, on the contiguous
