@@ -1,4 +1,4 @@
-"""Joint decision mode (SPEC section 4): up to 8 questions about one material answered in one
+"""Joint decision mode: up to 8 questions about one material answered in one
 denoising process. Design and slot layout: docs/decide.md.
 
     answers = clover.decide(model, tokenizer, material, [

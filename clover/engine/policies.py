@@ -3,7 +3,7 @@
 A policy = a confidence score per position (from the distribution the token was drawn from) + a
 selection rule. All work on whole batches [rows, block] on-device, with no host round trip.
 
-* `low_confidence` (SPEC section 3): fill every masked position whose probability is strictly above
+* `low_confidence` (docs/architecture.md): fill every masked position whose probability is strictly above
   the threshold; if none is, fill the single most confident one (leftmost on ties).
 * `topk`, `entropy`, `margin` (the Dream / llama.cpp variants): a fixed budget of `steps` per block;
   each step fills ceil(masked / steps left) positions, ranked by probability, negative entropy or

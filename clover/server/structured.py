@@ -13,13 +13,12 @@ document the final check rejects is never returned (500).
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 
 from ..structured import (JsonResult, Refused, Skeleton, Unsupported, check_grammar, grammar_json, infill_json,
                           is_json_object, normalize, skeleton)
 from ..structured import check as check_schema
-from ..chat import CALL_END, CALL_HEAD
+from ..chat import CALL_END, CALL_HEAD, new_call_id
 from .protocol import APIError, ToolPlan, forced_name
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
@@ -163,7 +162,7 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
     r = _run(model, tokenizer, prompt_ids, plans[name], threshold, block_size, max_tokens, prefix=head,
              suffix=CALL_END, param="tools")
     text, finish, info = _verdict(r, max_tokens, tokenizer, forwards, head)
-    call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": text}}
+    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
     return Infilled(None, [call], min(len(r.token_ids), max_tokens), info,
                     "tool_calls" if finish == "stop" else finish)
 
