@@ -461,3 +461,13 @@ def test_grammar_path_applies_the_keywords_beside_a_ref(tiny):
     doc = {"type": "object", "properties": {"v": inner}, "required": ["v"], "$defs": schema["$defs"]}
     out = _biased_grammar(model, tok, doc, str.isdigit, 30)
     assert out.complete and out.valid and 0 <= out.value["v"] <= 3, (out.text, out.error)
+
+
+def test_grammar_path_compiles_arrays_with_min_items_and_no_items(tiny):
+    """`{"type": "array", "minItems": 1}` (GitHub workflows, GitLab CI, the draft-04 meta-schema):
+    xgrammar's strict mode allows no items there and refused to compile it; for_decoding gives it
+    bounded scalar items, and the decoded array has at least minItems of them."""
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 2}}, "required": ["a"]}
+    out = _biased_grammar(model, tok, schema, str.isalnum, 120)
+    assert out.complete and out.valid and len(out.value["a"]) >= 2, (out.text, out.error)

@@ -151,3 +151,13 @@ def test_dynamic_and_recursive_refs_resolve_in_one_document():
         normalize({"type": "object", "properties": {"a": {"$dynamicRef": "#nowhere"}}})
     with pytest.raises(Refused, match="embedded"):
         normalize({"properties": {"a": {"$id": "http://x/y", "$dynamicRef": "#meta"}}})
+
+
+def test_only_selects_entries_by_id(capsys):
+    """`--only` reruns just the failing entries: ids containing one of the comma-separated words."""
+    from clover.cli import main
+
+    ids = [e["id"] for e in corpus.load(per_file=0, sources=("pydantic",), only="Trip,MaybeAge")]
+    assert sorted(ids) == ["MaybeAge", "Trip"]
+    assert main(["bench", "structured", "--corpus", "--only", "no-such-schema-id"]) == 2
+    assert "matches no corpus entry" in capsys.readouterr().err

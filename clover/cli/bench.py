@@ -441,6 +441,8 @@ def add_structured_flags(p) -> None:
     p.add_argument("--per-file", type=int, default=6,
                    help="--corpus: SchemaStore definitions taken per document (default 6; 0: roots only)")
     p.add_argument("--max-tokens", type=int, default=600, help="--corpus: token budget of a reply (default 600)")
+    p.add_argument("--only", metavar="IDS", help="--corpus: just the entries whose id contains one of these "
+                                                 "comma-separated substrings")
 
 
 def _rate_cell(x) -> str:
@@ -513,8 +515,10 @@ def run_structured_corpus(args) -> int:
     if args.per_file < 0 or args.max_tokens < 1:
         raise UserError("--per-file must be >= 0 and --max-tokens >= 1")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    entries = corpus.load(per_file=args.per_file, only=args.only)
+    if not entries:
+        raise UserError(f"--only {args.only!r} matches no corpus entry")
     model, tokenizer = load(args.model, args.device)
-    entries = corpus.load(per_file=args.per_file)
     records = []
     with _progress(len(entries), "bench structured --corpus") as bar, torch.inference_mode():
         for e in entries:

@@ -559,6 +559,11 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
         s["maxLength"] = max(s.get("minLength", 0), STRING_CAP)
     if types is not None and types & {"integer", "number"} and not {"enum", "const"} & set(s):
         _bound_number(s)
+    if types is not None and "array" in types and "items" not in s and s.get("minItems", 0) > len(s.get("prefixItems", [])):
+        # in strict mode xgrammar allows no items beyond prefixItems where `items` is absent, and
+        # refuses the schema when minItems asks for more (GitHub workflows, GitLab CI, draft-04's
+        # meta-schema): any scalar items instead, bounded
+        s["items"] = for_decoding({"type": ["string", "integer", "boolean", "null"]}, f"{path}/items", defs)
     if "maxItems" not in s and (types is None or "array" in types) and ("type" in s or "items" in s):
         s["maxItems"] = max(s.get("minItems", 0), len(s.get("prefixItems", [])), ARRAY_CAP)
     return s
