@@ -471,3 +471,23 @@ def test_grammar_path_compiles_arrays_with_min_items_and_no_items(tiny):
     schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 2}}, "required": ["a"]}
     out = _biased_grammar(model, tok, schema, str.isalnum, 120)
     assert out.complete and out.valid and len(out.value["a"]) >= 2, (out.text, out.error)
+
+
+def test_patterns_with_raw_control_characters_compile(tiny):
+    """GitHub actions' expression pattern holds a raw CR and LF in a character class, which
+    xgrammar's lexer rejects (the whole document was refused); for_decoding writes them as escapes,
+    the same regular expression."""
+    import re
+
+    from clover.structured.normalize import escape_controls
+
+    pattern = "^\\$\\{\\{(.|[\r\n])*\\}\\}$"
+    assert escape_controls(pattern) == "^\\$\\{\\{(.|[\\r\\n])*\\}\\}$"
+    for p in ("a[\r\n]b", "a\\\nb", "x\x01y", "\\\\\n"):
+        for text in ("a\nb", "a\rb", "x\x01y", "\\\n", "a\\nb", "\\n"):
+            assert bool(re.search(p, text)) == bool(re.search(escape_controls(p), text)), (p, text)
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern, "maxLength": 20}},
+              "required": ["v"]}
+    out = _biased_grammar(model, tok, schema, str.isalnum, 60)
+    assert out.complete and out.valid and out.value["v"].startswith("${{"), (out.text, out.error)

@@ -553,7 +553,7 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
             del s["format"]
             s["pattern"] = pattern
     if isinstance(s.get("pattern"), str) and (types is None or "string" in types):
-        s["pattern"] = bounded_pattern(s["pattern"], s.get("maxLength", 2 * STRING_CAP))
+        s["pattern"] = bounded_pattern(escape_controls(s["pattern"]), s.get("maxLength", 2 * STRING_CAP))
     free = not any(k in s for k in ("enum", "const", "pattern", "format", "maxLength"))
     if free and (types is None or "string" in types) and ("type" in s or "minLength" in s):
         s["maxLength"] = max(s.get("minLength", 0), STRING_CAP)
@@ -630,6 +630,17 @@ def _format_pattern(fmt: str, max_length: int | None) -> str | None:
     fixed, per_n = {"email": (8, 2), "hostname": (3, 3), "uri": (13, 6)}[fmt]  # length = fixed + per_n * N
     n = 12 if max_length is None else min(12, (max_length - fixed) // per_n)
     return pattern.replace(",N}", f",{n}}}") if n >= 1 else None
+
+
+def escape_controls(pattern: str) -> str:
+    r"""A pattern with its raw control characters written as escapes (`\n`, `\x01`; the same regular
+    expression): xgrammar's lexer rejects a raw newline in a character class (GitHub actions'
+    `[\r\n]`, written with the characters themselves, was refused)."""
+    def one(m):
+        slashes = m.group(1)[:len(m.group(1)) // 2 * 2]  # an escaped control character is the character
+        c = m.group(2)
+        return slashes + {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c, f"\\x{ord(c):02x}")
+    return re.sub(r"(\\*)([\x00-\x1f])", one, pattern)
 
 
 def _width(pattern: str) -> int | None:
