@@ -424,3 +424,70 @@ def test_patterns_are_bounded_for_the_grammar(tiny):
               "required": ["v"]}
     out = _biased_grammar(model, tok, schema, str.isalnum, 40)
     assert out.complete and out.valid and 1 <= len(out.value["v"]) <= 9, (out.text, out.error)
+
+
+def test_grammar_path_bounds_the_digits_of_numbers(tiny):
+    """xgrammar lets an integer or number without both bounds run to any number of digits (pydantic's
+    Trip and SchemaStore's citation-file-format ran out of max_tokens); for_decoding gives it both
+    bounds, so a model that wants digits for ever ends the value and the document."""
+    from clover.structured.normalize import for_decoding
+
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5}, "x": {"type": "number"},
+                                               "k": {"type": ["integer", "null"], "exclusiveMaximum": -2}},
+              "required": ["n", "x", "k"], "additionalProperties": False}
+    props = for_decoding(schema)["properties"]
+    assert props["n"]["minimum"] == 5 and props["n"]["maximum"] > 5
+    assert props["x"]["minimum"] < 0 < props["x"]["maximum"]
+    assert props["k"]["exclusiveMaximum"] == -2 and props["k"]["minimum"] < -2 and "maximum" not in props["k"]
+    out = _biased_grammar(model, tok, schema, str.isdigit, 120)
+    assert out.complete and out.valid, (out.text, out.error)
+
+
+def test_grammar_path_applies_the_keywords_beside_a_ref(tiny):
+    """xgrammar reads a `$ref` alone (`{"$ref": <integer>, "maximum": 3}` accepted 7): for_decoding
+    merges the target with the siblings."""
+    import xgrammar as xgr
+
+    from clover.structured.grammar import compile_schema
+
+    model, tok = tiny
+    schema = {"$ref": "#/$defs/a", "maximum": 3, "minimum": 0, "$defs": {"a": {"type": "integer"}}}
+
+    def accepts(text):
+        return xgr.GrammarMatcher(compile_schema(tok, model.config.vocab_size, (tok.eos_token_id,), schema)).accept_string(text)
+    assert accepts("3") and not accepts("7")
+    inner = {k: v for k, v in schema.items() if k != "$defs"}
+    doc = {"type": "object", "properties": {"v": inner}, "required": ["v"], "$defs": schema["$defs"]}
+    out = _biased_grammar(model, tok, doc, str.isdigit, 30)
+    assert out.complete and out.valid and 0 <= out.value["v"] <= 3, (out.text, out.error)
+
+
+def test_grammar_path_compiles_arrays_with_min_items_and_no_items(tiny):
+    """`{"type": "array", "minItems": 1}` (GitHub workflows, GitLab CI, the draft-04 meta-schema):
+    xgrammar's strict mode allows no items there and refused to compile it; for_decoding gives it
+    bounded scalar items, and the decoded array has at least minItems of them."""
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 2}}, "required": ["a"]}
+    out = _biased_grammar(model, tok, schema, str.isalnum, 120)
+    assert out.complete and out.valid and len(out.value["a"]) >= 2, (out.text, out.error)
+
+
+def test_patterns_with_raw_control_characters_compile(tiny):
+    """GitHub actions' expression pattern holds a raw CR and LF in a character class, which
+    xgrammar's lexer rejects (the whole document was refused); for_decoding writes them as escapes,
+    the same regular expression."""
+    import re
+
+    from clover.structured.normalize import escape_controls
+
+    pattern = "^\\$\\{\\{(.|[\r\n])*\\}\\}$"
+    assert escape_controls(pattern) == "^\\$\\{\\{(.|[\\r\\n])*\\}\\}$"
+    for p in ("a[\r\n]b", "a\\\nb", "x\x01y", "\\\\\n"):
+        for text in ("a\nb", "a\rb", "x\x01y", "\\\n", "a\\nb", "\\n"):
+            assert bool(re.search(p, text)) == bool(re.search(escape_controls(p), text)), (p, text)
+    model, tok = tiny
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern, "maxLength": 20}},
+              "required": ["v"]}
+    out = _biased_grammar(model, tok, schema, str.isalnum, 60)
+    assert out.complete and out.valid and out.value["v"].startswith("${{"), (out.text, out.error)

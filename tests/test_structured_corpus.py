@@ -129,3 +129,35 @@ def test_forced_calls_over_bfcl_tools(client, request_index):
         chunks = list(client.chat.completions.create(**kw, stream=True))
         streamed = "".join(tc.function.arguments or "" for ch in chunks for tc in ch.choices[0].delta.tool_calls or [])
         assert streamed == call.function.arguments and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_dynamic_and_recursive_refs_resolve_in_one_document():
+    """In one document evaluated from its root the dynamic scope is static: `$recursiveRef: "#"` and
+    `$dynamicRef: "#meta"` (root `$dynamicAnchor: meta`) are the root, a `$dynamicRef` to an anchor
+    below the root is that subschema; an embedded resource is still refused."""
+
+
+    meta = {"$dynamicAnchor": "meta", "type": "object", "properties": {
+        "kid": {"$dynamicRef": "#meta"}, "n": {"$dynamicRef": "#num"}, "m": {"$ref": "#num"}},
+        "$defs": {"num": {"$anchor": "num", "type": "integer", "maximum": 3}}}
+    s = normalize(meta)
+    check = validators.validator_for(s)(s)
+    assert check.is_valid({"kid": {"kid": {"n": 1}}, "m": 2})
+    assert not check.is_valid({"kid": {"kid": {"n": 7}}}) and not check.is_valid({"kid": 1}) and not check.is_valid({"m": 4})
+    rec = normalize({"$recursiveAnchor": True, "type": "object", "additionalProperties": {"$recursiveRef": "#"}})
+    check = validators.validator_for(rec)(rec)
+    assert check.is_valid({"a": {"b": {}}}) and not check.is_valid({"a": {"b": 1}})
+    with pytest.raises(Refused, match=r"\$dynamicRef"):
+        normalize({"type": "object", "properties": {"a": {"$dynamicRef": "#nowhere"}}})
+    with pytest.raises(Refused, match="embedded"):
+        normalize({"properties": {"a": {"$id": "http://x/y", "$dynamicRef": "#meta"}}})
+
+
+def test_only_selects_entries_by_id(capsys):
+    """`--only` reruns just the failing entries: ids containing one of the comma-separated words."""
+    from clover.cli import main
+
+    ids = [e["id"] for e in corpus.load(per_file=0, sources=("pydantic",), only="Trip,MaybeAge")]
+    assert sorted(ids) == ["MaybeAge", "Trip"]
+    assert main(["bench", "structured", "--corpus", "--only", "no-such-schema-id"]) == 2
+    assert "matches no corpus entry" in capsys.readouterr().err

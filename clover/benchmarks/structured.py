@@ -75,9 +75,11 @@ def run_corpus(args) -> int:
 
     if args.per_file < 0 or args.max_tokens < 1:
         raise UserError("--per-file must be >= 0 and --max-tokens >= 1")
+    entries = corpus.load(per_file=args.per_file, only=args.only)
+    if not entries:
+        raise UserError(f"--only {args.only!r} matches no corpus entry")
     set_threads(args.threads)
     model, tokenizer = load(args.model, args.device)
-    entries = corpus.load(per_file=args.per_file)
     records = []
     with progress(len(entries), "bench structured --corpus") as bar, torch.inference_mode():
         for e in entries:

@@ -113,6 +113,8 @@ def add_structured_flags(p) -> None:
     p.add_argument("--per-file", type=int, default=6,
                    help="--corpus: SchemaStore definitions taken per document (default 6; 0: roots only)")
     p.add_argument("--max-tokens", type=int, default=600, help="--corpus: token budget of a reply (default 600)")
+    p.add_argument("--only", metavar="IDS", help="--corpus: just the entries whose id contains one of these "
+                                                 "comma-separated substrings")
 
 
 # the shared decoding flags (clover/cli/options.py) each benchmark reads, DecodeConfig's defaults when not given

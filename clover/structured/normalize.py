@@ -85,6 +85,11 @@ class _Normalizer:
     def resolve(self, ref: str, path: str):
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise Refused("$ref", path, f"only local references (#/...) are supported, got {ref!r}")
+        if len(ref) > 1 and not ref.startswith("#/"):  # a plain-name fragment: an $anchor
+            found = self._anchor(self.root, ref[1:], "#", ("$anchor", "$dynamicAnchor"))
+            if found is None:
+                raise Refused("$ref", path, f"no anchor {ref[1:]!r} in this document")
+            ref = found
         target = self.root
         for part in [p for p in ref[1:].split("/") if p != ""]:
             part = part.replace("~1", "/").replace("~0", "~")
@@ -96,16 +101,68 @@ class _Normalizer:
                 raise Refused("$ref", path, f"{ref!r} does not resolve in this document")
         return target
 
+    def dynamic(self, key: str, ref, path: str) -> str:
+        """A `$recursiveRef` / `$dynamicRef` as the `$ref` it means here. In one document evaluated
+        from its root the dynamic scope is static: `$recursiveRef: "#"` is the root when the root
+        sets `$recursiveAnchor` (the outermost resource that does), else "#" itself; `$dynamicRef:
+        "#name"` is the root when the root has `$dynamicAnchor: name`, else the subschema that does
+        (a plain anchor). An embedded resource (`$id` below the root) is refused: its scope is not
+        the root's."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise Refused(key, path, f"only local references (#...) are supported, got {ref!r}")
+        if self._embedded(self.root, top=True):
+            raise Refused(key, path, "in a document with embedded resources ($id below the root)")
+        if key == "$recursiveRef":
+            if ref != "#":
+                raise Refused(key, path, f"only '#' is defined, got {ref!r}")
+            return "#"
+        name = ref[1:]
+        if "/" in name or name == "":
+            return ref  # a JSON pointer: a plain $ref
+        if isinstance(self.root, dict) and self.root.get("$dynamicAnchor") == name:
+            return "#"
+        found = self._anchor(self.root, name, "#", ("$dynamicAnchor", "$anchor"))
+        if found is None:
+            raise Refused(key, path, f"no anchor {name!r} in this document")
+        return found
+
+    def _embedded(self, s, top: bool = False) -> bool:
+        if isinstance(s, dict):
+            if not top and isinstance(s.get("$id"), str) and not s["$id"].startswith("#"):
+                return True
+            return any(self._embedded(v) for k, v in s.items() if k not in ("enum", "const", "examples", "default"))
+        if isinstance(s, list):
+            return any(self._embedded(v) for v in s)
+        return False
+
+    def _anchor(self, s, name: str, pointer: str, keys: tuple) -> str | None:
+        """The JSON pointer of the subschema with an anchor `name` (one of `keys`), or None."""
+        if isinstance(s, dict):
+            if any(s.get(k) == name for k in keys):
+                return pointer
+            items = [(k, v) for k, v in s.items() if k not in ("enum", "const", "examples", "default")]
+        elif isinstance(s, list):
+            items = list(enumerate(s))
+        else:
+            return None
+        for k, v in items:
+            found = self._anchor(v, name, f"{pointer}/{_escape(str(k))}", keys)
+            if found is not None:
+                return found
+        return None
+
     def node(self, s, path: str, stack: tuple):
         """One schema node, normalised. `stack`: the refs being inlined above it (recursion check)."""
         if isinstance(s, bool):
             return s
         if not isinstance(s, dict):
             raise ValueError(f"{path}: a schema must be an object or a boolean, got {type(s).__name__}")
+        s = dict(s)
         for key in ("$dynamicRef", "$recursiveRef"):
             if key in s:
-                raise Refused(key, path)
-        s = dict(s)
+                if "$ref" in s:
+                    raise Refused(key, path, "beside a $ref")
+                s["$ref"] = self.dynamic(key, s.pop(key), path)
         parts = []
         if "$ref" in s:
             ref = s.pop("$ref")
@@ -226,7 +283,7 @@ def merge(schemas: list, path: str, decoding: bool = False, defs: dict | None = 
     return out
 
 
-def _expand(s, defs: dict, path: str):
+def _expand(s, defs: dict, path: str, decoding: bool = False):
     """A part `{"$ref": "#/$defs/x", ...}` with the target's keywords in place of the reference."""
     if not isinstance(s, dict) or "$ref" not in s:
         return s
@@ -235,7 +292,7 @@ def _expand(s, defs: dict, path: str):
         raise Refused("$ref", path, f"{s['$ref']!r} does not resolve")
     rest = {k: v for k, v in s.items() if k != "$ref"}
     target = defs[name]
-    return merge([target, rest], path) if rest else target
+    return merge([target, rest], path, decoding, defs) if rest else target
 
 
 def _merged(schemas: list, path: str):
@@ -390,6 +447,7 @@ def _escape(key: str) -> str:
 # ---- for the grammar path ----------------------------------------------------------------------------
 STRING_CAP = 24  # characters of a string without maxLength (a bound the grammar decodes within)
 ARRAY_CAP = 3  # items of an array without maxItems
+NUMBER_CAP = 10**9  # the width of the range given to a number without a minimum or maximum
 # keywords the grammar library does not enforce and `for_decoding` cannot strengthen away
 UNENFORCED = ("if", "then", "else", "contains", "minContains", "maxContains", "dependentSchemas",
               "unevaluatedItems")
@@ -406,6 +464,11 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
     if defs is None:
         defs = schema.get("$defs", {})
     s = dict(schema)
+    if "$ref" in s and set(s) - {"$ref", "$defs"}:
+        # xgrammar reads a $ref alone (`{"$ref": <integer>, "maximum": 3}` accepted 7): the target's
+        # keywords merged with the siblings instead
+        s = {**_expand({k: v for k, v in s.items() if k != "$defs"}, defs, path, True),
+             **({"$defs": s["$defs"]} if "$defs" in s else {})}
     if "allOf" in s:
         raw = [_expand(p, defs, path) for p in s.pop("allOf")]
         try:
@@ -490,13 +553,33 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
             del s["format"]
             s["pattern"] = pattern
     if isinstance(s.get("pattern"), str) and (types is None or "string" in types):
-        s["pattern"] = bounded_pattern(s["pattern"], s.get("maxLength", 2 * STRING_CAP))
+        s["pattern"] = bounded_pattern(escape_controls(s["pattern"]), s.get("maxLength", 2 * STRING_CAP))
     free = not any(k in s for k in ("enum", "const", "pattern", "format", "maxLength"))
     if free and (types is None or "string" in types) and ("type" in s or "minLength" in s):
         s["maxLength"] = max(s.get("minLength", 0), STRING_CAP)
+    if types is not None and types & {"integer", "number"} and not {"enum", "const"} & set(s):
+        _bound_number(s)
+    if types is not None and "array" in types and "items" not in s and s.get("minItems", 0) > len(s.get("prefixItems", [])):
+        # in strict mode xgrammar allows no items beyond prefixItems where `items` is absent, and
+        # refuses the schema when minItems asks for more (GitHub workflows, GitLab CI, draft-04's
+        # meta-schema): any scalar items instead, bounded
+        s["items"] = for_decoding({"type": ["string", "integer", "boolean", "null"]}, f"{path}/items", defs)
     if "maxItems" not in s and (types is None or "array" in types) and ("type" in s or "items" in s):
         s["maxItems"] = max(s.get("minItems", 0), len(s.get("prefixItems", [])), ARRAY_CAP)
     return s
+
+
+def _bound_number(s: dict) -> None:
+    """Both numeric bounds on a number (in place): xgrammar lets an unbounded integer or number run to
+    any number of digits (a model that favours digits never ends the value: pydantic's Trip ran out of
+    max_tokens), while with both a minimum and a maximum it bounds the digits (and a number's fraction
+    to 6 digits). NUMBER_CAP past the bound that is given, or either side of 0."""
+    low = next((s[k] for k in ("minimum", "exclusiveMinimum") if isinstance(s.get(k), (int, float))), None)
+    high = next((s[k] for k in ("maximum", "exclusiveMaximum") if isinstance(s.get(k), (int, float))), None)
+    if low is None:
+        s["minimum"] = (min(high, 0) if high is not None else 0) - NUMBER_CAP
+    if high is None:
+        s["maximum"] = (max(low, 0) if low is not None else 0) + NUMBER_CAP
 
 
 def _distribute(s: dict, key: str, path: str, defs: dict) -> dict:
@@ -547,6 +630,17 @@ def _format_pattern(fmt: str, max_length: int | None) -> str | None:
     fixed, per_n = {"email": (8, 2), "hostname": (3, 3), "uri": (13, 6)}[fmt]  # length = fixed + per_n * N
     n = 12 if max_length is None else min(12, (max_length - fixed) // per_n)
     return pattern.replace(",N}", f",{n}}}") if n >= 1 else None
+
+
+def escape_controls(pattern: str) -> str:
+    r"""A pattern with its raw control characters written as escapes (`\n`, `\x01`; the same regular
+    expression): xgrammar's lexer rejects a raw newline in a character class (GitHub actions'
+    `[\r\n]`, written with the characters themselves, was refused)."""
+    def one(m):
+        slashes = m.group(1)[:len(m.group(1)) // 2 * 2]  # an escaped control character is the character
+        c = m.group(2)
+        return slashes + {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c, f"\\x{ord(c):02x}")
+    return re.sub(r"(\\*)([\x00-\x1f])", one, pattern)
 
 
 def _width(pattern: str) -> int | None:
