@@ -1,4 +1,4 @@
-"""The structured-output benchmark (`clover.structured.bench`, `clover bench structured`): seeded cases
+"""The structured-output benchmark (`clover.benchmarks.structured`, `clover bench structured`): seeded cases
 whose ground truth fits their schemas, the value scorer on hand-built values, the free-generation
 switch of `generate_json`, and the whole benchmark and its CLI on a tiny random model."""
 
@@ -9,7 +9,8 @@ from jsonschema import validate
 
 import clover
 from clover.cli import main
-from clover.structured import bench, generate_json, skeleton
+from clover.benchmarks import structured as bench
+from clover.structured import generate_json, skeleton
 from clover.structured import generate as structured_generate
 from helpers import save_tiny_model
 

@@ -5,9 +5,8 @@ defines their flags and calls `run(args)`, which measures, prints a markdown tab
 * `decide` - joint vs independent decision mode on the decision benchmark's held-out split.
 * `pareto` - the speed-quality curve (the suite evaluation itself is clover.eval.pareto).
 * `agent` - the local tool-use benchmark: seeded toolbox cases, AST call matching, real episodes.
-* `structured` - structured output: the seeded infill / grammar / free comparison and the schema corpus.
-  Its seeded harness (cases, methods, scoring) is still clover/structured/bench.py; it moves here
-  (into this `structured` module) as its owner's work lands.
+* `structured` - structured output: the seeded infill / grammar / free comparison (cases, methods,
+  scoring) and the schema corpus's coverage report.
 * `report` - what they share: markdown tables, `--json` output, progress bars, torch threads.
 
 Scripts in bench/ (forward, train, quant, distributed, llamacpp, serve, step) time things outside

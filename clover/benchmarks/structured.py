@@ -1,16 +1,230 @@
-"""`clover bench structured`: schema-guided infilling vs the grammar path vs free generation on seeded
-JSON requests, and (`--corpus`) coverage on the real-world schema corpus.
+"""`clover bench structured`, the structured-output benchmark, and (`--corpus`) coverage on the
+real-world schema corpus (clover/structured/corpus.py).
 
-The seeded harness itself (cases, methods, scoring: `run_benchmark`, `KINDS`, `METHODS`) is still in
-clover/structured/bench.py this round; it moves into this module (one home for benchmarks), which
-then imports nothing from clover.structured but the decoding it measures."""
+Seeded JSON requests in the default model's training domains (people records, arithmetic, lookups, comparisons, tool-call arguments,
+sorting), each with a JSON schema and the ground-truth value, answered three ways:
+
+* **infill**: `generate_json` (the schema's scaffold laid out, the values denoised); the tool kinds
+  are infilled inside the call frame after the rendered tools, as the server serves a forced tool
+  call (`infill_json` with the `<tool_call>` prefix and suffix);
+* **grammar**: the same schema decoded left to right under its grammar (`generate_json(method="grammar")`,
+  the tool kinds `grammar_json` inside the call frame): the path schemas the infiller cannot lay out take;
+* **free**: the same prompt (and call frame) generated freely by the engine, then parsed and
+  validated the same way (`generate_json(method="free")`).
+
+Measured per kind and overall: valid rate (parses and validates), exact rate (valid and every field
+equal to the ground truth, `fields_right`), field rate (share of fields right), forward passes and
+seconds per case. docs/structured.md.
+"""
 
 from __future__ import annotations
 
 import json
+import random
+from typing import Callable
 
+from ..chat import CALL_END, CALL_HEAD
+from ..data import tasks
 from ..errors import UserError
+from ..structured.generate import JsonResult, generate_json, infill_json
+from ..structured.grammar import grammar_json
+from ..structured.normalize import normalize
 from .report import markdown_table, progress, set_threads, write_json
+
+BENCH_SEED = 1000
+KINDS = ("record", "arithmetic", "lookup", "compare", "tool_arith", "tool_convert", "sort")
+METHODS = ("infill", "grammar", "free")
+METRICS = ("cases", "valid_rate", "exact_rate", "field_rate", "forward_passes_per_case", "seconds_per_case")
+SORT_MAX = 6  # tasks.task_sort's longest list
+
+_INTEGER = {"type": "integer"}
+
+
+def _obj(props: dict) -> dict:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+RECORD_SCHEMA = _obj({"name": {"type": "string", "maxLength": 8},
+                      "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                      "city": {"enum": list(tasks.CITIES)}, "pet": {"enum": list(tasks.PETS)}})
+ANSWER_SCHEMA = _obj({"answer": _INTEGER})
+LOOKUP_SCHEMA = _obj({"key": {"type": "string", "minLength": 1, "maxLength": 1},
+                      "value": {"type": "integer", "minimum": 0, "maximum": 99}})
+COMPARE_SCHEMA = _obj({"older": {"type": "boolean"}})
+SORT_SCHEMA = _obj({"sorted": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                               "minItems": 1, "maxItems": SORT_MAX}})
+
+
+def _people(rng: random.Random, k: int) -> tuple[list[tuple], str]:
+    """k people (name, age, city, pet) and their material, as decision groups write it."""
+    rows = list(zip(rng.sample(tasks.PEOPLE, k), rng.sample(range(18, 80), k),
+                    [rng.choice(tasks.CITIES) for _ in range(k)], [rng.choice(tasks.PETS) for _ in range(k)]))
+    return rows, " ".join(f"{p} is {a}, lives in {c}, has a {t}." for p, a, c, t in rows)
+
+
+def _chat_case(kind: str, text: str, schema: dict, expected) -> dict:
+    return dict(kind=kind, messages=[{"role": "user", "content": text}], tools=None, prefix="", suffix="",
+                schema=schema, expected=expected)
+
+
+def _tool_case(kind: str, rng: random.Random, toolbox_kind: str) -> dict:
+    from ..data import toolbox
+
+    case = toolbox.make_case(rng, toolbox_kind)
+    (call,) = case["calls"]
+    spec = next(t["function"] for t in case["tools"] if t["function"]["name"] == call["name"])
+    return dict(kind=kind,
+                messages=[{"role": "user", "content": case["request"]}], tools=case["tools"],
+                prefix=CALL_HEAD + json.dumps(call["name"]) + ', "arguments": ',
+                suffix=CALL_END, schema=spec["parameters"], expected=call["arguments"])
+
+
+def make_case(rng: random.Random, kind: str) -> dict:
+    """One case: {"kind", "messages", "tools" (None but for tool kinds), "prefix"/"suffix" (the call
+    frame of tool kinds, else ""), "schema", "expected"}."""
+    if kind == "record":
+        rows, material = _people(rng, rng.randint(1, 3))
+        name, age, city, pet = rng.choice(rows)
+        return _chat_case(kind, f"{material} Give {name}'s record as JSON.", RECORD_SCHEMA,
+                          {"name": name, "age": age, "city": city, "pet": pet})
+    if kind == "arithmetic":
+        ex = tasks.make_example(rng.choice(["add", "sub"]), rng)
+        return _chat_case(kind, f"{ex['prompt']} Answer as JSON.", ANSWER_SCHEMA, {"answer": int(ex["answer"])})
+    if kind == "lookup":
+        ex = tasks.task_lookup(rng)
+        key = ex["prompt"].rsplit("What is ", 1)[1].rstrip("?")
+        return _chat_case(kind, f"{ex['prompt']} Give the key and its value as JSON.", LOOKUP_SCHEMA,
+                          {"key": key, "value": int(ex["answer"])})
+    if kind == "compare":
+        rows, material = _people(rng, rng.randint(2, 4))
+        (a, age_a, *_), (b, age_b, *_) = rng.sample(rows, 2)
+        return _chat_case(kind, f"{material} Is {a} older than {b}? Answer as JSON.", COMPARE_SCHEMA,
+                          {"older": age_a > age_b})
+    if kind == "tool_arith":
+        return _tool_case(kind, rng, rng.choice(["add", "subtract"]))
+    if kind == "tool_convert":
+        return _tool_case(kind, rng, "convert")
+    if kind == "sort":
+        ex = tasks.task_sort(rng, SORT_MAX)
+        return _chat_case(kind, f"{ex['prompt']}. Answer as JSON.", SORT_SCHEMA,
+                          {"sorted": [int(x) for x in ex["answer"].split()]})
+    raise ValueError(f"unknown case kind {kind!r} (known: {', '.join(KINDS)})")
+
+
+def cases(n: int = 10, seed: int = BENCH_SEED) -> list[dict]:
+    """`n` cases of each kind, kind by kind (seeded: the same n and seed give the same cases)."""
+    rng = random.Random(seed)
+    return [make_case(rng, kind) for kind in KINDS for _ in range(n)]
+
+
+# ---- scoring -------------------------------------------------------------------------------------
+def same(got, want) -> bool:
+    """JSON values equal: numbers by value (12 == 12.0), booleans only to booleans, lists in order,
+    objects key by key."""
+    if isinstance(want, bool) or isinstance(got, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(want, (int, float)):
+        return isinstance(got, (int, float)) and float(got) == float(want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(same, got, want))
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(same(got[k], v) for k, v in want.items())
+    return type(got) is type(want) and got == want
+
+
+def fields_right(value, expected) -> tuple[int, int]:
+    """(fields right, fields): an object's top-level fields compared one by one (a missing one is
+    wrong), any other value as one field."""
+    if not isinstance(expected, dict):
+        return int(same(value, expected)), 1
+    got = value if isinstance(value, dict) else {}
+    return sum(k in got and same(got[k], v) for k, v in expected.items()), len(expected)
+
+
+# ---- running -------------------------------------------------------------------------------------
+def case_prompt(tokenizer, case: dict):
+    """What the model reads: the chat messages (generate_json renders them), or for a tool kind the
+    rendered request with its tools (clover.agent.bench.prompt_renderer) as text."""
+    if not case["tools"]:
+        return case["messages"]
+    from ..chat import prompt_renderer
+
+    return prompt_renderer(tokenizer)(case["messages"], case["tools"])
+
+
+def answer(model, tokenizer, case: dict, method: str, threshold: float = 0.9, block_size: int = 32,
+           max_new_tokens: int = 64) -> JsonResult:
+    """The case answered by `method` ("infill", "grammar" or "free")."""
+    from ..api import encode
+
+    prompt = case_prompt(tokenizer, case)
+    if method == "infill" and case["prefix"]:
+        return infill_json(model, tokenizer, encode(tokenizer, prompt), case["schema"], prefix=case["prefix"],
+                           suffix=case["suffix"], threshold=threshold, block_size=block_size)
+    if method == "grammar" and case["prefix"]:
+        return grammar_json(model, tokenizer, encode(tokenizer, prompt), normalize(case["schema"]),
+                            prefix=case["prefix"], suffix=case["suffix"], max_new_tokens=max_new_tokens)
+    if case["prefix"]:
+        prompt += case["prefix"]
+    return generate_json(model, tokenizer, prompt, case["schema"], threshold=threshold, block_size=block_size,
+                         max_new_tokens=max_new_tokens, method="auto" if method == "infill" else method)
+
+
+def record(case: dict, method: str, out: JsonResult) -> dict:
+    right, total = fields_right(out.value, case["expected"]) if out.valid else (0, len(case["expected"]))
+    return dict(kind=case["kind"], method=method, ran=out.method, request=case["messages"][-1]["content"],
+                schema=case["schema"], expected=case["expected"], text=out.text, value=out.value, valid=out.valid,
+                error=out.error, exact=out.valid and right == total, fields_right=right, fields=total,
+                forward_passes=out.forward_passes, seconds=out.seconds)
+
+
+def summarize_group(records: list[dict]) -> dict:
+    n = len(records)
+    if not n:
+        return dict.fromkeys(METRICS, None) | {"cases": 0}
+    return dict(cases=n, valid_rate=sum(r["valid"] for r in records) / n,
+                exact_rate=sum(r["exact"] for r in records) / n,
+                field_rate=sum(r["fields_right"] for r in records) / sum(r["fields"] for r in records),
+                forward_passes_per_case=sum(r["forward_passes"] for r in records) / n,
+                seconds_per_case=sum(r["seconds"] for r in records) / n)
+
+
+def summarize(records: list[dict]) -> dict:
+    """{method: {"overall": metrics, "per_kind": {kind: metrics}}} in METHODS and KINDS order."""
+    out = {}
+    for m in METHODS:
+        mine = [r for r in records if r["method"] == m]
+        kinds = [k for k in KINDS if any(r["kind"] == k for r in mine)]
+        out[m] = dict(overall=summarize_group(mine),
+                      per_kind={k: summarize_group([r for r in mine if r["kind"] == k]) for k in kinds})
+    return out
+
+
+def run_benchmark(model, tokenizer, n: int = 10, seed: int = BENCH_SEED, threshold: float = 0.9,
+                  block_size: int = 32, max_new_tokens: int = 64,
+                  progress: Callable[[int], None] | None = None) -> dict:
+    """The whole benchmark: settings, {method: metrics overall and per kind}, and one record per case
+    and method. The methods take turns going first (an equal share of any contention),
+    after one untimed warm-up of each."""
+    import torch
+
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError("n and max_new_tokens must be >= 1")
+    todo = cases(n, seed)
+    records = []
+    with torch.inference_mode():
+        for m in METHODS:  # warm-up, not counted
+            answer(model, tokenizer, todo[0], m, threshold, block_size, max_new_tokens)
+        for i, case in enumerate(todo):
+            for m in METHODS[i % len(METHODS):] + METHODS[:i % len(METHODS)]:
+                records.append(record(case, m, answer(model, tokenizer, case, m, threshold, block_size,
+                                                      max_new_tokens)))
+            if progress:
+                progress(1)
+    records.sort(key=lambda r: METHODS.index(r["method"]))  # stable: cases stay in order
+    return dict(n=n, seed=seed, threshold=threshold, block_size=block_size, max_new_tokens=max_new_tokens,
+                kinds=list(KINDS), cases=len(todo), results=summarize(records), records=records)
+
 
 
 def _rate_cell(x) -> str:
@@ -27,8 +241,6 @@ def run(args) -> int:
     import torch
 
     from ..api import load
-    from ..structured.bench import KINDS, METHODS, run_benchmark
-
     if args.n < 1 or args.max_new_tokens < 1:
         raise UserError("--n and --max-new-tokens must be >= 1")
     if args.corpus:
