@@ -106,7 +106,6 @@ _NUMBERS = {"block_size": int, "threshold": float, "steps": int, "max_new_tokens
 class Engine:
     def __init__(self, model, config: DecodeConfig):
         cfg, mc = config, model.config
-        cfg.validate()
         if cfg.block_size > mc.max_block_size:
             raise ValueError(f"block_size must be in [1, {mc.max_block_size}], got {cfg.block_size}")
         self.model, self.cfg = model, cfg

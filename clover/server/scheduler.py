@@ -165,7 +165,6 @@ class Scheduler:
                            max_new_tokens=max_new_tokens, eos_token_ids=() if key.ignore_eos else self.eos,
                            sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed,
                                                   suppress=key.suppress))
-        cfg.validate()
         if key.block_size > self.model.config.max_block_size:
             raise ValueError(f"block_size must be in [1, {self.model.config.max_block_size}], got {key.block_size}")
         return cfg
