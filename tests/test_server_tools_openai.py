@@ -214,3 +214,28 @@ def test_parse_with_pydantic_models(served, model):
         **kw | {"response_format": {"type": "json_schema", "json_schema": {
             "name": model.__name__, "schema": model.model_json_schema()}}}, stream=True) if ch.choices)
     model.model_validate_json(text)  # the schema as pydantic writes it (not strict) parses too
+
+
+@pytest.mark.parametrize("towards", [None, "another"])
+def test_required_over_every_bfcl_tool_set(served, towards):
+    """Every BFCL-style request (floats with format "float", arrays without maxItems, several tools):
+    at least one call, each valid for its own tool's schema; with the model leaning to more calls (on
+    every sixth request), max_tool_calls of them, or fewer and "length" when the budget ran out first.
+    Streamed: the same calls."""
+    client, model, tokenizer = served
+    for k, tools in enumerate(corpus.bfcl_requests()):
+        if towards and k % 6:
+            continue
+        kw = dict(model="tiny", messages=TOOL_ASK, tools=tools, tool_choice="required")
+        with leaning(model, tokenizer, towards):
+            one = client.chat.completions.create(**kw)
+            msg, finish, info = one.choices[0].message, one.choices[0].finish_reason, one.model_extra["clover"]
+            check_calls(msg, tools)
+            assert info["structured"][0]["valid"] and 1 <= len(msg.tool_calls) <= CAP, (k, info)
+            if towards:
+                assert (len(msg.tool_calls), finish) == (CAP, "tool_calls") or (
+                    finish == "length" and "left out" in info["structured"][0]["note"]), (k, finish, info)
+            else:
+                assert finish == "tool_calls", (k, info)
+            if k % 4 == 0:
+                assert streamed(client, kw) == (calls(msg), finish)
