@@ -85,10 +85,14 @@ class Infilled:
 
 def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
          suffix="", param=SCHEMA_PARAM) -> JsonResult:
-    """The JSON of a plan: infilled, or decoded under its grammar within max_tokens."""
+    """The JSON of a plan: infilled, or decoded under its grammar within max_tokens (also when the
+    infill layout, every optional part at its largest, does not fit the context after this prompt)."""
     if plan.skeleton is not None:
-        return infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
-                           threshold=threshold, block_size=block_size)
+        try:
+            return infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
+                               threshold=threshold, block_size=block_size)
+        except Unsupported:
+            pass
     try:
         check_grammar(model, tokenizer, plan.schema)
     except Refused as e:
