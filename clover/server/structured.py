@@ -216,7 +216,8 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
             finish, note = "length", f"call {len(calls) + 1} left out: {e}"
             break
         if done != "stop" and calls:  # a later call cut by the budget: left out, the reply ends here
-            finish, note = "length", f"call {len(calls) + 1} left out: {info.get('error')}"
+            finish, note = "length", (f"call {len(calls) + 1} left out: the {room} tokens left of max_tokens "
+                                      f"({max_tokens}) ran out before it was complete")
             break
         calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}})
         infos.append({"name": name} | info)
