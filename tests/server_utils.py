@@ -58,3 +58,36 @@ def raw(server, method, path, body=None, headers=None, timeout=60):
 def metric(server, name) -> float:
     _, _, text = raw(server, "GET", "/metrics")
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+TOOL_ASK = [{"role": "user", "content": "Weather in Paris?"}]
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def tools_model(folder, seed: int = 0):
+    """(model, tokenizer): a tiny random model (seed `seed`, head scaled: several tokens per step) on a
+    Clover BPE tokenizer trained on a few tool-call dialogues (atomic <tool_call> tokens, the chat
+    template that renders tools), saved in `folder` and loaded as `clover serve` loads it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import clover
+    from clover.chat import IM_END, render_chat
+    from clover.data.tokenizer import EOS, MASK, build_bpe, save_tokenizer
+    from clover.models import CloverForBlockDiffusion, preset_config
+
+    corpus = [render_chat(TOOL_ASK + [{"role": "assistant", "content": TOOL_CALL}], tools=[WEATHER])] * 8
+    save_tokenizer(build_bpe(corpus, 300), folder, model_max_length=1024)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer.convert_tokens_to_ids
+    config = preset_config("clover-tiny", vocab_size=len(tokenizer), mask_token_id=ids(MASK),
+                           eos_token_id=[ids(EOS), ids(IM_END)])
+    torch.manual_seed(seed)
+    model = CloverForBlockDiffusion(config)
+    model.lm_head.weight.data *= 40.0
+    model.save_pretrained(folder)
+    return clover.load(folder)

@@ -288,6 +288,7 @@ def test_live_chunks_carry_the_block_view(server):
     (["--block-size", "0"], "block_size must be >= 1, got 0"),
     (["--block-size", "-3"], "block_size must be >= 1, got -3"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+    (["--max-tool-calls", "0"], "--max-tool-calls must be >= 1, got 0"),
     (["--served-model-name", ""], "--served-model-name"),
 ])
 def test_serve_flag_mistakes_are_one_line(capsys, argv, needle):

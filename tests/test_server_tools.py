@@ -3,51 +3,29 @@
 with a real Clover tokenizer (byte-level BPE, atomic <tool_call> tokens, the chat template that renders
 tools); plus the reply assembly on given generated text (parsing, malformed calls), forced
 calls and `response_format` by schema-guided infilling or the grammar path (docs/structured.md); the
-corpus-level checks (BFCL-style tools, pydantic models through `parse`) are in test_structured_corpus.py."""
+corpus-level checks (BFCL-style tools, pydantic models through `parse`) are in test_structured_corpus.py,
+parallel forced calls and the openai client's `parse` in test_server_tools_openai.py."""
 
 import json
 
 import openai
 import pytest
-import torch
 
-import clover
 from clover.api import eos_ids
-from clover.chat import IM_END, render_chat
-from clover.data.tokenizer import EOS, MASK, build_bpe, save_tokenizer
+from clover.chat import render_chat
 from clover.server import Settings, create_app
 from clover.server.app import Choice
 from clover.server.protocol import ToolPlan
-from server_utils import RunningServer
+from server_utils import TOOL_ASK, TOOL_CALL, WEATHER, RunningServer, tools_model
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather now",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                   "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ASK, CALL = TOOL_ASK, TOOL_CALL
 
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """A tiny random model on a Clover BPE tokenizer trained on a few tool-call dialogues."""
-    from clover.models import CloverForBlockDiffusion, preset_config
-
-    folder = tmp_path_factory.mktemp("tools-model")
-    corpus = [render_chat(ASK + [{"role": "assistant", "content": CALL}], tools=[WEATHER])] * 8
-    save_tokenizer(build_bpe(corpus, 300), folder, model_max_length=1024)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = tokenizer.convert_tokens_to_ids
-    config = preset_config("clover-tiny", vocab_size=len(tokenizer), mask_token_id=ids(MASK),
-                           eos_token_id=[ids(EOS), ids(IM_END)])
-    torch.manual_seed(0)
-    model = CloverForBlockDiffusion(config)
-    model.lm_head.weight.data *= 40.0  # peaked: several tokens per step
-    model.save_pretrained(folder)
-    return clover.load(folder)
+    return tools_model(tmp_path_factory.mktemp("tools-model"))
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,8 @@ def register(sub) -> None:
         threshold="default low_confidence threshold"))
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
                    help="chat completion budget when a request gives none (default 512, capped by the context)")
+    p.add_argument("--max-tool-calls", type=int, default=8, metavar="N",
+                   help='most calls in one reply under tool_choice "required" with parallel_tool_calls (default 8)')
     p.add_argument("--max-body-bytes", type=int, metavar="N",
                    help="largest request body accepted; larger ones get 413 (default 4 MiB)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -46,7 +48,7 @@ def register(sub) -> None:
 
 def check_args(args):
     """The flags checked before anything loads; returns the default decoding (DecodeConfig)."""
-    for name in ("max_batch", "max_queue", "default_max_tokens", "max_body_bytes"):
+    for name in ("max_batch", "max_queue", "default_max_tokens", "max_tool_calls", "max_body_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
@@ -108,7 +110,7 @@ def run(args) -> int:
     key = api_key(args)
     settings = Settings(model_id=name, aliases=tuple(aliases), api_key=key, max_batch=args.max_batch,
                         max_queue=args.max_queue, block_size=block_size, threshold=cfg.threshold, mode=cfg.mode,
-                        default_max_tokens=args.default_max_tokens)
+                        default_max_tokens=args.default_max_tokens, max_tool_calls=args.max_tool_calls)
     if args.max_body_bytes is not None:
         settings.max_body_bytes = args.max_body_bytes
     app = create_app(model, tokenizer, settings, eos_ids(model, tokenizer))

@@ -21,6 +21,7 @@ from .protocol import APIError, error_body
 from .routes import Routes
 from .scheduler import Scheduler
 from .shapes import tool_call_deltas
+from .structured import MAX_TOOL_CALLS
 
 __all__ = ["Choice", "Settings", "create_app", "tool_call_deltas"]
 
@@ -41,6 +42,7 @@ class Settings:
     mode: str = DEFAULTS.mode
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
+    max_tool_calls: int = MAX_TOOL_CALLS  # calls in one reply under tool_choice "required" + parallel_tool_calls
 
     @property
     def names(self) -> tuple[str, ...]:

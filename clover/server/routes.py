@@ -331,7 +331,8 @@ class Routes:
         if infill:
             key = self.check_common(req)
             room = budget(ids, max_tokens)
-            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size, room)
+            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size, room,
+                           self.settings.max_tool_calls)
                    if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, key.threshold,
                                                key.block_size, room))
             done = await self.structured(request, job)

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from ..structured import (JsonResult, Refused, Skeleton, Unsupported, check_grammar, grammar_json, infill_json,
                           is_json_object, normalize, skeleton)
 from ..structured import check as check_schema
-from ..chat import CALL_END, CALL_HEAD, new_call_id
+from ..api import eos_ids
+from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, IM_END, new_call_id
+from ..engine.infill import Row, Slot, denoise, pieces
 from .protocol import APIError, ToolPlan, forced_name
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
@@ -83,10 +85,14 @@ class Infilled:
 
 def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
          suffix="", param=SCHEMA_PARAM) -> JsonResult:
-    """The JSON of a plan: infilled, or decoded under its grammar within max_tokens."""
+    """The JSON of a plan: infilled, or decoded under its grammar within max_tokens (also when the
+    infill layout, every optional part at its largest, does not fit the context after this prompt)."""
     if plan.skeleton is not None:
-        return infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
-                           threshold=threshold, block_size=block_size)
+        try:
+            return infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
+                               threshold=threshold, block_size=block_size)
+        except Unsupported:
+            pass
     try:
         check_grammar(model, tokenizer, plan.schema)
     except Refused as e:
@@ -131,11 +137,56 @@ def _function_plans(functions: list[dict], names: list[str]) -> tuple[dict[str, 
     return plans, refused
 
 
+MAX_TOOL_CALLS = 8  # calls in one reply under tool_choice "required" with parallel_tool_calls (Settings.max_tool_calls)
+
+
+def _end_of_turn(model, tokenizer) -> int:
+    """The token that ends an assistant turn: <|im_end|> when the tokenizer has it, else its first EOS."""
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(end, int) and end != tokenizer.unk_token_id and 0 <= end < model.config.vocab_size:
+        return end
+    return eos_ids(model, tokenizer)[0]
+
+
+def another_call(model, tokenizer, context: list[int], threshold: float, block_size: int) -> tuple[bool, int]:
+    """After a call (`context` ends with its `</tool_call>`): does another call follow? An options slot
+    over the next token, the newline before another `<tool_call>` block or the end of the turn; the
+    model's choice, (True: another, forwards)."""
+    newline = pieces(tokenizer, ["\n"], before=CALL_CLOSE, after=CALL_OPEN)[0][:1]
+    slot = Slot([], [], choices=[newline, [_end_of_turn(model, tokenizer)]], values=[True, False], name="another call")
+    row = Row(context, [slot], block_size, model.config.max_block_size)
+    denoise(model, [row], threshold)
+    return bool(slot.value), row.forwards
+
+
+def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan], lead: str, threshold: float,
+              block_size: int, room: int):
+    """One call after `context` (`lead` before its frame: the newline between calls): the function (an
+    options slot over the callable names when there are several), then its own arguments schema.
+    (name, result, arguments text, finish_reason, verdict)."""
+    forwards = 0
+    if len(plans) > 1:
+        pick = infill_json(model, tokenizer, context, {"enum": list(plans)}, prefix=lead + CALL_HEAD,
+                           suffix=', "arguments":', threshold=threshold, block_size=block_size)
+        name, forwards = pick.value, pick.forward_passes
+    else:
+        name = next(iter(plans))
+    head = lead + CALL_HEAD + json.dumps(name) + ', "arguments": '
+    r = _run(model, tokenizer, context, plans[name], threshold, block_size, room, prefix=head, suffix=CALL_END,
+             param="tools")
+    text, finish, info = _verdict(r, room, tokenizer, forwards, head)
+    return name, r, text, finish, info
+
+
 def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, threshold: float,
-                     block_size: int, max_tokens: int = 1 << 30) -> Infilled:
-    """A forced call: the function (an options slot over the allowed names whose arguments schema can
+                     block_size: int, max_tokens: int = 1 << 30, max_calls: int = MAX_TOOL_CALLS) -> Infilled:
+    """Forced calls: the function (an options slot over the allowed names whose arguments schema can
     be honoured, under "required" with several tools), then its own arguments schema inside the fixed
     call frame (infilled, or decoded under its grammar). The other tools' schemas never matter.
+    A named function or parallel_tool_calls=false: exactly one call. "required" with
+    parallel_tool_calls: at least one; after each the model decides whether another follows
+    (`another_call`), up to `max_calls`; a later call cut by max_tokens or the context is left out
+    (finish "length"), so every returned call is complete and valid.
     APIError(400) when the named function's schema (or, under "required", every one) is refused."""
     name = forced_name(tools.choice, tools.functions)
     names = [name] if name is not None else [f["name"] for f in tools.functions]
@@ -151,20 +202,49 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
         why = "; ".join(refused.values())
         raise APIError(400, why if name else f"no tool can be called: {why}", param="tools",
                        code="unsupported_schema")
-    forwards = 0
-    if len(plans) > 1:
-        pick = infill_json(model, tokenizer, prompt_ids, {"enum": list(plans)}, prefix=CALL_HEAD,
-                           suffix=', "arguments":', threshold=threshold, block_size=block_size)
-        name, forwards = pick.value, pick.forward_passes
-    else:
-        name = next(iter(plans))
-    head = CALL_HEAD + json.dumps(name) + ', "arguments": '
-    r = _run(model, tokenizer, prompt_ids, plans[name], threshold, block_size, max_tokens, prefix=head,
-             suffix=CALL_END, param="tools")
-    text, finish, info = _verdict(r, max_tokens, tokenizer, forwards, head)
-    call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
-    return Infilled(None, [call], min(len(r.token_ids), max_tokens), info,
-                    "tool_calls" if finish == "stop" else finish)
+    cap = max_calls if tools.parallel and tools.choice == "required" else 1
+    ctx = model.config.max_position_embeddings
+    context, calls, infos, used, extra, finish, note = list(prompt_ids), [], [], 0, 0, "tool_calls", None
+    while True:
+        room = min(max_tokens - used, ctx - len(context))
+        try:
+            name, r, text, done, info = _one_call(model, tokenizer, context, plans, "\n" if calls else "",
+                                                  threshold, block_size, room)
+        except (Unsupported, ValueError) as e:  # a later call the context cannot hold
+            if not calls:
+                raise
+            finish, note = "length", f"call {len(calls) + 1} left out: {e}"
+            break
+        if done != "stop" and calls:  # a later call cut by the budget: left out, the reply ends here
+            finish, note = "length", (f"call {len(calls) + 1} left out: the {room} tokens left of max_tokens "
+                                      f"({max_tokens}) ran out before it was complete")
+            break
+        calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}})
+        infos.append({"name": name} | info)
+        used += min(len(r.token_ids), room)
+        context += r.token_ids
+        if done != "stop":
+            finish = done
+            break
+        if len(calls) >= cap:
+            break
+        more, forwards = another_call(model, tokenizer, context, threshold, block_size)
+        extra += forwards
+        if not more:
+            break
+        if min(max_tokens - used, ctx - len(context)) < 1:
+            finish, note = "length", f"call {len(calls) + 1} left out: max_tokens ({max_tokens}) or the context ran out"
+            break
+    methods = sorted({i["method"] for i in infos})
+    info = {"method": methods[0] if len(methods) == 1 else "+".join(methods),
+            "valid": all(i["valid"] for i in infos),
+            "forward_passes": sum(i["forward_passes"] for i in infos) + extra}
+    info["calls"] = infos
+    if "error" in infos[-1]:
+        info["error"] = infos[-1]["error"]
+    if note:
+        info["note"] = note
+    return Infilled(None, calls, used, info, "tool_calls" if finish == "stop" else finish)
 
 
-__all__ = ["FormatPlan", "Infilled", "format_plan", "infill_format", "infill_tool_call", "is_json_object"]
+__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "another_call", "format_plan", "infill_format", "infill_tool_call", "is_json_object"]
