@@ -108,11 +108,12 @@ def test_parse_with_pydantic_models(client, model):
 @pytest.mark.parametrize("request_index", [i for i, r in enumerate(corpus.bfcl_requests()) if len(r) <= 3][::2])
 def test_forced_calls_over_bfcl_tools(client, request_index):
     """tool_choice "required" and a named function always return one valid call, stream and not (the
-    requests whose tools leave the character-level test model room for the call in its context)."""
+    requests whose tools leave the character-level test model room for the call in its context).
+    parallel_tool_calls=False: one call exactly (several calls are tests/test_server_tools_openai.py's)."""
     tools = corpus.bfcl_requests()[request_index]
     specs = {t["function"]["name"]: normalize(t["function"]["parameters"]) for t in tools}
     for choice in ["required", {"type": "function", "function": {"name": tools[-1]["function"]["name"]}}]:
-        kw = dict(model="tiny", messages=ASK, tools=tools, tool_choice=choice)  # the budget: what the context leaves
+        kw = dict(model="tiny", messages=ASK, tools=tools, tool_choice=choice, parallel_tool_calls=False)  # the budget: what the context leaves
         one = client.chat.completions.create(**kw)
         (call,) = one.choices[0].message.tool_calls
         finish, info = one.choices[0].finish_reason, one.model_extra["clover"]["structured"][0]
