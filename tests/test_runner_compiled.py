@@ -21,7 +21,7 @@ def model():  # two layers (one GDN, one attention): half the compile time of cl
     return tiny_model(99, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
-def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, skip_guards=False):
+def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, replay=True):
     """Logits of every runner call and the sequences; `late` prompts join after the first step and
     rows with smaller budgets leave early."""
     logits = []
@@ -37,8 +37,8 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
     try:
         engine = Engine(model, DecodeConfig(mode=mode, block_size=4, threshold=0.5, max_new_tokens=max(budgets),
                                             prefill_chunk=4, runner=runner))
-        if skip_guards:
-            engine.runner = CompiledRunner(model, skip_guards=True)
+        if not replay:
+            engine.runner.replay = False  # the RowBatch holds this runner object
         seqs = engine.add(prompts, list(budgets))
         engine.step()
         if late:
@@ -64,12 +64,14 @@ def check_equal(model, mode, prompts, late=()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert runner.compiled_calls > runner.eager_calls  # the steps ran compiled, not the eager fallback
     before = graphs()
-    for skip in (False, True):  # warm: the same shapes replay, also with guard evaluation skipped
-        again_logits, again, _ = decode(model, "compiled", mode, prompts, late, skip_guards=skip)
+    for replay in (True, False):  # warm: the same shapes replay (the captured graphs), then through dynamo
+        again_logits, again, warm = decode(model, "compiled", mode, prompts, late, replay=replay)
         assert graphs() == before, "recompiled in a warm steady decode"
         assert [s.token_ids for s in again] == [s.token_ids for s in ref]
         for a, b in zip(again_logits, ref_logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # replay on: every compiled call of the warm decode skipped dynamo; off: none did
+        assert warm.replayed_calls == (warm.compiled_calls if replay else 0) and warm.compiled_calls > 0
 
 
 def test_compiled_ar_equals_eager_batch(model):
