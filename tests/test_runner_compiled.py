@@ -70,8 +70,15 @@ def check_equal(model, mode, prompts, late=()):
         assert [s.token_ids for s in again] == [s.token_ids for s in ref]
         for a, b in zip(again_logits, ref_logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        # replay on: every compiled call of the warm decode skipped dynamo; off: none did
-        assert warm.replayed_calls == (warm.compiled_calls if replay else 0) and warm.compiled_calls > 0
+        # replay on: the warm decode's compiled calls skipped dynamo (all of them, but self_spec's
+        # recording steps: those store tensors on the cache, a side effect only dynamo replays); off: none
+        assert warm.compiled_calls > 0
+        if not replay:
+            assert warm.replayed_calls == 0
+        elif mode == "self_spec":
+            assert 0 < warm.replayed_calls <= warm.compiled_calls
+        else:
+            assert warm.replayed_calls == warm.compiled_calls
 
 
 def test_compiled_ar_equals_eager_batch(model):
