@@ -127,9 +127,15 @@ def test_replay_checks_the_captured_shapes_and_strides():
     (the runner then goes through dynamo, which recompiles or raises)."""
     from clover.engine.runner import Replay
 
-    w = torch.randn(3)
-    replay = Replay(lambda a, b: (a * b, a), [None, w], lambda ids, layout, cache: (ids,), [(0, (2, 3), (3, 1))], 0)
+    m = torch.nn.Linear(3, 1, bias=False)
+    w = m.weight
+    replay = Replay(lambda a, b: (a * b, a), [None, w], lambda ids, layout, cache: (ids,), [(0, (2, 3), (3, 1))], 0,
+                    m, {1: "weight"})
     x = torch.randn(2, 3)
     torch.testing.assert_close(replay(x, None, None), x * w)
     assert replay(torch.randn(3, 2).t(), None, None) is None  # same shape, other strides
     assert replay(torch.randn(1, 3), None, None) is None
+    m.weight = torch.nn.Parameter(torch.randn(1, 3))  # a replaced weight is rebound...
+    torch.testing.assert_close(replay(x, None, None), x * m.weight)
+    m.weight = torch.nn.Parameter(torch.randn(3, 1))  # ...unless laid out otherwise: the Replay retires
+    assert not replay.current() and replay(x, None, None) is None

@@ -91,15 +91,32 @@ def _capturing_backend(captures: list):
     return backend
 
 
+_weights_epoch = [0]  # bumped whenever any module (re)registers a parameter, buffer or submodule
+
+
+def _bump_weights_epoch(*_):
+    _weights_epoch[0] += 1
+
+
+for _register in (torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook,
+                  torch.nn.modules.module.register_module_module_registration_hook):
+    _register(_bump_weights_epoch)
+
+
 class Replay:
     """One compiled graph called without dynamo (no frame evaluation, no guards): the graph's inputs
     are the model's parameters (bound once) and the call's tensors, fetched from (ids, layout, cache)
     by the attribute paths found at capture time and checked against the captured shapes and strides
     (a mismatch returns None: the caller goes through dynamo instead). Built only where the compiling
-    call had no side effect beyond the layout's RoPE memo, so skipping dynamo's bytecode changes nothing."""
+    call had no side effect beyond the layout's RoPE memo, so skipping dynamo's bytecode changes nothing.
+    Weights are bound by object: in-place updates are seen; after any module registered a parameter,
+    buffer or submodule (`_weights_epoch`), the bound objects are checked once against the model's
+    and a replaced one is rebound (or, laid out otherwise, retires the Replay: dynamo takes over)."""
 
-    def __init__(self, fn, args: list, fetch, dynamic: list, out: int):
+    def __init__(self, fn, args: list, fetch, dynamic: list, out: int, model, weights: dict):
         self.fn, self.args, self.fetch, self.dynamic, self.out = fn, args, fetch, dynamic, out
+        self.model, self.weights, self.epoch = weakref.ref(model), weights, _weights_epoch[0]  # weights: slot -> name
 
     @classmethod
     def build(cls, record, model, result, ids, layout, cache) -> "Replay | None":
@@ -119,25 +136,51 @@ class Replay:
                     for k, t in (v.items() if isinstance(v, dict) else enumerate(v)):
                         if isinstance(t, torch.Tensor) and isinstance(k, (int, str)):
                             paths[id(t)] = f"{root}.{name}[{k!r}]"
-        weights = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
-        args, dynamic, exprs = list(record["inputs"]), [], []
+        names = {id(t): n for n, t in _named_weights(model).items()}
+        args, dynamic, exprs, weights = list(record["inputs"]), [], [], {}
         for i, t in enumerate(args):
             if id(t) in paths:
                 dynamic.append((i, tuple(t.shape), t.stride()))
                 exprs.append(paths[id(t)])
                 args[i] = None  # fetched per call; holding it would pin this call's tensors
-            elif id(t) not in weights:
+            elif id(t) in names:
+                weights[i] = names[id(t)]
+            else:
                 return None  # an input we cannot fetch again
         fetch = eval(f"lambda ids, layout, cache: ({', '.join(exprs)},)")  # noqa: S307 (paths built above)
-        return cls(record["fn"], args, fetch, dynamic, hits[0])
+        return cls(record["fn"], args, fetch, dynamic, hits[0], model, weights)
+
+    def current(self) -> bool:
+        """Whether the bound weights are the model's (checked once per `_weights_epoch`): a replaced
+        one laid out like the captured one is rebound, any other change retires the Replay."""
+        if self.epoch != _weights_epoch[0]:
+            model = self.model()
+            now = _named_weights(model) if model is not None else {}
+            for i, name in self.weights.items():
+                old, new = self.args[i], now.get(name)
+                if new is None or _layout_of(new) != _layout_of(old):
+                    return False
+                self.args[i] = new
+            self.epoch = _weights_epoch[0]
+        return True
 
     def __call__(self, ids, layout, cache):
+        if not self.current():
+            return None
         args = list(self.args)
         for (i, shape, stride), t in zip(self.dynamic, self.fetch(ids, layout, cache)):
             if t.shape != shape or t.stride() != stride:
                 return None
             args[i] = t
         return self.fn(*args)[self.out]
+
+
+def _layout_of(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _named_weights(model) -> dict:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
 def is_steady(num_clean: int, length: int) -> bool:
@@ -174,6 +217,8 @@ class CompiledRunner(EagerRunner):
         layout = m.prepare_stream(ids, cache, block_size, draft_len, clean_block_size, pad, static=True)
         key = _shape_key(ids, layout, cache, keep)
         replay = self._replays.get(key) if self.replay else None
+        if replay is not None and not replay.current():
+            replay = self._replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
         logits = replay(ids, layout, cache) if replay is not None else None
         if logits is None:
             del self._captures[:]
