@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--preset", help="random weights at a built-in preset's dims instead of a model folder")
-    ap.add_argument("--runners", default="eager,compiled,compiled-skip-guards")
+    ap.add_argument("--runners", default="eager,compiled,compiled-dynamo")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args)
@@ -154,7 +154,7 @@ def main() -> None:
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size - 1, (1, args.context), device=device)
     kinds = args.runners.split(",")
-    runners = {kind: (CompiledRunner(model, skip_guards=True) if kind == "compiled-skip-guards"  # shares the graphs
+    runners = {kind: (CompiledRunner(model, replay=False) if kind == "compiled-dynamo"  # shares the graphs
                       else make_runner(kind, model)) for kind in kinds}
     caches = {}
     with torch.inference_mode():
@@ -175,7 +175,7 @@ def main() -> None:
             candidates[(kind, n)] = fn
     with torch.inference_mode():
         for key, fn in candidates.items():  # first call = compilation (cold, unless inductor's cache has it)
-            for _ in range(2):  # the second call registers the shape as seen (skip-guards replays from then)
+            for _ in range(2):  # the first compiles (or loads) the shape's graph, the second replays it
                 t = time.perf_counter()
                 fn()
                 caches[key[0]][0].restore(caches[key[0]][1])
@@ -184,7 +184,7 @@ def main() -> None:
         if args.profile:
             print(f"`python bench/step.py --profile --context {args.context} --sizes {args.sizes} "
                   f"--threads {args.threads}` ({torch.get_num_threads()} thread(s), torch {torch.__version__}, fp32)\n")
-            profile_steps({k: fn for k, fn in candidates.items() if k[0] != "compiled-skip-guards"}, restore)
+            profile_steps({k: fn for k, fn in candidates.items() if k[0] != "compiled-dynamo"}, restore)
             return
         times, cpu = {}, {}
         for _ in range(2):  # wall and thread-CPU samples interleaved in halves, so load drifts hit both

@@ -120,3 +120,22 @@ def test_steady_shapes_and_bucketed_capacity(model):
 def test_unknown_runner_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown runner"):
         DecodeConfig(runner="fast").validate()
+
+
+def test_replay_checks_the_captured_shapes_and_strides():
+    """A Replay calls its graph only with inputs laid out as captured; anything else returns None
+    (the runner then goes through dynamo, which recompiles or raises)."""
+    from clover.engine.runner import Replay
+
+    m = torch.nn.Linear(3, 1, bias=False)
+    w = m.weight
+    replay = Replay(lambda a, b: (a * b, a), [None, w], lambda ids, layout, cache: (ids,), [(0, (2, 3), (3, 1))], 0,
+                    m, {1: "weight"})
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(replay(x, None, None), x * w)
+    assert replay(torch.randn(3, 2).t(), None, None) is None  # same shape, other strides
+    assert replay(torch.randn(1, 3), None, None) is None
+    m.weight = torch.nn.Parameter(torch.randn(1, 3))  # a replaced weight is rebound...
+    torch.testing.assert_close(replay(x, None, None), x * m.weight)
+    m.weight = torch.nn.Parameter(torch.randn(3, 1))  # ...unless laid out otherwise: the Replay retires
+    assert not replay.current() and replay(x, None, None) is None

@@ -21,7 +21,7 @@ def model():  # two layers (one GDN, one attention): half the compile time of cl
     return tiny_model(99, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
-def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, skip_guards=False):
+def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, replay=True):
     """Logits of every runner call and the sequences; `late` prompts join after the first step and
     rows with smaller budgets leave early."""
     logits = []
@@ -37,8 +37,8 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
     try:
         engine = Engine(model, DecodeConfig(mode=mode, block_size=4, threshold=0.5, max_new_tokens=max(budgets),
                                             prefill_chunk=4, runner=runner))
-        if skip_guards:
-            engine.runner = CompiledRunner(model, skip_guards=True)
+        if not replay:
+            engine.runner.replay = False  # the RowBatch holds this runner object
         seqs = engine.add(prompts, list(budgets))
         engine.step()
         if late:
@@ -64,12 +64,21 @@ def check_equal(model, mode, prompts, late=()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert runner.compiled_calls > runner.eager_calls  # the steps ran compiled, not the eager fallback
     before = graphs()
-    for skip in (False, True):  # warm: the same shapes replay, also with guard evaluation skipped
-        again_logits, again, _ = decode(model, "compiled", mode, prompts, late, skip_guards=skip)
+    for replay in (True, False):  # warm: the same shapes replay (the captured graphs), then through dynamo
+        again_logits, again, warm = decode(model, "compiled", mode, prompts, late, replay=replay)
         assert graphs() == before, "recompiled in a warm steady decode"
         assert [s.token_ids for s in again] == [s.token_ids for s in ref]
         for a, b in zip(again_logits, ref_logits):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # replay on: the warm decode's compiled calls skipped dynamo (all of them, but self_spec's
+        # recording steps: those store tensors on the cache, a side effect only dynamo replays); off: none
+        assert warm.compiled_calls > 0
+        if not replay:
+            assert warm.replayed_calls == 0
+        elif mode == "self_spec":
+            assert 0 < warm.replayed_calls <= warm.compiled_calls
+        else:
+            assert warm.replayed_calls == warm.compiled_calls
 
 
 def test_compiled_ar_equals_eager_batch(model):
@@ -81,3 +90,21 @@ def test_compiled_ar_equals_eager_batch(model):
 @pytest.mark.parametrize("mode", ["low_confidence", "self_spec", "ar"])
 def test_compiled_equals_eager_rows_join_and_leave(model, mode):
     check_equal(model, mode, [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]], late=[[40, 41, 42, 9, 9, 9, 1]])
+
+
+def test_replay_follows_a_replaced_weight(model):
+    """Replays bind the weights by object: a parameter replaced after warm-up (same layout) is read
+    by the next replayed step, as the eager runner reads it."""
+    prompts = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]]
+    decode(model, "compiled", "ar", prompts)  # warm (compiles here when run alone)
+    old = model.lm_head.weight
+    model.lm_head.weight = torch.nn.Parameter(old.detach().flip(0).clone())
+    try:
+        ref_logits, ref, _ = decode(model, "eager", "ar", prompts)
+        got_logits, got, runner = decode(model, "compiled", "ar", prompts)
+    finally:
+        model.lm_head.weight = old
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+    for a, b in zip(got_logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert runner.replayed_calls == runner.compiled_calls > 0
