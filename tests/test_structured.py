@@ -491,3 +491,58 @@ def test_patterns_with_raw_control_characters_compile(tiny):
               "required": ["v"]}
     out = _biased_grammar(model, tok, schema, str.isalnum, 60)
     assert out.complete and out.valid and out.value["v"].startswith("${{"), (out.text, out.error)
+
+
+WIDE = {"type": "object", "required": ["id", "steps"], "properties": {
+    "id": {"type": "string", "minLength": 2},
+    "steps": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["run"], "properties": {
+        "run": {"type": "string"}, "env": {"type": "object", "additionalProperties": {"type": "string"}},
+        "with": {"type": "array", "items": {"type": "string"}}}}},
+    **{f"opt{i}": {"type": "string"} for i in range(6)},
+    "labels": {"type": "array", "items": {"type": "string"}, "minItems": 1}}}
+
+
+def test_grammar_path_ends_within_the_budget_by_its_caps(tiny):
+    """A wide schema of free strings, arrays and maps (SchemaStore's CI files) under a model that
+    wants letters for ever: for_decoding's caps alone let the document outgrow a small budget (cut);
+    the grammar path starts at the LADDER level whose estimated size fits, climbing down on a cut,
+    so the document ends valid within max_tokens, the schema's own minimums kept."""
+    from clover.structured import grammar
+
+    model, tok = tiny
+    budget = 70
+    assert grammar.size(grammar.decodable(WIDE)) > grammar.CHARS_PER_TOKEN * budget  # caps alone do not fit
+    out = _biased_grammar(model, tok, WIDE, str.isalpha, budget)
+    assert out.complete and out.valid, (out.text, out.error)
+    assert len(out.token_ids) <= budget and out.forward_passes <= budget * len(grammar.LADDER)
+    assert len(out.value["id"]) >= 2 and len(out.value["steps"]) >= 1 and len(out.value.get("labels", [0])) >= 1
+    old = grammar.LADDER
+    try:  # the reference: for_decoding's caps only, as before the ladder; the same model runs out
+        grammar.LADDER = (None,)
+        cut = _biased_grammar(model, tok, WIDE, str.isalpha, budget)
+    finally:
+        grammar.LADDER = old
+    assert not cut.complete and not cut.valid
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_ladder_level_keeps_the_schema_and_its_size_bound(tiny, seed):
+    """`tighten` only lowers bounds to the schema's own minimums and leaves out what is optional:
+    sampled documents at every LADDER level validate against the original schema, and are no longer
+    than `size` estimates (the bound start_level reads)."""
+    from clover.structured import grammar
+    from clover.structured.normalize import normalize
+
+    model, tok = tiny
+    schema = normalize({"type": "object", "minProperties": 2, "properties": {
+        "a": {"type": "string", "minLength": 3}, "b": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+        "c": {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1},
+        "d": {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "null"}]},
+        "e": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "string"}}}, "required": ["c"]})
+    ids = clover.api.encode(tok, PROMPT)
+    for caps in grammar.LADDER:
+        out = grammar._decode(model, tok, ids, schema, "", "", 400, torch.Generator().manual_seed(seed), caps)
+        assert out.complete and out.valid, (caps, out.text, out.error)
+        assert len(out.text) <= grammar.size(grammar.decodable(schema, caps)), (caps, out.text)
+    minimal = grammar.decodable(schema, grammar.LADDER[-1])
+    assert minimal["properties"].keys() == {"c", "a"}  # required, and one more for minProperties
