@@ -546,3 +546,56 @@ def test_every_ladder_level_keeps_the_schema_and_its_size_bound(tiny, seed):
         assert len(out.text) <= grammar.size(grammar.decodable(schema, caps)), (caps, out.text)
     minimal = grammar.decodable(schema, grammar.LADDER[-1])
     assert minimal["properties"].keys() == {"c", "a"}  # required, and one more for minProperties
+
+
+def test_optional_groups_keep_the_regex_and_xgrammar_reads_them_right():
+    """xgrammar 0.2 compiles `(...)?` around a repeat wrongly (`^b(@.{1,2})?$` accepted "bx");
+    `_optional_groups` writes it `{0,1}`: the same language as the original by Python's re on random
+    strings, and what xgrammar then accepts is what re matches."""
+    import re
+
+    import xgrammar as xgr
+
+    from clover.structured.grammar import _optional_groups
+
+    rng = random.Random(0)
+    patterns = [r"^b(@.{1,2})?$", r"^(.+\/)+(.+)\.(ya?ml)(@.+)?$", r"^a(b|c)?d$", r"^(?:x[0-9]+)?y$",
+                r"^[)?]+(z)??$", r"^\)?q(\?)?$"]
+    for p in patterns:
+        q = _optional_groups(p)
+        g = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": q}), strict_mode=True)
+        for _ in range(60):
+            s = "".join(rng.choice("b@xy/.ymlacdz0?)q") for _ in range(rng.randint(0, 8)))
+            assert bool(re.search(p, s)) == bool(re.search(q, s)), (p, q, s)
+            assert xgr.testing._is_grammar_accept_string(g, json.dumps(s)) == bool(re.search(p, s)), (p, s)
+    assert _optional_groups(r"^b(@.{1,2})?$") == r"^b(@.{1,2}){0,1}$"
+
+
+FORM_ITEM = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["markdown", "input", "other"]}},
+             "allOf": [
+                 {"if": {"properties": {"type": {"const": "markdown"}}},
+                  "then": {"required": ["type", "value"], "properties": {"type": {"enum": ["markdown", "input", "other"]},
+                                                                        "value": {"type": "string", "minLength": 1}},
+                           "additionalProperties": False}},
+                 {"if": {"properties": {"type": {"const": "input"}}},
+                  "then": {"required": ["type", "label"], "properties": {"type": {"enum": ["markdown", "input", "other"]},
+                                                                        "label": {"type": "integer", "minimum": 3}},
+                           "additionalProperties": False}}]}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_conditionals_keyed_on_a_const_decode_valid(tiny, seed):
+    """An allOf of if/then parts keyed on one property (GitHub's issue forms): for_decoding alone
+    cannot make both `if`s hold and drops them, so documents missed the `then`s; `conditionals`
+    writes the parts as cases, and every sampled document validates."""
+    from clover.structured import grammar
+    from clover.structured.normalize import normalize
+
+    model, tok = tiny
+    schema = normalize(FORM_ITEM)
+    cases = grammar.conditionals(schema)
+    assert "if" not in json.dumps(cases) and len(cases["allOf"][-1]["anyOf"]) == 2
+    out = grammar._decode(model, tok, clover.api.encode(tok, PROMPT), schema, "", "", 120,
+                          torch.Generator().manual_seed(seed))
+    assert out.complete and out.valid, (out.text, out.error)
+    assert out.value["type"] in ("markdown", "input")
