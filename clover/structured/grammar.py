@@ -45,6 +45,7 @@ class Caps:
 
 # the ladder a document climbs down when its budget runs out: None is for_decoding's own caps
 LADDER: tuple[Caps | None, ...] = (None, Caps(string=8, items=1), Caps(string=0, items=0, optional=False))
+GRAMMAR_CHARS = 2_000_000  # the largest decodable schema (JSON characters) compiled; past it: Refused
 CHARS_PER_TOKEN = 2  # the worst case a level's estimated size may reach per token of budget to start there
 _COMPILERS: dict[int, tuple[object, object, tuple]] = {}  # id(tokenizer) -> (tokenizer, compiler, stop ids)
 _GRAMMARS: dict[tuple[int, str], object] = {}  # (id(compiler), schema JSON) -> compiled grammar
@@ -75,6 +76,9 @@ def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema, c
     decodable_ = decodable(schema, caps)
     compiler = _compiler(tokenizer, vocab_size, tuple(stops))
     key = (id(compiler), json.dumps(decodable_, sort_keys=True))
+    if len(key[1]) > GRAMMAR_CHARS:  # renovate's config expands to ~20 MB: compiling it would take minutes
+        raise Refused("schema", "#", f"its grammar would be {len(key[1]) / 1e6:.0f} MB of schema, more than the "
+                      f"grammar path compiles ({GRAMMAR_CHARS / 1e6:.0f} MB)")
     if key not in _GRAMMARS:
         try:
             _GRAMMARS[key] = compiler.compile_json_schema(key[1], any_whitespace=False, strict_mode=True)
@@ -234,27 +238,39 @@ def tighten(schema, caps: Caps):
     return s
 
 
-def size(schema, defs: dict | None = None, depth: int = 0) -> float:
+def size(schema, defs: dict | None = None, active: frozenset = frozenset(), memo: dict | None = None) -> float:
     """An estimate from above of the characters of the longest document a decodable schema accepts
-    (strings counted at up to 2 characters a character, for escapes); inf when unbounded."""
+    (strings counted at up to 2 characters a character, for escapes); inf when unbounded (a `$ref`
+    that recurses included). Each subschema is measured once (memo), so this is linear in its size."""
     inf = float("inf")
-    if schema is True or depth > 12:
+    if schema is True:
         return inf
     if not isinstance(schema, dict) or schema is False:
         return 0
-    s = schema
-    if defs is None:
-        defs = s.get("$defs", {})
+    memo = {} if memo is None else memo
+    key = id(schema)
+    if key not in memo:
+        memo[key] = (schema, _size(schema, schema.get("$defs", {}) if defs is None else defs, active, memo))
+    return memo[key][1]
+
+
+def _size(s: dict, defs: dict, active: frozenset, memo: dict) -> float:
+    inf = float("inf")
+
+    def size_(x, refs=active):
+        return size(x, defs, refs, memo)
     if "$ref" in s:
-        target = defs.get(s["$ref"].rsplit("/", 1)[-1]) if isinstance(s["$ref"], str) else None
-        return size(target, defs, depth + 1) if target is not None else inf
+        name = s["$ref"].rsplit("/", 1)[-1] if isinstance(s["$ref"], str) else None
+        if name in active or name not in defs:
+            return inf
+        return size(defs[name], defs, active | {name}, {})  # not memoised across $ref chains: active differs
     if "const" in s:
         return len(json.dumps(s["const"]))
     if "enum" in s:
         return max((len(json.dumps(v)) for v in s["enum"]), default=0)
     branches = [b for k in ("anyOf", "oneOf") for b in s.get(k, [])]
     if branches:
-        return max(size(b, defs, depth + 1) for b in branches)
+        return max(size_(b) for b in branches)
     types = s.get("type")
     types = [types] if isinstance(types, str) else types
     if not types:
@@ -274,16 +290,16 @@ def size(schema, defs: dict | None = None, depth: int = 0) -> float:
             items = s.get("items", {}) if s.get("items") is not False else False
             prefix = s.get("prefixItems", [])
             extra = max(s.get("maxItems", inf) - len(prefix), 0)
-            out = max(out, 2 + sum(size(p, defs, depth + 1) + 1 for p in prefix)
-                      + (extra * (size(items, defs, depth + 1) + 1) if extra else 0))
+            out = max(out, 2 + sum(size_(p) + 1 for p in prefix)
+                      + (extra * (size_(items) + 1) if extra else 0))
         elif t == "object":
             props = s.get("properties", {})
-            total = 2 + sum(len(json.dumps(k)) + 2 + size(v, defs, depth + 1) for k, v in props.items())
+            total = 2 + sum(len(json.dumps(k)) + 2 + size_(v) for k, v in props.items())
             extra = s.get("additionalProperties")
             if isinstance(extra, dict) or extra is True or "patternProperties" in s:
                 key = s.get("propertyNames", {}).get("maxLength", inf) if isinstance(s.get("propertyNames"), dict) else inf
-                value = max([size(extra, defs, depth + 1) if extra is not None else 0]
-                            + [size(v, defs, depth + 1) for v in s.get("patternProperties", {}).values()])
+                value = max([size_(extra) if extra is not None else 0]
+                            + [size_(v) for v in s.get("patternProperties", {}).values()])
                 room = max(s.get("maxProperties", inf) - 0, 0)
                 total += room * (2 * key + 4 + value) if room else 0
             out = max(out, total)
