@@ -599,3 +599,22 @@ def test_conditionals_keyed_on_a_const_decode_valid(tiny, seed):
                           torch.Generator().manual_seed(seed))
     assert out.complete and out.valid, (out.text, out.error)
     assert out.value["type"] in ("markdown", "input")
+
+
+def test_a_recursion_through_a_ref_with_siblings_is_bounded(tiny):
+    """`unroll` bounds bare $refs; one beside other keywords is expanded by for_decoding, which
+    nested without end (renovate's config: a RecursionError, a 500). It now stops after RECURSION
+    expansions of one target, leaving the deeper optional property out, and the document is valid."""
+    from clover.structured.normalize import RECURSION, for_decoding, normalize, unroll
+
+    model, tok = tiny
+    schema = normalize({"$defs": {"node": {"type": "object", "required": ["v"], "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"$ref": "#/$defs/node", "maxProperties": 2}}}}, "$ref": "#/$defs/node", "minProperties": 1})
+    decodable = for_decoding(unroll(schema))
+    depth, s = 0, decodable
+    while "next" in s.get("properties", {}):
+        depth, s = depth + 1, s["properties"]["next"]
+    assert 1 <= depth <= RECURSION + 1
+    out = _biased_grammar(model, tok, schema, lambda t: t in ('"', "next", "{", ":", ","), 120)
+    assert out.complete and out.valid, (out.text, out.error)

@@ -49,6 +49,7 @@ GRAMMAR_CHARS = 2_000_000  # the largest decodable schema (JSON characters) comp
 CHARS_PER_TOKEN = 2  # the worst case a level's estimated size may reach per token of budget to start there
 _COMPILERS: dict[int, tuple[object, object, tuple]] = {}  # id(tokenizer) -> (tokenizer, compiler, stop ids)
 _GRAMMARS: dict[tuple[int, str], object] = {}  # (id(compiler), schema JSON) -> compiled grammar
+_DECODABLE: dict[str, object] = {}  # normalised schema JSON -> decodable (caps-free)
 
 
 def _compiler(tokenizer, vocab_size: int, stops: tuple[int, ...]):
@@ -64,8 +65,19 @@ def _compiler(tokenizer, vocab_size: int, stops: tuple[int, ...]):
 def decodable(schema, caps: Caps | None = None):
     """What the grammar gets for a normalised schema: conditionals as cases (`conditionals`), made
     decodable (`for_decoding`), patterns xgrammar reads right (`safe_patterns`), then held within
-    `caps` (`tighten`)."""
-    out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
+    `caps` (`tighten`). The caps-free form is kept per schema (the ladder's levels start from it);
+    `Refused` past GRAMMAR_CHARS."""
+    key = json.dumps(schema, sort_keys=True)
+    if key not in _DECODABLE:
+        out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
+        chars = len(json.dumps(out))
+        if chars > GRAMMAR_CHARS:  # renovate's config expands to ~20 MB: compiling it would take minutes
+            raise Refused("schema", "#", f"its grammar would be {chars / 1e6:.0f} MB of schema, more than the "
+                          f"grammar path compiles ({GRAMMAR_CHARS / 1e6:.0f} MB)")
+        if len(_DECODABLE) > 256:
+            _DECODABLE.clear()
+        _DECODABLE[key] = out
+    out = _DECODABLE[key]
     return out if caps is None else tighten(out, caps)
 
 
@@ -76,9 +88,6 @@ def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema, c
     decodable_ = decodable(schema, caps)
     compiler = _compiler(tokenizer, vocab_size, tuple(stops))
     key = (id(compiler), json.dumps(decodable_, sort_keys=True))
-    if len(key[1]) > GRAMMAR_CHARS:  # renovate's config expands to ~20 MB: compiling it would take minutes
-        raise Refused("schema", "#", f"its grammar would be {len(key[1]) / 1e6:.0f} MB of schema, more than the "
-                      f"grammar path compiles ({GRAMMAR_CHARS / 1e6:.0f} MB)")
     if key not in _GRAMMARS:
         try:
             _GRAMMARS[key] = compiler.compile_json_schema(key[1], any_whitespace=False, strict_mode=True)
