@@ -491,3 +491,130 @@ def test_patterns_with_raw_control_characters_compile(tiny):
               "required": ["v"]}
     out = _biased_grammar(model, tok, schema, str.isalnum, 60)
     assert out.complete and out.valid and out.value["v"].startswith("${{"), (out.text, out.error)
+
+
+WIDE = {"type": "object", "required": ["id", "steps"], "properties": {
+    "id": {"type": "string", "minLength": 2},
+    "steps": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["run"], "properties": {
+        "run": {"type": "string"}, "env": {"type": "object", "additionalProperties": {"type": "string"}},
+        "with": {"type": "array", "items": {"type": "string"}}}}},
+    **{f"opt{i}": {"type": "string"} for i in range(6)},
+    "labels": {"type": "array", "items": {"type": "string"}, "minItems": 1}}}
+
+
+def test_grammar_path_ends_within_the_budget_by_its_caps(tiny):
+    """A wide schema of free strings, arrays and maps (SchemaStore's CI files) under a model that
+    wants letters for ever: for_decoding's caps alone let the document outgrow a small budget (cut);
+    the grammar path starts at the LADDER level whose estimated size fits, climbing down on a cut,
+    so the document ends valid within max_tokens, the schema's own minimums kept."""
+    from clover.structured import grammar
+
+    model, tok = tiny
+    budget = 70
+    assert grammar.size(grammar.decodable(WIDE)) > grammar.CHARS_PER_TOKEN * budget  # caps alone do not fit
+    out = _biased_grammar(model, tok, WIDE, str.isalpha, budget)
+    assert out.complete and out.valid, (out.text, out.error)
+    assert len(out.token_ids) <= budget and out.forward_passes <= budget * len(grammar.LADDER)
+    assert len(out.value["id"]) >= 2 and len(out.value["steps"]) >= 1 and len(out.value.get("labels", [0])) >= 1
+    old = grammar.LADDER
+    try:  # the reference: for_decoding's caps only, as before the ladder; the same model runs out
+        grammar.LADDER = (None,)
+        cut = _biased_grammar(model, tok, WIDE, str.isalpha, budget)
+    finally:
+        grammar.LADDER = old
+    assert not cut.complete and not cut.valid
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_ladder_level_keeps_the_schema_and_its_size_bound(tiny, seed):
+    """`tighten` only lowers bounds to the schema's own minimums and leaves out what is optional:
+    sampled documents at every LADDER level validate against the original schema, and are no longer
+    than `size` estimates (the bound start_level reads)."""
+    from clover.structured import grammar
+    from clover.structured.normalize import normalize
+
+    model, tok = tiny
+    schema = normalize({"type": "object", "minProperties": 2, "properties": {
+        "a": {"type": "string", "minLength": 3}, "b": {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+        "c": {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1},
+        "d": {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "null"}]},
+        "e": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "string"}}}, "required": ["c"]})
+    ids = clover.api.encode(tok, PROMPT)
+    for caps in grammar.LADDER:
+        out = grammar._decode(model, tok, ids, schema, "", "", 400, torch.Generator().manual_seed(seed), caps)
+        assert out.complete and out.valid, (caps, out.text, out.error)
+        assert len(out.text) <= grammar.size(grammar.decodable(schema, caps)), (caps, out.text)
+    minimal = grammar.decodable(schema, grammar.LADDER[-1])
+    assert minimal["properties"].keys() == {"c", "a"}  # required, and one more for minProperties
+
+
+def test_optional_groups_keep_the_regex_and_xgrammar_reads_them_right():
+    """xgrammar 0.2 compiles `(...)?` around a repeat wrongly (`^b(@.{1,2})?$` accepted "bx");
+    `_optional_groups` writes it `{0,1}`: the same language as the original by Python's re on random
+    strings, and what xgrammar then accepts is what re matches."""
+    import re
+
+    import xgrammar as xgr
+
+    from clover.structured.grammar import _optional_groups
+
+    rng = random.Random(0)
+    patterns = [r"^b(@.{1,2})?$", r"^(.+\/)+(.+)\.(ya?ml)(@.+)?$", r"^a(b|c)?d$", r"^(?:x[0-9]+)?y$",
+                r"^[)?]+(z)??$", r"^\)?q(\?)?$"]
+    for p in patterns:
+        q = _optional_groups(p)
+        g = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": q}), strict_mode=True)
+        for _ in range(60):
+            s = "".join(rng.choice("b@xy/.ymlacdz0?)q") for _ in range(rng.randint(0, 8)))
+            assert bool(re.search(p, s)) == bool(re.search(q, s)), (p, q, s)
+            assert xgr.testing._is_grammar_accept_string(g, json.dumps(s)) == bool(re.search(p, s)), (p, s)
+    assert _optional_groups(r"^b(@.{1,2})?$") == r"^b(@.{1,2}){0,1}$"
+
+
+FORM_ITEM = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["markdown", "input", "other"]}},
+             "allOf": [
+                 {"if": {"properties": {"type": {"const": "markdown"}}},
+                  "then": {"required": ["type", "value"], "properties": {"type": {"enum": ["markdown", "input", "other"]},
+                                                                        "value": {"type": "string", "minLength": 1}},
+                           "additionalProperties": False}},
+                 {"if": {"properties": {"type": {"const": "input"}}},
+                  "then": {"required": ["type", "label"], "properties": {"type": {"enum": ["markdown", "input", "other"]},
+                                                                        "label": {"type": "integer", "minimum": 3}},
+                           "additionalProperties": False}}]}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_conditionals_keyed_on_a_const_decode_valid(tiny, seed):
+    """An allOf of if/then parts keyed on one property (GitHub's issue forms): for_decoding alone
+    cannot make both `if`s hold and drops them, so documents missed the `then`s; `conditionals`
+    writes the parts as cases, and every sampled document validates."""
+    from clover.structured import grammar
+    from clover.structured.normalize import normalize
+
+    model, tok = tiny
+    schema = normalize(FORM_ITEM)
+    cases = grammar.conditionals(schema)
+    assert "if" not in json.dumps(cases) and len(cases["allOf"][-1]["anyOf"]) == 2
+    out = grammar._decode(model, tok, clover.api.encode(tok, PROMPT), schema, "", "", 120,
+                          torch.Generator().manual_seed(seed))
+    assert out.complete and out.valid, (out.text, out.error)
+    assert out.value["type"] in ("markdown", "input")
+
+
+def test_a_recursion_through_a_ref_with_siblings_is_bounded(tiny):
+    """`unroll` bounds bare $refs; one beside other keywords is expanded by for_decoding, which
+    nested without end (renovate's config: a RecursionError, a 500). It now stops after RECURSION
+    expansions of one target, leaving the deeper optional property out, and the document is valid."""
+    from clover.structured.normalize import RECURSION, for_decoding, normalize, unroll
+
+    model, tok = tiny
+    schema = normalize({"$defs": {"node": {"type": "object", "required": ["v"], "properties": {
+        "v": {"type": "integer", "minimum": 0, "maximum": 9},
+        "next": {"$ref": "#/$defs/node", "maxProperties": 2}}}}, "$ref": "#/$defs/node", "minProperties": 1})
+    decodable = for_decoding(unroll(schema))
+    depth, s = 0, decodable
+    while "next" in s.get("properties", {}):
+        depth, s = depth + 1, s["properties"]["next"]
+    assert 1 <= depth <= RECURSION + 1
+    out = _biased_grammar(model, tok, schema, lambda t: t in ('"', "next", "{", ":", ","), 120)
+    assert out.complete and out.valid, (out.text, out.error)

@@ -18,19 +18,38 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..engine.infill import decode_constrained, token_ids, vocab_mask
-from .normalize import Refused, for_decoding, unroll
+from .normalize import STRING_CAP, Refused, for_decoding, unroll
 from .result import JsonResult, is_json_object, repair, validate
 
 # OpenAI's json_object (any object), bounded for decoding
 JSON_OBJECT = {"type": "object", "maxProperties": 4, "propertyNames": {"maxLength": 16},
                "additionalProperties": {"type": ["string", "integer", "number", "boolean", "null"], "maxLength": 24}}
 TRIES = 4  # decodings of one request when the final check rejects a document
+
+
+@dataclass(frozen=True)
+class Caps:
+    """How far the grammar path lets one document grow beyond what its schema requires (on top of
+    `for_decoding`'s STRING_CAP / ARRAY_CAP, never below minLength / minItems / required):
+    `string` characters of a free string, `items` items of an array (and entries of a map) past its
+    minimum, `optional` whether properties the schema does not require may be written at all."""
+    string: int
+    items: int
+    optional: bool = True
+
+
+# the ladder a document climbs down when its budget runs out: None is for_decoding's own caps
+LADDER: tuple[Caps | None, ...] = (None, Caps(string=8, items=1), Caps(string=0, items=0, optional=False))
+GRAMMAR_CHARS = 2_000_000  # the largest decodable schema (JSON characters) compiled; past it: Refused
+CHARS_PER_TOKEN = 2  # the worst case a level's estimated size may reach per token of budget to start there
 _COMPILERS: dict[int, tuple[object, object, tuple]] = {}  # id(tokenizer) -> (tokenizer, compiler, stop ids)
 _GRAMMARS: dict[tuple[int, str], object] = {}  # (id(compiler), schema JSON) -> compiled grammar
+_DECODABLE: dict[str, object] = {}  # normalised schema JSON -> decodable (caps-free)
 
 
 def _compiler(tokenizer, vocab_size: int, stops: tuple[int, ...]):
@@ -43,13 +62,32 @@ def _compiler(tokenizer, vocab_size: int, stops: tuple[int, ...]):
     return entry[1]
 
 
-def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema) -> object:
-    """The compiled grammar of a normalised schema (cached); `Refused` for what it cannot enforce or
-    xgrammar cannot compile."""
+def decodable(schema, caps: Caps | None = None):
+    """What the grammar gets for a normalised schema: conditionals as cases (`conditionals`), made
+    decodable (`for_decoding`), patterns xgrammar reads right (`safe_patterns`), then held within
+    `caps` (`tighten`). The caps-free form is kept per schema (the ladder's levels start from it);
+    `Refused` past GRAMMAR_CHARS."""
+    key = json.dumps(schema, sort_keys=True)
+    if key not in _DECODABLE:
+        out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
+        chars = len(json.dumps(out))
+        if chars > GRAMMAR_CHARS:  # renovate's config expands to ~20 MB: compiling it would take minutes
+            raise Refused("schema", "#", f"its grammar would be {chars / 1e6:.0f} MB of schema, more than the "
+                          f"grammar path compiles ({GRAMMAR_CHARS / 1e6:.0f} MB)")
+        if len(_DECODABLE) > 256:
+            _DECODABLE.clear()
+        _DECODABLE[key] = out
+    out = _DECODABLE[key]
+    return out if caps is None else tighten(out, caps)
 
-    decodable = JSON_OBJECT if is_json_object(schema) else for_decoding(unroll(schema))
+
+def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema, caps: Caps | None = None) -> object:
+    """The compiled grammar of a normalised schema (cached) within `caps`; `Refused` for what it
+    cannot enforce or xgrammar cannot compile."""
+
+    decodable_ = decodable(schema, caps)
     compiler = _compiler(tokenizer, vocab_size, tuple(stops))
-    key = (id(compiler), json.dumps(decodable, sort_keys=True))
+    key = (id(compiler), json.dumps(decodable_, sort_keys=True))
     if key not in _GRAMMARS:
         try:
             _GRAMMARS[key] = compiler.compile_json_schema(key[1], any_whitespace=False, strict_mode=True)
@@ -92,23 +130,34 @@ def check_grammar(model, tokenizer, schema) -> None:
 def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                  max_new_tokens: int = 256, tries: int = TRIES):
     """Decode the JSON of `schema` (normalised) after `prompt_ids` and the fixed text `prefix`, then
-    `suffix`; a JsonResult with method "grammar". The first try is greedy; a document the final
-    check rejects (a keyword the grammar does not enforce) is decoded again, sampled, up to `tries`
-    times in all (the forwards of every try are counted). `complete` is False when max_new_tokens ran
-    out first: the text is then the truncated document, never valid."""
+    `suffix`; a JsonResult with method "grammar". The caps start at the first LADDER level whose
+    documents fit the budget by estimate (`start_level`); a try that `max_new_tokens` cuts is decoded
+    again one level tighter, and a document the final check rejects (a keyword the grammar does not
+    enforce) again sampled, up to `tries` such times (the forwards of every try are counted). The
+    first try is greedy. `complete` is False when even the tightest level ran out: the text is then
+    the truncated document, never valid."""
     start = time.perf_counter()
-    out, forwards = None, 0
-    for k in range(tries):
-        generator = None if k == 0 else torch.Generator().manual_seed(k)
-        out = _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator)
+    level = start_level(schema, max_new_tokens)
+    out, forwards, rejected = None, 0, 0
+    while True:
+        generator = None if rejected == 0 else torch.Generator().manual_seed(rejected)
+        out = _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, LADDER[level])
         forwards += out.forward_passes
-        if out.valid or not out.complete:
+        if out.valid:
+            break
+        if not out.complete:
+            if level == len(LADDER) - 1:
+                break
+            level += 1
+            continue
+        rejected += 1
+        if rejected >= tries:
             break
     out.forward_passes, out.seconds = forwards, time.perf_counter() - start
     return out
 
 
-def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator):
+def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, caps=None):
     import xgrammar as xgr
 
     from ..api import eos_ids
@@ -118,7 +167,7 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
     if not stops:
         raise ValueError("the tokenizer and model define no EOS token (needed after the JSON)")
     vocab = model.config.vocab_size
-    matcher = xgr.GrammarMatcher(compile_schema(tokenizer, vocab, stops, schema))
+    matcher = xgr.GrammarMatcher(compile_schema(tokenizer, vocab, stops, schema, caps))
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     head = token_ids(tokenizer, prefix) if prefix else []
     # never a control character (xgrammar lets some through inside strings) nor a special or added token
@@ -153,3 +202,218 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
     valid, error = validate(schema, value)
     return JsonResult(text, value, valid, "grammar", forwards, time.perf_counter() - start, None, error,
                       head + tokens + tail)
+
+
+# ---- caps: documents that end within the budget ------------------------------------------------------------
+_FREE_STRING = ("pattern", "format", "enum", "const")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def tighten(schema, caps: Caps):
+    """A decodable schema (for_decoding's output) held within `caps`: every document it accepts is
+    one the input accepts (bounds only lowered to the schema's own minimums, optional properties left
+    out only where no other key may stand in for them), so the meaning is kept and the output stays
+    valid. `not` is left as it is (a bound lowered inside it would widen what it allows)."""
+    if not isinstance(schema, dict):
+        return schema
+    s = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(s.get(key), dict):
+            s[key] = {k: tighten(v, caps) for k, v in s[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(s.get(key), list):
+            s[key] = [tighten(v, caps) for v in s[key]]
+    for key in ("items", "additionalProperties"):
+        if isinstance(s.get(key), dict):
+            s[key] = tighten(s[key], caps)
+    if isinstance(s.get("propertyNames"), dict):  # map keys: short, yet room for distinct ones
+        s["propertyNames"] = tighten(s["propertyNames"], Caps(max(caps.string, 4), caps.items, caps.optional))
+    if isinstance(s.get("maxLength"), int) and not any(k in s for k in _FREE_STRING):
+        s["maxLength"] = max(s.get("minLength", 0), min(s["maxLength"], caps.string))
+    if isinstance(s.get("maxItems"), int):
+        floor = max(s.get("minItems", 0), len(s.get("prefixItems", [])))
+        s["maxItems"] = max(floor, min(s["maxItems"], floor + caps.items))
+    required = [k for k in s.get("required", []) if k in s.get("properties", {})]
+    is_map = isinstance(s.get("additionalProperties"), dict) or s.get("additionalProperties") is True \
+        or "patternProperties" in s
+    if isinstance(s.get("maxProperties"), int):
+        floor = max(s.get("minProperties", 0), len(s.get("required", [])))
+        s["maxProperties"] = max(floor, min(s["maxProperties"], floor + caps.items))
+    if not caps.optional and isinstance(s.get("properties"), dict) and not is_map:
+        room = max(s.get("minProperties", 0) - len(required), 0)  # optional ones minProperties still asks for
+        optional = [k for k in s["properties"] if k not in required][:room]
+        s["properties"] = {k: v for k, v in s["properties"].items() if k in required or k in optional}
+    return s
+
+
+def size(schema, defs: dict | None = None, active: frozenset = frozenset(), memo: dict | None = None) -> float:
+    """An estimate from above of the characters of the longest document a decodable schema accepts
+    (strings counted at up to 2 characters a character, for escapes); inf when unbounded (a `$ref`
+    that recurses included). Each subschema is measured once (memo), so this is linear in its size."""
+    inf = float("inf")
+    if schema is True:
+        return inf
+    if not isinstance(schema, dict) or schema is False:
+        return 0
+    memo = {} if memo is None else memo
+    key = id(schema)
+    if key not in memo:
+        memo[key] = (schema, _size(schema, schema.get("$defs", {}) if defs is None else defs, active, memo))
+    return memo[key][1]
+
+
+def _size(s: dict, defs: dict, active: frozenset, memo: dict) -> float:
+    inf = float("inf")
+
+    def size_(x, refs=active):
+        return size(x, defs, refs, memo)
+    if "$ref" in s:
+        name = s["$ref"].rsplit("/", 1)[-1] if isinstance(s["$ref"], str) else None
+        if name in active or name not in defs:
+            return inf
+        return size(defs[name], defs, active | {name}, {})  # not memoised across $ref chains: active differs
+    if "const" in s:
+        return len(json.dumps(s["const"]))
+    if "enum" in s:
+        return max((len(json.dumps(v)) for v in s["enum"]), default=0)
+    branches = [b for k in ("anyOf", "oneOf") for b in s.get(k, [])]
+    if branches:
+        return max(size_(b) for b in branches)
+    types = s.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not types:
+        return inf
+    out = 0.0
+    for t in types:
+        if t == "string":
+            n = s.get("maxLength", 2 * STRING_CAP if ("pattern" in s or "format" in s) else inf)
+            out = max(out, 2 * n + 2)
+        elif t in ("integer", "number"):
+            digits = max(len(str(int(abs(s.get(k, 0))))) for k in ("minimum", "maximum", "exclusiveMinimum",
+                                                                     "exclusiveMaximum"))
+            out = max(out, digits + 1 + (7 if t == "number" else 0))
+        elif t in ("boolean", "null"):
+            out = max(out, 5)
+        elif t == "array":
+            items = s.get("items", {}) if s.get("items") is not False else False
+            prefix = s.get("prefixItems", [])
+            extra = max(s.get("maxItems", inf) - len(prefix), 0)
+            out = max(out, 2 + sum(size_(p) + 1 for p in prefix)
+                      + (extra * (size_(items) + 1) if extra else 0))
+        elif t == "object":
+            props = s.get("properties", {})
+            total = 2 + sum(len(json.dumps(k)) + 2 + size_(v) for k, v in props.items())
+            extra = s.get("additionalProperties")
+            if isinstance(extra, dict) or extra is True or "patternProperties" in s:
+                key = s.get("propertyNames", {}).get("maxLength", inf) if isinstance(s.get("propertyNames"), dict) else inf
+                value = max([size_(extra) if extra is not None else 0]
+                            + [size_(v) for v in s.get("patternProperties", {}).values()])
+                room = max(s.get("maxProperties", inf) - 0, 0)
+                total += room * (2 * key + 4 + value) if room else 0
+            out = max(out, total)
+        else:
+            return inf
+    return out
+
+
+def start_level(schema, max_new_tokens: int) -> int:
+    """The first LADDER level whose documents' estimated size fits CHARS_PER_TOKEN * max_new_tokens
+    (the last one when none does)."""
+    for i, caps in enumerate(LADDER):
+        if size(decodable(schema, caps)) <= CHARS_PER_TOKEN * max_new_tokens:
+            return i
+    return len(LADDER) - 1
+
+
+# ---- rewrites for what xgrammar gets wrong -------------------------------------------------------------
+def _children(s: dict, f) -> dict:
+    """`s` with f applied to each subschema (not inside `not`/`if`, where a strengthening widens)."""
+    s = dict(s)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(s.get(key), dict):
+            s[key] = {k: f(v) for k, v in s[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(s.get(key), list):
+            s[key] = [f(v) for v in s[key]]
+    for key in ("items", "additionalProperties", "propertyNames", "then", "else"):
+        if isinstance(s.get(key), dict):
+            s[key] = f(s[key])
+    return s
+
+
+def _condition(part) -> tuple[str, object] | None:
+    """(P, v) of an allOf part `{"if": {"properties": {P: {"const": v}}[, "required": [P]]}, "then": T}`."""
+    if not isinstance(part, dict) or set(part) != {"if", "then"} or not isinstance(part["if"], dict):
+        return None
+    cond = part["if"]
+    props = cond.get("properties")
+    if set(cond) - {"properties", "required"} or not isinstance(props, dict) or len(props) != 1:
+        return None
+    (name, value), = props.items()
+    if not isinstance(value, dict) or set(value) != {"const"} or cond.get("required", [name]) != [name]:
+        return None
+    return name, value["const"]
+
+
+def conditionals(schema):
+    """A normalised schema with each allOf of if/then parts keyed on one property's const (GitHub's
+    issue forms: `if type is "markdown" then attributes.value ...`, one part per type) written as an
+    anyOf of the cases, each with the property set to its value and that case's `then`: every
+    document of a case is valid (the other conditions fail on the value), so this strengthens the
+    schema only by leaving out the values no condition names. for_decoding, which makes every `if` of
+    an allOf hold at once, must otherwise drop them all when they conflict (the final check then
+    rejected most documents)."""
+    if not isinstance(schema, dict):
+        return schema
+    s = _children(schema, conditionals)
+    parts = s.get("allOf")
+    if not isinstance(parts, list):
+        return s
+    keyed = [(i, _condition(p)) for i, p in enumerate(parts)]
+    keyed = [(i, c) for i, c in keyed if c is not None]
+    names = {c[0] for _, c in keyed}
+    values = [json.dumps(c[1], sort_keys=True) for _, c in keyed]
+    if len(keyed) < 2 or len(names) != 1 or len(set(values)) != len(values):
+        return s
+    (name,) = names
+    cases = [{"allOf": [{"properties": {name: {"const": v}}, "required": [name]}, parts[i]["then"]]}
+             for i, (_, v) in keyed]
+    rest = [p for i, p in enumerate(parts) if i not in {j for j, _ in keyed}]
+    s["allOf"] = rest + [{"anyOf": cases}]
+    return s
+
+
+def _optional_groups(pattern: str) -> str:
+    """`(...)?` written `(...){0,1}` (the same regex): xgrammar 0.2 compiles an optional group with a
+    repeat inside wrongly (`^b(@.{1,2})?$` accepts "bx", and SchemaStore's GitHub workflow `uses`
+    pattern `...\\.(ya?ml)(@.+)?$` accepted "x/y.ymlo.gl")."""
+    out, escaped, klass, closed = [], False, False, False
+    for c in pattern:
+        after_group, closed = closed, False
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif klass:
+            klass = c != "]"
+        elif c == "[":
+            klass = True
+        elif c == ")":
+            closed = True
+        elif c == "?" and after_group:
+            c = "{0,1}"
+        out.append(c)
+    return "".join(out)
+
+
+def safe_patterns(schema):
+    """A decodable schema with its patterns (and patternProperties keys) as `_optional_groups` writes them."""
+    if not isinstance(schema, dict):
+        return schema
+    s = _children(schema, safe_patterns)
+    if isinstance(s.get("pattern"), str):
+        s["pattern"] = _optional_groups(s["pattern"])
+    if isinstance(s.get("patternProperties"), dict):
+        s["patternProperties"] = {_optional_groups(k): v for k, v in s["patternProperties"].items()}
+    return s

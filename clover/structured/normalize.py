@@ -57,6 +57,10 @@ class Refused(ValueError):
         self.keyword, self.path = keyword, path or "#"
 
 
+class TooDeep(Refused):
+    """A recursion for_decoding bounds (`_entered`)."""
+
+
 def normalize(schema, root: dict | None = None) -> dict | bool:
     """The normalised schema (see the module docstring); `Refused` for what cannot be honoured.
     `root`: the document local `$ref`s point into (default: the schema itself), e.g. an OpenAPI
@@ -453,7 +457,7 @@ UNENFORCED = ("if", "then", "else", "contains", "minContains", "maxContains", "d
               "unevaluatedItems")
 
 
-def for_decoding(schema, path: str = "#", defs: dict | None = None):
+def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple = ()):
     """A normalised schema strengthened so the grammar path can decode it and every document it
     accepts is valid under `schema`: free strings and arrays bounded (STRING_CAP, ARRAY_CAP),
     `allOf` merged (anyOf branches paired), `if`/`then` as both (the `if` made to hold),
@@ -465,19 +469,23 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
         defs = schema.get("$defs", {})
     s = dict(schema)
     if "$ref" in s and set(s) - {"$ref", "$defs"}:
+        refs = _entered(refs, s["$ref"], path)
         # xgrammar reads a $ref alone (`{"$ref": <integer>, "maximum": 3}` accepted 7): the target's
         # keywords merged with the siblings instead
         s = {**_expand({k: v for k, v in s.items() if k != "$defs"}, defs, path, True),
              **({"$defs": s["$defs"]} if "$defs" in s else {})}
     if "allOf" in s:
+        for p in s["allOf"]:
+            if isinstance(p, dict) and isinstance(p.get("$ref"), str):
+                refs = _entered(refs, p["$ref"], path)
         raw = [_expand(p, defs, path) for p in s.pop("allOf")]
         try:
-            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs) for i, p in enumerate(raw)] + [s],
+            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs, refs) for i, p in enumerate(raw)] + [s],
                       f"{path}/allOf", True, defs)
         except Refused:  # conditions made to hold in each part may conflict: leave them to the final check
             bare = [{k: v for k, v in p.items() if k not in ("if", "then", "else")} if isinstance(p, dict) else p
                     for p in raw]
-            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs) for i, p in enumerate(bare)] + [s],
+            s = merge([for_decoding(p, f"{path}/allOf/{i}", defs, refs) for i, p in enumerate(bare)] + [s],
                       f"{path}/allOf", True, defs)
         if not isinstance(s, dict):
             return s
@@ -495,7 +503,7 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
     s.pop("else", None)
     branches = [k for k in ("anyOf", "oneOf") if k in s]
     if len(branches) == 1 and set(s) - {branches[0], "$defs"}:
-        return for_decoding(_distribute(s, branches[0], path, defs), path, defs)
+        return for_decoding(_distribute(s, branches[0], path, defs), path, defs, refs)
     for key in UNENFORCED:
         if key in s:
             raise Refused(key, f"{path}", "the grammar path cannot enforce it")
@@ -525,19 +533,24 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
         for k, v in props.items():
             if _never(v) and k not in required:
                 continue  # a property that may not be present: left out
-            out[k] = for_decoding(v, f"{path}/properties/{_escape(k)}", defs)
+            try:
+                out[k] = for_decoding(v, f"{path}/properties/{_escape(k)}", defs, refs)
+            except TooDeep:
+                if k in required:
+                    raise
+                continue  # a recursion bounded as unroll bounds one: the optional property left out
         s["properties"] = out
     if required:
         s["required"] = required
     for key in ("additionalProperties", "items", "propertyNames"):
         if isinstance(s.get(key), dict):
-            s[key] = for_decoding(s[key], f"{path}/{key}", defs)
+            s[key] = for_decoding(s[key], f"{path}/{key}", defs, refs)
     for key in ("patternProperties", "$defs"):
         if key in s:
-            s[key] = {k: for_decoding(v, f"{path}/{key}/{_escape(k)}", defs) for k, v in s[key].items()}
+            s[key] = {k: for_decoding(v, f"{path}/{key}/{_escape(k)}", defs, refs) for k, v in s[key].items()}
     for key in ("anyOf", "oneOf", "prefixItems"):
         if key in s:
-            s[key] = [for_decoding(v, f"{path}/{key}/{i}", defs) for i, v in enumerate(s[key])]
+            s[key] = [for_decoding(v, f"{path}/{key}/{i}", defs, refs) for i, v in enumerate(s[key])]
     if "oneOf" in s:  # the grammar reads oneOf as anyOf; the final check tells an overlap
         if "anyOf" in s:
             raise Refused("oneOf", path, "beside anyOf")
@@ -563,10 +576,19 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
         # in strict mode xgrammar allows no items beyond prefixItems where `items` is absent, and
         # refuses the schema when minItems asks for more (GitHub workflows, GitLab CI, draft-04's
         # meta-schema): any scalar items instead, bounded
-        s["items"] = for_decoding({"type": ["string", "integer", "boolean", "null"]}, f"{path}/items", defs)
+        s["items"] = for_decoding({"type": ["string", "integer", "boolean", "null"]}, f"{path}/items", defs, refs)
     if "maxItems" not in s and (types is None or "array" in types) and ("type" in s or "items" in s):
         s["maxItems"] = max(s.get("minItems", 0), len(s.get("prefixItems", [])), ARRAY_CAP)
     return s
+
+
+def _entered(refs: tuple, ref: str, path: str) -> tuple:
+    """The $refs for_decoding has expanded on the way to `path`, with `ref`: unroll bounds a bare
+    `$ref`, while one beside other keywords (or in an allOf) is expanded here, so a recursion through
+    it (renovate's config) would nest for ever; TooDeep past RECURSION expansions of one target."""
+    if refs.count(ref) >= RECURSION:
+        raise TooDeep("$ref", path, f"{ref!r} recurses more than {RECURSION} levels beside other keywords")
+    return refs + (ref,)
 
 
 def _bound_number(s: dict) -> None:
