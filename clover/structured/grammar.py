@@ -47,7 +47,10 @@ def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema) -
     """The compiled grammar of a normalised schema (cached); `Refused` for what it cannot enforce or
     xgrammar cannot compile."""
 
-    decodable = JSON_OBJECT if is_json_object(schema) else for_decoding(unroll(schema))
+    try:
+        decodable = JSON_OBJECT if is_json_object(schema) else for_decoding(unroll(schema))
+    except RecursionError:  # e.g. a meta-schema's mutually recursive vocabularies, expanded
+        raise Refused("$ref", "#", "nested too deeply for the grammar path") from None
     compiler = _compiler(tokenizer, vocab_size, tuple(stops))
     key = (id(compiler), json.dumps(decodable, sort_keys=True))
     if key not in _GRAMMARS:
