@@ -220,3 +220,43 @@ def test_draft3_forms():
              {"a": None}, {"a": 1, "b": [1]}]
     assert [want.is_valid(x) for x in cases] == [got.is_valid(x) for x in cases]
     assert s["required"] == ["a"] and s["dependentRequired"] == {"c": ["b"]}
+
+
+def test_unicode_property_classes_match_as_unicodedata_says():
+    r"""`\p{Cc}` / `\P{Cc}` (CircleCI's orb pattern `[^\s\p{Cc}]`) become explicit ranges that match
+    exactly the characters unicodedata calls Cc, alone and inside a class."""
+    import random
+    import re
+    import unicodedata
+
+    from clover.structured.normalize import unicode_classes
+
+    rng = random.Random(0)
+    chars = [chr(c) for c in range(0x300)] + [chr(rng.randrange(0x300, 0x110000)) for _ in range(2000)]
+    chars = [c for c in chars if not 0xD800 <= ord(c) < 0xE000]
+    cc = lambda c: unicodedata.category(c) == "Cc"  # noqa: E731
+    for pattern, want in [(r"\p{Cc}", cc), (r"\P{Cc}", lambda c: not cc(c)),
+                          (r"[^\s\p{Cc}]", lambda c: not cc(c) and not re.match(r"\s", c)),
+                          (r"[a\p{Cc}]", lambda c: c == "a" or cc(c))]:
+        got = re.compile(unicode_classes(pattern))
+        assert [c for c in chars if bool(got.fullmatch(c)) != want(c)] == [], pattern
+    s = normalize({"type": "string", "pattern": r"^[^\s\p{Cc}]+$"})
+    assert "\\p" not in s["pattern"]
+
+
+def test_contains_is_laid_out_as_leading_items():
+    """`contains` (+ minContains) becomes leading prefixItems matching contains and items: every array
+    the decodable schema accepts is valid under the original."""
+    import itertools
+
+    from clover.structured.normalize import for_decoding
+
+    original = {"type": "array", "items": {"type": ["integer", "string"]}, "contains": {"type": "integer", "minimum": 5},
+                "minContains": 2}
+    d = for_decoding(normalize(original))
+    assert "contains" not in d and len(d["prefixItems"]) == 2
+    want, got = validators.validator_for(original)(original), validators.validator_for(d)(d)
+    values = [1, 5, 9, "a", None]
+    arrays = [list(a) for n in range(4) for a in itertools.product(values, repeat=n)]
+    accepted = [a for a in arrays if got.is_valid(a)]
+    assert accepted and all(want.is_valid(a) for a in accepted)

@@ -283,6 +283,10 @@ class _Normalizer:
                     s.setdefault("dependentRequired", {})[key] = [dep] if isinstance(dep, str) else dep
                 else:
                     s.setdefault("dependentSchemas", {})[key] = dep
+        if isinstance(s.get("pattern"), str):
+            s["pattern"] = unicode_classes(s["pattern"])
+        if isinstance(s.get("patternProperties"), dict):
+            s["patternProperties"] = {unicode_classes(k): v for k, v in s["patternProperties"].items()}
         for key, where in ([("pattern", s.get("pattern"))] + [("patternProperties", k) for k in s.get("patternProperties") or {}]):
             if isinstance(where, str):
                 try:
@@ -420,6 +424,41 @@ def _combine(key: str, a, b, path: str, decoding: bool = False, defs: dict | Non
             out[k] = list(dict.fromkeys(out.get(k, []) + v))
         return out
     raise Refused("allOf", path, f"the parts' {key!r} do not combine into one schema")
+
+
+# Unicode property classes (ECMA-262 `u` patterns) Python's re lacks, as explicit ranges: (inside a
+# class, as a class)
+_PROPERTIES = {"Cc": r"\x00-\x1f\x7f-\x9f"}
+
+
+def unicode_classes(pattern: str) -> str:
+    r"""`pattern` with `\p{Cc}` / `\P{Cc}` written as explicit ranges (the same strings match); other
+    properties are left (re then refuses the pattern)."""
+    out, i, klass = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        m = re.match(r"\\([pP])\{(\w+)\}", pattern[i:]) if c == "\\" else None
+        if m and m.group(2) in _PROPERTIES:
+            ranges = _PROPERTIES[m.group(2)]
+            if klass and m.group(1) == "p":
+                out.append(ranges)
+            elif not klass:
+                out.append(("[" if m.group(1) == "p" else "[^") + ranges + "]")
+            else:  # \P inside a class: not expressible as a range list here
+                out.append(m.group())
+            i += m.end()
+            continue
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not klass:
+            klass = True
+        elif c == "]" and klass:
+            klass = False
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _draft3(s: dict) -> None:
@@ -592,6 +631,18 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None):
     branches = [k for k in ("anyOf", "oneOf") if k in s]
     if len(branches) == 1 and set(s) - {branches[0], "$defs"}:
         return for_decoding(_distribute(s, branches[0], path, defs), path, defs)
+    if "contains" in s and "maxContains" not in s and "prefixItems" not in s:
+        # at least minContains items match: the first ones laid out as contains + items (a strengthening)
+        need, item = s.get("minContains", 1), s.get("items", True)
+        try:
+            first = merge([s["contains"], item], f"{path}/contains", True, defs) if item is not True else s["contains"]
+        except Refused:
+            first = None
+        if first is not None and isinstance(need, int) and need <= ARRAY_CAP:
+            s.pop("contains")
+            s.pop("minContains", None)
+            s["prefixItems"] = [first] * need
+            s["minItems"] = max(s.get("minItems", 0), need)
     for key in UNENFORCED:
         if key in s:
             raise Refused(key, f"{path}", "the grammar path cannot enforce it")
