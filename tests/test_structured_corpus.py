@@ -260,3 +260,15 @@ def test_contains_is_laid_out_as_leading_items():
     arrays = [list(a) for n in range(4) for a in itertools.product(values, repeat=n)]
     accepted = [a for a in arrays if got.is_valid(a)]
     assert accepted and all(want.is_valid(a) for a in accepted)
+
+
+def test_a_forbidden_optional_property_is_left_out():
+    """An optional property whose schema has `not: {}` beside other keywords (Bitbucket's
+    `deployment` in a final step) can never be present: left out, not refused."""
+    from clover.structured.normalize import for_decoding
+
+    original = {"type": "object", "properties": {"a": {"type": "string"}, "d": {"type": "string", "not": {}}}}
+    d = for_decoding(normalize(original))
+    assert "d" not in d["properties"]
+    assert validators.validator_for(original)(original).is_valid({"a": "x"})
+    assert not validators.validator_for(original)(original).is_valid({"d": "x"})
