@@ -20,7 +20,8 @@ input as Clover reads it, and the other way round:
   required property) is an `anyOf`.
 
 `Refused` (a ValueError naming the keyword and its path) is what nothing in Clover can honour:
-a remote `$ref`, `$dynamicRef`, an `allOf` that does not merge. `for_decoding(schema)` then makes
+a remote `$ref` (other than to a bundled JSON Schema meta-schema), a dynamic reference in a resource
+with embedded resources, an `allOf` that does not merge. `for_decoding(schema)` then makes
 a normalised schema decodable by the grammar path (bounded, strict) or refuses it.
 """
 
