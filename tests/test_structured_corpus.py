@@ -162,3 +162,114 @@ def test_only_selects_entries_by_id(capsys):
     assert sorted(ids) == ["MaybeAge", "Trip"]
     assert main(["bench", "structured", "--corpus", "--only", "no-such-schema-id"]) == 2
     assert "matches no corpus entry" in capsys.readouterr().err
+
+
+# known valid and invalid instances of a meta-schema: schemas, right and wrong at several depths
+SCHEMA_INSTANCES = [
+    {}, True, {"type": "string", "minLength": 1}, {"type": ["string", "null"]},
+    {"properties": {"a": {"type": "integer", "minimum": 1}}, "required": ["a"]},
+    {"items": {"items": {"enum": [1, 2]}}}, {"anyOf": [{"type": "string"}, {"not": {"const": 3}}]},
+    {"type": 3}, {"properties": {"a": {"type": "nope"}}}, {"minLength": -1}, {"required": "a"},
+    {"items": {"properties": {"b": {"maxItems": "x"}}}}, {"anyOf": []}, {"enum": 5}, 7, "x",
+    {"dependencies": {"a": "b"}}, {"type": [{"type": "string"}, "null"]}, {"properties": {"a": {"required": True}}},
+]
+
+
+@pytest.mark.parametrize("entry", corpus.load(per_file=0, sources=("metaschema",)), ids=lambda e: e["id"].split("//")[1])
+def test_meta_schemas_normalise_and_classify_as_the_original(entry):
+    """Every JSON Schema meta-schema (drafts 3 to 2020-12 and the vocabularies: remote `$ref`s to one
+    another resolved from the bundled copies, `$dynamicRef` / `$recursiveRef` to the outermost anchor,
+    draft 3's schemas inside `type`) normalises, offline, to a schema that classifies known valid and
+    invalid instances exactly as the original does."""
+    original = entry["schema"]
+    s = normalize(original)
+    assert "://" not in json.dumps(s).replace('"format": "uri"', "")  # no remote reference left
+    want = validators.validator_for(original)(original)
+    got = validators.validator_for(s)(s)
+    verdicts = [(x, want.is_valid(x), got.is_valid(x)) for x in SCHEMA_INSTANCES]
+    assert [v for v in verdicts if v[1] != v[2]] == []
+    assert {v[1] for v in verdicts} == {True, False}  # the instances tell something apart
+
+
+def test_remote_refs_resolve_only_to_bundled_meta_schemas():
+    """A `$ref` to a json-schema.org draft resolves from the bundled copy (https spelling too); any other
+    remote reference is a 400 naming `$ref` and its path."""
+    for uri in ("http://json-schema.org/draft-07/schema#", "https://json-schema.org/draft-07/schema",
+                "https://json-schema.org/draft/2020-12/schema"):
+        original = {"type": "object", "properties": {"schema": {"$ref": uri}}}
+        s = normalize(original)
+        # jsonschema itself knows drafts 3-7 by their http URIs only (the https one it would fetch)
+        bundled = json.loads(json.dumps(original).replace("https://json-schema.org/draft-0", "http://json-schema.org/draft-0"))
+        want, got = validators.validator_for(bundled)(bundled), validators.validator_for(s)(s)
+        for x in SCHEMA_INSTANCES:
+            assert want.is_valid({"schema": x}) == got.is_valid({"schema": x}), (uri, x)
+    with pytest.raises(Refused, match="'\\$ref' at #/properties/a"):
+        normalize({"properties": {"a": {"$ref": "https://example.com/schemas/thing.json"}}})
+    with pytest.raises(Refused, match="'\\$ref' at #/properties/a"):
+        normalize({"properties": {"a": {"$ref": "http://json-schema.org/draft-99/schema#"}}})
+
+
+def test_draft3_forms():
+    """Draft 3: schemas inside a `type` list are an anyOf, `any` is no constraint, a property's boolean
+    `required` lifts to its parent, a string dependency is one required key."""
+    original = {"$schema": "http://json-schema.org/draft-03/schema#", "type": "object", "properties": {
+        "a": {"type": ["integer", {"type": "string", "maxLength": 2}], "required": True},
+        "b": {"type": "any"}, "c": {"type": "boolean", "required": False}}, "dependencies": {"c": "b"}}
+    s = normalize(original)
+    want, got = validators.validator_for(original)(original), validators.validator_for(s)(s)
+    cases = [{"a": 1}, {"a": "xy"}, {"a": "xyz"}, {}, {"a": 1, "c": True}, {"a": 1, "c": True, "b": None},
+             {"a": None}, {"a": 1, "b": [1]}]
+    assert [want.is_valid(x) for x in cases] == [got.is_valid(x) for x in cases]
+    assert s["required"] == ["a"] and s["dependentRequired"] == {"c": ["b"]}
+
+
+def test_unicode_property_classes_match_as_unicodedata_says():
+    r"""`\p{Cc}` / `\P{Cc}` (CircleCI's orb pattern `[^\s\p{Cc}]`) become explicit ranges that match
+    exactly the characters unicodedata calls Cc, alone and inside a class."""
+    import random
+    import re
+    import unicodedata
+
+    from clover.structured.normalize import unicode_classes
+
+    rng = random.Random(0)
+    chars = [chr(c) for c in range(0x300)] + [chr(rng.randrange(0x300, 0x110000)) for _ in range(2000)]
+    chars = [c for c in chars if not 0xD800 <= ord(c) < 0xE000]
+    cc = lambda c: unicodedata.category(c) == "Cc"  # noqa: E731
+    for pattern, want in [(r"\p{Cc}", cc), (r"\P{Cc}", lambda c: not cc(c)),
+                          (r"[^\s\p{Cc}]", lambda c: not cc(c) and not re.match(r"\s", c)),
+                          (r"[a\p{Cc}]", lambda c: c == "a" or cc(c))]:
+        got = re.compile(unicode_classes(pattern))
+        assert [c for c in chars if bool(got.fullmatch(c)) != want(c)] == [], pattern
+    s = normalize({"type": "string", "pattern": r"^[^\s\p{Cc}]+$"})
+    assert "\\p" not in s["pattern"]
+
+
+def test_contains_is_laid_out_as_leading_items():
+    """`contains` (+ minContains) becomes leading prefixItems matching contains and items: every array
+    the decodable schema accepts is valid under the original."""
+    import itertools
+
+    from clover.structured.normalize import for_decoding
+
+    original = {"type": "array", "items": {"type": ["integer", "string"]}, "contains": {"type": "integer", "minimum": 5},
+                "minContains": 2}
+    d = for_decoding(normalize(original))
+    assert "contains" not in d and len(d["prefixItems"]) == 2
+    want, got = validators.validator_for(original)(original), validators.validator_for(d)(d)
+    values = [1, 5, 9, "a", None]
+    arrays = [list(a) for n in range(4) for a in itertools.product(values, repeat=n)]
+    accepted = [a for a in arrays if got.is_valid(a)]
+    assert accepted and all(want.is_valid(a) for a in accepted)
+
+
+def test_a_forbidden_optional_property_is_left_out():
+    """An optional property whose schema has `not: {}` beside other keywords (Bitbucket's
+    `deployment` in a final step) can never be present: left out, not refused."""
+    from clover.structured.normalize import for_decoding
+
+    original = {"type": "object", "properties": {"a": {"type": "string"}, "d": {"type": "string", "not": {}}}}
+    d = for_decoding(normalize(original))
+    assert "d" not in d["properties"]
+    assert validators.validator_for(original)(original).is_valid({"a": "x"})
+    assert not validators.validator_for(original)(original).is_valid({"d": "x"})

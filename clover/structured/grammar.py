@@ -69,7 +69,10 @@ def decodable(schema, caps: Caps | None = None):
     `Refused` past GRAMMAR_CHARS."""
     key = json.dumps(schema, sort_keys=True)
     if key not in _DECODABLE:
-        out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
+        try:
+            out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
+        except RecursionError:  # e.g. a meta-schema's mutually recursive vocabularies, expanded
+            raise Refused("$ref", "#", "nested too deeply for the grammar path") from None
         chars = len(json.dumps(out))
         if chars > GRAMMAR_CHARS:  # renovate's config expands to ~20 MB: compiling it would take minutes
             raise Refused("schema", "#", f"its grammar would be {chars / 1e6:.0f} MB of schema, more than the "

@@ -20,7 +20,8 @@ input as Clover reads it, and the other way round:
   required property) is an `anyOf`.
 
 `Refused` (a ValueError naming the keyword and its path) is what nothing in Clover can honour:
-a remote `$ref`, `$dynamicRef`, an `allOf` that does not merge. `for_decoding(schema)` then makes
+a remote `$ref` (other than to a bundled JSON Schema meta-schema), a dynamic reference in a resource
+with embedded resources, an `allOf` that does not merge. `for_decoding(schema)` then makes
 a normalised schema decodable by the grammar path (bounded, strict) or refuses it.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from urllib.parse import urldefrag, urljoin
 
 # the validation vocabulary (draft 2020-12, with draft-04..07 spellings normalised away)
 VALIDATION = {
@@ -79,55 +81,113 @@ def normalize(schema, root: dict | None = None) -> dict | bool:
     return out
 
 
+def _base(doc) -> str:
+    """A document's base URI: its `$id` (draft-04 `id`) without the fragment, or "" (none)."""
+    if isinstance(doc, dict):
+        for key in ("$id", "id"):
+            if isinstance(doc.get(key), str) and not doc[key].startswith("#"):
+                return urldefrag(doc[key])[0]
+    return ""
+
+
+def _bundled_uri(uri: str) -> str:
+    """The URI a JSON Schema meta-schema is bundled under (json-schema.org's drafts 3 to 7 are
+    published at http URIs; https is the same document)."""
+    if uri.startswith("https://json-schema.org/draft-0"):
+        return "http://" + uri[len("https://"):]
+    return uri
+
+
+def meta_schema(uri: str):
+    """The JSON Schema meta-schema (or vocabulary meta-schema) at `uri` (drafts 3 to 2020-12), from the
+    copies jsonschema-specifications bundles, or None: references to them resolve offline."""
+    from jsonschema_specifications import REGISTRY
+
+    try:
+        return REGISTRY.contents(_bundled_uri(urldefrag(uri)[0]))
+    except Exception:  # referencing.exceptions.NoSuchResource: not bundled
+        return None
+
+
 class _Normalizer:
+    """Walks one document. `scope`: the resources (base URI, document) entered by `$ref`s above the
+    node being normalised, outermost first (the root, then e.g. a bundled meta-schema): relative
+    references resolve against the innermost, dynamic ones (`$dynamicRef`, `$recursiveRef`) against
+    the outermost that declares the anchor, as the 2019-09 / 2020-12 specifications say."""
+
     def __init__(self, root: dict):
         self.root = root
+        self.scope: list[tuple[str, object]] = [(_base(root), root)]
         self.defs: dict[str, object] = {}  # recursive targets, normalised, by name
-        self.names: dict[str, str] = {}  # ref -> name in defs
-        self.done: dict[str, object] = {}  # ref -> its normalised target
+        self.names: dict[str, str] = {}  # key -> name in defs
+        self.done: dict[str, object] = {}  # key -> its normalised target
 
-    def resolve(self, ref: str, path: str):
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise Refused("$ref", path, f"only local references (#/...) are supported, got {ref!r}")
-        if len(ref) > 1 and not ref.startswith("#/"):  # a plain-name fragment: an $anchor
-            found = self._anchor(self.root, ref[1:], "#", ("$anchor", "$dynamicAnchor"))
-            if found is None:
-                raise Refused("$ref", path, f"no anchor {ref[1:]!r} in this document")
-            ref = found
-        target = self.root
-        for part in [p for p in ref[1:].split("/") if p != ""]:
+    def locate(self, ref, path: str, keyword: str = "$ref") -> tuple[str, object, tuple]:
+        """(key, target, resource) of a reference: a JSON pointer or anchor into the current resource,
+        the root, or a JSON Schema meta-schema bundled with jsonschema-specifications (offline: nothing
+        is fetched); any other remote reference is Refused. `key`: the absolute reference ("#..." for
+        the root), what recursion and reuse are told by."""
+        if not isinstance(ref, str):
+            raise Refused(keyword, path, f"a reference must be a string, got {ref!r}")
+        base, doc = self.scope[-1]
+        uri, fragment = urldefrag(urljoin(base, ref) if base else ref)
+        if uri in ("", base):
+            resource = (base, doc)
+        elif uri == self.scope[0][0]:
+            resource = self.scope[0]
+        else:
+            bundled = meta_schema(uri)
+            if bundled is None:
+                raise Refused(keyword, path, "only local references (#/...) and the JSON Schema meta-schemas are "
+                              f"supported, got {ref!r}")
+            resource = (_bundled_uri(uri), bundled)
+        pointer = fragment
+        if fragment and not fragment.startswith("/"):  # a plain-name fragment: an $anchor
+            pointer = self._anchor(resource[1], fragment, "", ("$anchor", "$dynamicAnchor"))
+            if pointer is None:
+                raise Refused(keyword, path, f"no anchor {fragment!r} in {resource[0] or 'this document'}")
+        target = resource[1]
+        for part in [p for p in pointer.split("/") if p != ""]:
             part = part.replace("~1", "/").replace("~0", "~")
             if isinstance(target, dict) and part in target:
                 target = target[part]
             elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
                 target = target[int(part)]
             else:
-                raise Refused("$ref", path, f"{ref!r} does not resolve in this document")
-        return target
+                raise Refused(keyword, path, f"{ref!r} does not resolve in {resource[0] or 'this document'}")
+        key = ("" if resource[1] is self.root else resource[0]) + "#" + pointer
+        return key, target, resource
 
-    def dynamic(self, key: str, ref, path: str) -> str:
-        """A `$recursiveRef` / `$dynamicRef` as the `$ref` it means here. In one document evaluated
-        from its root the dynamic scope is static: `$recursiveRef: "#"` is the root when the root
-        sets `$recursiveAnchor` (the outermost resource that does), else "#" itself; `$dynamicRef:
-        "#name"` is the root when the root has `$dynamicAnchor: name`, else the subschema that does
-        (a plain anchor). An embedded resource (`$id` below the root) is refused: its scope is not
-        the root's."""
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise Refused(key, path, f"only local references (#...) are supported, got {ref!r}")
-        if self._embedded(self.root, top=True):
+    def dynamic(self, key: str, ref, path: str) -> tuple[str, object, tuple]:
+        """A `$recursiveRef` / `$dynamicRef` located: first as a plain reference; when that lands on a
+        `$recursiveAnchor: true` resource root / a `$dynamicAnchor` of the fragment's name, the
+        outermost resource of the scope that declares the same anchor instead. A resource with an
+        embedded resource (`$id` below its root) is refused: its scope is not tracked."""
+        if self._embedded(self.scope[-1][1], top=True):
             raise Refused(key, path, "in a document with embedded resources ($id below the root)")
+        if key == "$recursiveRef" and ref != "#":
+            raise Refused(key, path, f"only '#' is defined, got {ref!r}")
+        found = self.locate(ref, path, key)
+        target = found[1]
         if key == "$recursiveRef":
-            if ref != "#":
-                raise Refused(key, path, f"only '#' is defined, got {ref!r}")
-            return "#"
-        name = ref[1:]
-        if "/" in name or name == "":
-            return ref  # a JSON pointer: a plain $ref
-        if isinstance(self.root, dict) and self.root.get("$dynamicAnchor") == name:
-            return "#"
-        found = self._anchor(self.root, name, "#", ("$dynamicAnchor", "$anchor"))
-        if found is None:
-            raise Refused(key, path, f"no anchor {name!r} in this document")
+            if not (isinstance(target, dict) and target.get("$recursiveAnchor") is True):
+                return found
+            for base, doc in self.scope:
+                if isinstance(doc, dict) and doc.get("$recursiveAnchor") is True:
+                    return ("" if doc is self.root else base) + "#", doc, (base, doc)
+            return found
+        name = urldefrag(ref)[1]
+        if "/" in name or name == "" or not (isinstance(target, dict) and target.get("$dynamicAnchor") == name):
+            return found  # a JSON pointer, or a plain anchor: a plain $ref
+        for base, doc in self.scope:
+            pointer = self._anchor(doc, name, "", ("$dynamicAnchor",))
+            if pointer is not None:
+                where = pointer.split("/")[1:]
+                sub = doc
+                for part in where:
+                    part = part.replace("~1", "/").replace("~0", "~")
+                    sub = sub[int(part)] if isinstance(sub, list) else sub[part]
+                return ("" if doc is self.root else base) + "#" + pointer, sub, (base, doc)
         return found
 
     def _embedded(self, s, top: bool = False) -> bool:
@@ -162,64 +222,76 @@ class _Normalizer:
         if not isinstance(s, dict):
             raise ValueError(f"{path}: a schema must be an object or a boolean, got {type(s).__name__}")
         s = dict(s)
+        parts = []
         for key in ("$dynamicRef", "$recursiveRef"):
             if key in s:
-                if "$ref" in s:
-                    raise Refused(key, path, "beside a $ref")
-                s["$ref"] = self.dynamic(key, s.pop(key), path)
-        parts = []
+                parts.append(self.ref(self.dynamic(key, s.pop(key), path), path, stack))
         if "$ref" in s:
-            ref = s.pop("$ref")
-            parts.append(self.ref(ref, path, stack))
+            parts.append(self.ref(self.locate(s.pop("$ref"), path), path, stack))
         out = self.own(s, path, stack)
         if not parts:
             return out
-        if out == {} or out is True:
-            return parts[0]
-        return _merged([parts[0], out], path)
+        parts += [] if out == {} or out is True else [out]
+        return parts[0] if len(parts) == 1 else _merged(parts, path)
 
-    def ref(self, ref: str, path: str, stack: tuple):
-        """The normalised target of a `$ref`: inlined, or a `$ref` into the result's `$defs` when it
-        is recursive or large (INLINE_LIMIT characters: a target used in many places would otherwise
-        be copied into each)."""
-        if ref in stack or ref in self.names:
-            return {"$ref": "#/$defs/" + self._recursive(ref, path, stack)}
-        if ref not in self.done:
-            self.done[ref] = self.node(self.resolve(ref, path), f"{path}/$ref", stack + (ref,))
-            if ref in self.names:  # it turned out recursive while it was built
-                return {"$ref": "#/$defs/" + self.names[ref]}
-            if len(json.dumps(self.done[ref])) > INLINE_LIMIT:
-                self.names[ref] = self._name(ref)
-                self.defs[self.names[ref]] = self.done[ref]
-                return {"$ref": "#/$defs/" + self.names[ref]}
-        return copy.deepcopy(self.done[ref])
+    def ref(self, located: tuple, path: str, stack: tuple):
+        """The normalised target of a located reference: inlined, or a `$ref` into the result's
+        `$defs` when it is recursive or large (INLINE_LIMIT characters: a target used in many places
+        would otherwise be copied into each)."""
+        key = located[0]
+        if key in stack or key in self.names:
+            return {"$ref": "#/$defs/" + self._recursive(located, path, stack)}
+        if key not in self.done:
+            self.done[key] = self._inside(located, path, stack)
+            if key in self.names:  # it turned out recursive while it was built
+                return {"$ref": "#/$defs/" + self.names[key]}
+            if len(json.dumps(self.done[key])) > INLINE_LIMIT:
+                self.names[key] = self._name(key)
+                self.defs[self.names[key]] = self.done[key]
+                return {"$ref": "#/$defs/" + self.names[key]}
+        return copy.deepcopy(self.done[key])
 
-    def _name(self, ref: str) -> str:
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", ref.rsplit("/", 1)[-1].lstrip("#")) or "root"
+    def _inside(self, located: tuple, path: str, stack: tuple):
+        """The target normalised within its resource (pushed on the scope while it is)."""
+        key, target, resource = located
+        self.scope.append(resource)
+        try:
+            return self.node(target, f"{path}/$ref", stack + (key,))
+        finally:
+            self.scope.pop()
+
+    def _name(self, key: str) -> str:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", key.rstrip("#").rsplit("/", 1)[-1].strip("#")) or "root"
         while name in self.defs or name in self.names.values():
             name += "_"
         return name
 
-    def _recursive(self, ref: str, path: str, stack: tuple) -> str:
-        if ref not in self.names:
-            self.names[ref] = name = self._name(ref)
+    def _recursive(self, located: tuple, path: str, stack: tuple) -> str:
+        key = located[0]
+        if key not in self.names:
+            self.names[key] = name = self._name(key)
             self.defs[name] = True  # placeholder while it is built
-            self.defs[name] = self.node(self.resolve(ref, path), f"{path}/$ref", stack + (ref,))
-        return self.names[ref]
+            self.defs[name] = self._inside(located, path, stack)
+        return self.names[key]
 
     def own(self, s: dict, path: str, stack: tuple):
         """The node's own keywords (no $ref), normalised."""
         s = dict(s)
+        _draft3(s)
         _draft4(s)
         nullable = s.pop("nullable", False) is True
         if "format" in s and (s["format"] not in FORMATS or not isinstance(s["format"], str)):
             del s["format"]
         if "dependencies" in s:
             for key, dep in (s.pop("dependencies") or {}).items():
-                if isinstance(dep, list):
-                    s.setdefault("dependentRequired", {})[key] = dep
+                if isinstance(dep, (list, str)):  # a string: draft 3's one dependency
+                    s.setdefault("dependentRequired", {})[key] = [dep] if isinstance(dep, str) else dep
                 else:
                     s.setdefault("dependentSchemas", {})[key] = dep
+        if isinstance(s.get("pattern"), str):
+            s["pattern"] = unicode_classes(s["pattern"])
+        if isinstance(s.get("patternProperties"), dict):
+            s["patternProperties"] = {unicode_classes(k): v for k, v in s["patternProperties"].items()}
         for key, where in ([("pattern", s.get("pattern"))] + [("patternProperties", k) for k in s.get("patternProperties") or {}]):
             if isinstance(where, str):
                 try:
@@ -357,6 +429,70 @@ def _combine(key: str, a, b, path: str, decoding: bool = False, defs: dict | Non
             out[k] = list(dict.fromkeys(out.get(k, []) + v))
         return out
     raise Refused("allOf", path, f"the parts' {key!r} do not combine into one schema")
+
+
+# Unicode property classes (ECMA-262 `u` patterns) Python's re lacks, as explicit ranges: (inside a
+# class, as a class)
+_PROPERTIES = {"Cc": r"\x00-\x1f\x7f-\x9f"}
+
+
+def unicode_classes(pattern: str) -> str:
+    r"""`pattern` with `\p{Cc}` / `\P{Cc}` written as explicit ranges (the same strings match); other
+    properties are left (re then refuses the pattern)."""
+    out, i, klass = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        m = re.match(r"\\([pP])\{(\w+)\}", pattern[i:]) if c == "\\" else None
+        if m and m.group(2) in _PROPERTIES:
+            ranges = _PROPERTIES[m.group(2)]
+            if klass and m.group(1) == "p":
+                out.append(ranges)
+            elif not klass:
+                out.append(("[" if m.group(1) == "p" else "[^") + ranges + "]")
+            else:  # \P inside a class: not expressible as a range list here
+                out.append(m.group())
+            i += m.end()
+            continue
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not klass:
+            klass = True
+        elif c == "]" and klass:
+            klass = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _draft3(s: dict) -> None:
+    """Draft-03 forms that no later draft reads otherwise -> draft 2020-12 (in place): a `type` list
+    holding schemas is an `anyOf` of them and the named types, type `any` is no constraint, a
+    property's boolean `required` is its parent's `required` list."""
+    t = s.get("type")
+    if t == "any" or (isinstance(t, list) and "any" in t):
+        del s["type"]
+    elif isinstance(t, list) and any(isinstance(x, dict) for x in t):
+        branches = [x if isinstance(x, dict) else {"type": x} for x in s.pop("type")]
+        if "anyOf" in s:
+            s["allOf"] = list(s.get("allOf", [])) + [{"anyOf": branches}]
+        else:
+            s["anyOf"] = branches
+    if isinstance(s.get("required"), bool):
+        del s["required"]  # on a property it is read by the parent (below); elsewhere it means nothing
+    props = s.get("properties")
+    if isinstance(props, dict) and any(isinstance(v, dict) and isinstance(v.get("required"), bool)
+                                       for v in props.values()):
+        required = list(s.get("required", []))
+        for k, v in props.items():
+            if isinstance(v, dict) and v.get("required") is True and k not in required:
+                required.append(k)
+        s["properties"] = {k: ({x: y for x, y in v.items() if x != "required"}
+                               if isinstance(v, dict) and isinstance(v.get("required"), bool) else v)
+                           for k, v in props.items()}
+        if required:
+            s["required"] = required
 
 
 def _draft4(s: dict) -> None:
@@ -504,6 +640,18 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
     branches = [k for k in ("anyOf", "oneOf") if k in s]
     if len(branches) == 1 and set(s) - {branches[0], "$defs"}:
         return for_decoding(_distribute(s, branches[0], path, defs), path, defs, refs)
+    if "contains" in s and "maxContains" not in s and "prefixItems" not in s:
+        # at least minContains items match: the first ones laid out as contains + items (a strengthening)
+        need, item = s.get("minContains", 1), s.get("items", True)
+        try:
+            first = merge([s["contains"], item], f"{path}/contains", True, defs) if item is not True else s["contains"]
+        except Refused:
+            first = None
+        if first is not None and isinstance(need, int) and need <= ARRAY_CAP:
+            s.pop("contains")
+            s.pop("minContains", None)
+            s["prefixItems"] = [first] * need
+            s["minItems"] = max(s.get("minItems", 0), need)
     for key in UNENFORCED:
         if key in s:
             raise Refused(key, f"{path}", "the grammar path cannot enforce it")
@@ -731,7 +879,7 @@ def _rfc3339_time() -> bool:
 
 
 def _never(s) -> bool:
-    return s is False or (isinstance(s, dict) and set(s) == {"not"} and s["not"] in ({}, True))
+    return s is False or (isinstance(s, dict) and s.get("not", False) in ({}, True))  # whatever is beside it
 
 
 def _negate(s: dict, neg, path: str) -> tuple[dict, set]:
