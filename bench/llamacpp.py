@@ -1,5 +1,6 @@
 """Step times of stock llama.cpp (an exported GGUF, llama-cpp-python's low-level API) against our
-PyTorch eager step at the same dims, and greedy decoding speed on the sample prompts.
+PyTorch step at the same dims (eager, and the compiled runner replaying its captured graphs), and
+greedy decoding speed on the sample prompts.
 
     python bench/llamacpp.py [--repeats 20] [--context 256] [--threads 1 2]
 
@@ -26,6 +27,7 @@ from clover.api import DEFAULT_MODEL, load
 from clover.backends.gguf_export import export_gguf
 from clover.backends.llamacpp import LlamaCppModel, find_build, greedy_ar
 from clover.backends.llamacpp.runner import LlamaCppRunner
+from clover.engine.runner import make_runner
 from clover.models import CloverForBlockDiffusion, preset_config
 from clover.utils.timing import time_alternately
 
@@ -63,6 +65,7 @@ def step_table(label, folder, tmp, args):
     step_ids = torch.randint(2, vocab, (1, max(BLOCKS)), generator=g)
     print(f"\n**{label}**, cached prefix of {args.context} tokens; ms per step, median (floor)\n")
     head = ["threads", "clover torch f32 AR"] + [f"clover torch f32 {b}-tok" for b in BLOCKS]
+    head += ["clover compiled f32 AR"] + [f"clover compiled f32 {b}-tok" for b in BLOCKS]
     for t in files:
         head += [f"stock llama.cpp {t} AR"] + [f"stock llama.cpp {t} {b}-tok" for b in BLOCKS]
     for t in ("f32", "bf16"):
@@ -87,6 +90,22 @@ def step_table(label, folder, tmp, args):
         for b in BLOCKS:
             blk = step_ids[:, :b]
             add(f"torch {b}", lambda blk=blk, b=b: model(blk, cache=cache, block_size=b, draft_len=b))
+        compiled = make_runner("compiled", model)  # captured per shape, then replayed without dynamo
+        ccache = compiled.new_cache(1, args.context + 2 * max(BLOCKS))
+        with torch.inference_mode():
+            model(prefix, cache=ccache)
+        csnap = ccache.snapshot()
+        cfns = [(lambda: compiled.forward(one, ccache, keep=1))]
+        cfns += [(lambda b=b: compiled.forward(step_ids[:, :b], ccache, block_size=b, draft_len=b, clean_block_size=b, keep=b))
+                 for b in BLOCKS]
+        with torch.inference_mode():
+            for fn in cfns:  # the first call compiles (or loads inductor's cache), the second captures the replay
+                for _ in range(2):
+                    fn()
+                    ccache.restore(csnap)
+        add("compiled AR", cfns[0], lambda: ccache.restore(csnap))
+        for b, fn in zip(BLOCKS, cfns[1:]):
+            add(f"compiled {b}", fn, lambda: ccache.restore(csnap))
         cpps = {}
         for t, path in files.items():
             cpp = cpps[t] = LlamaCppModel(path, rows=2, threads=threads, n_ctx=args.context + 2 * max(BLOCKS))
