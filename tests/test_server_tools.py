@@ -263,6 +263,7 @@ def test_json_schema_is_infilled_and_valid(client, schema):
 
     kw = dict(model="tiny", messages=ASK, response_format=schema_format(schema), max_tokens=160)
     one = client.chat.completions.create(**kw)
+    from jsonschema import validate
     validate(json.loads(one.choices[0].message.content), schema)
     assert one.choices[0].finish_reason == "stop"
     info = one.model_extra["clover"]["structured"][0]
@@ -334,3 +335,22 @@ def test_bad_response_format_is_400(client, fmt, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=8)
     assert e.value.body["param"] == param
+
+
+def test_an_infilled_document_longer_than_max_tokens_is_decoded_under_its_grammar(client):
+    """Infilling lays out every string at its widest; when the document comes out longer than
+    max_tokens, the grammar path (whose caps fit the budget) answers instead of a cut reply."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(12)},
+              "required": [f"p{i}" for i in range(12)]}
+    fmt = schema_format(schema)
+    wide = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=900)
+    wide_info = wide.model_extra["clover"]["structured"][0]
+    assert wide_info["method"] == "infill" and wide_info["valid"]
+    budget = wide.usage.completion_tokens - 1  # one token short of the infilled document
+    one = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=budget)
+    info = one.model_extra["clover"]["structured"][0]
+    assert one.choices[0].finish_reason == "stop" and info["valid"] and info["method"] == "grammar"
+    assert one.usage.completion_tokens <= budget
+    assert info["forward_passes"] > wide_info["forward_passes"]  # the infill's forwards are counted too
+    from jsonschema import validate
+    validate(json.loads(one.choices[0].message.content), schema)

@@ -86,19 +86,32 @@ class Infilled:
 def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
          suffix="", param=SCHEMA_PARAM) -> JsonResult:
     """The JSON of a plan: infilled, or decoded under its grammar within max_tokens (also when the
-    infill layout, every optional part at its largest, does not fit the context after this prompt)."""
+    infill layout, every optional part at its largest, does not fit the context after this prompt,
+    and when the infilled document came out longer than max_tokens: the grammar path's caps ladder
+    fits the budget, where a cut document would be no answer)."""
+    infilled = None
     if plan.skeleton is not None:
         try:
-            return infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
-                               threshold=threshold, block_size=block_size)
+            infilled = infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
+                                   threshold=threshold, block_size=block_size)
         except Unsupported:
             pass
+        else:
+            if len(infilled.token_ids) <= max_tokens:
+                return infilled
     try:
         check_grammar(model, tokenizer, plan.schema)
     except Refused as e:
+        if infilled is not None:  # no grammar to fit the budget with: the infilled document, cut
+            return infilled
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema")
-    return grammar_json(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
-                        max_new_tokens=max_tokens)
+    r = grammar_json(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
+                     max_new_tokens=max_tokens)
+    if infilled is not None:  # the infill's forwards were spent too
+        r.forward_passes += infilled.forward_passes
+        r.fallback_reason = (f"the infilled document ({len(infilled.token_ids)} tokens) was longer than "
+                             f"max_tokens ({max_tokens})")
+    return r
 
 
 def _verdict(r: JsonResult, max_tokens: int, tokenizer, extra_forwards: int = 0, prefix: str = "") -> tuple[str, str, dict]:
