@@ -76,3 +76,27 @@ def test_tune_picks_the_fastest_setting_within_two_points_of_the_defaults(monkey
     assert (32, 0.95) in calls and got["reference"]["accuracy"] == 0.60  # off the grid: measured apart
     unscored = tuning.tune(None, [], (), sizes=(8, 16), thresholds=(0.5, 0.9))
     assert (unscored["block_size"], unscored["threshold"]) == (8, 0.5)  # no scorer: the fastest
+
+
+def test_compiled_tuning_warms_each_block_size_before_timing_it(monkeypatch):
+    """A compiled runner's first decode at a block size compiles its graphs (seconds): that run is a
+    warm-up, not a measurement (it made the compiled curve 100x noisy); eager is measured at once."""
+    calls = []
+
+    def fake_rate(model, jobs, eos, mode, block, threshold, runner="eager", score=None):
+        calls.append((mode, block, threshold, score is not None))
+        return dict(block_size=block, threshold=threshold, tokens_per_second=block, accuracy=1.0)
+
+    monkeypatch.setattr(tuning, "decode_rate", fake_rate)
+    monkeypatch.setattr(tuning, "step_ms", lambda model, sizes, runner="eager": {n: 1.0 for n in sizes})
+    score = lambda i, ids: True  # noqa: E731
+    tuning.tune(None, [], (), sizes=(8, 16), thresholds=(0.5, 0.9), runner="compiled", score=score)
+    measured = [c[:3] for c in calls if c[3]]
+    warmups = [c[:2] for c in calls if not c[3]]
+    assert warmups == [("ar", 1), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32)]
+    for mode, block, _ in measured:  # every measurement comes after its block size's warm-up
+        first = next(i for i, c in enumerate(calls) if c[:2] == (mode, block))
+        assert not calls[first][3]
+    calls.clear()
+    tuning.tune(None, [], (), sizes=(8, 16), thresholds=(0.5, 0.9), runner="eager", score=score)
+    assert all(c[3] for c in calls)
