@@ -292,13 +292,19 @@ def run_corpus(args) -> int:
         raise UserError(f"--only {args.only!r} matches no corpus entry")
     set_threads(args.threads)
     model, tokenizer = load(args.model, args.device)
+    described = args.model or "default model"
+    if args.random_weights is not None:  # same dims, vocabulary and tokenizer; no training
+        from ..models import CloverForBlockDiffusion
+
+        torch.manual_seed(args.random_weights)
+        model = CloverForBlockDiffusion(model.config).to(device=model.device, dtype=model.dtype).eval()
+        described = f"random weights (seed {args.random_weights}) at the {described}'s config and tokenizer"
     records = []
     with progress(len(entries), "bench structured --corpus") as bar, torch.inference_mode():
         for e in entries:
             records.append(corpus.answer(model, tokenizer, e, args.max_tokens, args.threshold, args.block_size))
             bar.update(1)
     out = corpus.summarize(records)
-    described = args.model or "default model"
     print(f"Structured output on the schema corpus: {described}; {len(entries)} schemas (SchemaStore documents via "
           f"check-jsonschema with {args.per_file} definitions each, JSON Schema meta-schemas, pydantic models, "
           f"BFCL-style functions, OpenAPI/Kubernetes payloads), each answered as a json_schema response_format "

@@ -115,6 +115,9 @@ def add_structured_flags(p) -> None:
     p.add_argument("--max-tokens", type=int, default=600, help="--corpus: token budget of a reply (default 600)")
     p.add_argument("--only", metavar="IDS", help="--corpus: just the entries whose id contains one of these "
                                                  "comma-separated substrings")
+    p.add_argument("--random-weights", type=int, metavar="SEED",
+                   help="--corpus: the model's config and tokenizer with weights drawn at random (seed SEED), "
+                        "e.g. to check that an untrained model's replies are valid too")
 
 
 # the shared decoding flags (clover/cli/options.py) each benchmark reads, DecodeConfig's defaults when not given
