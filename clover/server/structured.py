@@ -220,6 +220,9 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
     context, calls, infos, used, extra, finish, note = list(prompt_ids), [], [], 0, 0, "tool_calls", None
     while True:
         room = min(max_tokens - used, ctx - len(context))
+        if calls and room < 1:
+            finish, note = "length", f"call {len(calls) + 1} left out: max_tokens ({max_tokens}) or the context ran out"
+            break
         try:
             name, r, text, done, info = _one_call(model, tokenizer, context, plans, "\n" if calls else "",
                                                   threshold, block_size, room)
@@ -244,9 +247,6 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
         more, forwards = another_call(model, tokenizer, context, threshold, block_size)
         extra += forwards
         if not more:
-            break
-        if min(max_tokens - used, ctx - len(context)) < 1:
-            finish, note = "length", f"call {len(calls) + 1} left out: max_tokens ({max_tokens}) or the context ran out"
             break
     methods = sorted({i["method"] for i in infos})
     info = {"method": methods[0] if len(methods) == 1 else "+".join(methods),

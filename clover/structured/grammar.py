@@ -220,16 +220,7 @@ def tighten(schema, caps: Caps):
     valid. `not` is left as it is (a bound lowered inside it would widen what it allows)."""
     if not isinstance(schema, dict):
         return schema
-    s = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(s.get(key), dict):
-            s[key] = {k: tighten(v, caps) for k, v in s[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(s.get(key), list):
-            s[key] = [tighten(v, caps) for v in s[key]]
-    for key in ("items", "additionalProperties"):
-        if isinstance(s.get(key), dict):
-            s[key] = tighten(s[key], caps)
+    s = _children(schema, lambda v: tighten(v, caps), ("items", "additionalProperties"))
     if isinstance(s.get("propertyNames"), dict):  # map keys: short, yet room for distinct ones
         s["propertyNames"] = tighten(s["propertyNames"], Caps(max(caps.string, 4), caps.items, caps.optional))
     if isinstance(s.get("maxLength"), int) and not any(k in s for k in _FREE_STRING):
@@ -312,7 +303,7 @@ def _size(s: dict, defs: dict, active: frozenset, memo: dict) -> float:
                 key = s.get("propertyNames", {}).get("maxLength", inf) if isinstance(s.get("propertyNames"), dict) else inf
                 value = max([size_(extra) if extra is not None else 0]
                             + [size_(v) for v in s.get("patternProperties", {}).values()])
-                room = max(s.get("maxProperties", inf) - 0, 0)
+                room = max(s.get("maxProperties", inf), 0)
                 total += room * (2 * key + 4 + value) if room else 0
             out = max(out, total)
         else:
@@ -330,8 +321,9 @@ def start_level(schema, max_new_tokens: int) -> int:
 
 
 # ---- rewrites for what xgrammar gets wrong -------------------------------------------------------------
-def _children(s: dict, f) -> dict:
-    """`s` with f applied to each subschema (not inside `not`/`if`, where a strengthening widens)."""
+def _children(s: dict, f, singles=("items", "additionalProperties", "propertyNames", "then", "else")) -> dict:
+    """`s` with f applied to each subschema (not inside `not`/`if`, where a strengthening widens):
+    those of _SUBSCHEMA_MAPS, _SUBSCHEMA_LISTS and the keywords `singles`."""
     s = dict(s)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(s.get(key), dict):
@@ -339,7 +331,7 @@ def _children(s: dict, f) -> dict:
     for key in _SUBSCHEMA_LISTS:
         if isinstance(s.get(key), list):
             s[key] = [f(v) for v in s[key]]
-    for key in ("items", "additionalProperties", "propertyNames", "then", "else"):
+    for key in singles:
         if isinstance(s.get(key), dict):
             s[key] = f(s[key])
     return s

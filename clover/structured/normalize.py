@@ -109,6 +109,23 @@ def meta_schema(uri: str):
         return None
 
 
+_MISSING = object()
+
+
+def _follow(doc, pointer: str):
+    """The node a JSON pointer ("/a/0/b", `_escape`d parts) names in `doc`, or _MISSING."""
+    target = doc
+    for part in [p for p in pointer.split("/") if p != ""]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return _MISSING
+    return target
+
+
 class _Normalizer:
     """Walks one document. `scope`: the resources (base URI, document) entered by `$ref`s above the
     node being normalised, outermost first (the root, then e.g. a bundled meta-schema): relative
@@ -146,15 +163,9 @@ class _Normalizer:
             pointer = self._anchor(resource[1], fragment, "", ("$anchor", "$dynamicAnchor"))
             if pointer is None:
                 raise Refused(keyword, path, f"no anchor {fragment!r} in {resource[0] or 'this document'}")
-        target = resource[1]
-        for part in [p for p in pointer.split("/") if p != ""]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                raise Refused(keyword, path, f"{ref!r} does not resolve in {resource[0] or 'this document'}")
+        target = _follow(resource[1], pointer)
+        if target is _MISSING:
+            raise Refused(keyword, path, f"{ref!r} does not resolve in {resource[0] or 'this document'}")
         key = ("" if resource[1] is self.root else resource[0]) + "#" + pointer
         return key, target, resource
 
@@ -182,12 +193,7 @@ class _Normalizer:
         for base, doc in self.scope:
             pointer = self._anchor(doc, name, "", ("$dynamicAnchor",))
             if pointer is not None:
-                where = pointer.split("/")[1:]
-                sub = doc
-                for part in where:
-                    part = part.replace("~1", "/").replace("~0", "~")
-                    sub = sub[int(part)] if isinstance(sub, list) else sub[part]
-                return ("" if doc is self.root else base) + "#" + pointer, sub, (base, doc)
+                return ("" if doc is self.root else base) + "#" + pointer, _follow(doc, pointer), (base, doc)
         return found
 
     def _embedded(self, s, top: bool = False) -> bool:
