@@ -161,7 +161,7 @@ def decode_table(tmp, args):
     bf16 = tmp / "default-bf16.gguf"
     runner = LlamaCppRunner(bf16, model.config, max_rows=1, threads=1)
     cpp = LlamaCppModel(bf16, threads=1)
-    modes = [("ar", 1), ("low_confidence", 4), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32),
+    modes = [("ar", 1), ("low_confidence", 2), ("low_confidence", 4), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32),
              ("self_spec", 8)]
 
     def clover_run(m, mode, bs):
@@ -206,8 +206,49 @@ def decode_table(tmp, args):
         for (name, mode, bs), rs in results.items():
             ratio = statistics.median(r[0] / s[0] for r, s in zip(rs, results[stock]))
             print(f"| {name} | {mode} | {bs} | {statistics.median(r[0] for r in rs):.1f} | {ratio:.2f}x | {rs[-1][1]:.2f} |")
+        tpf = {bs: results[k][-1][1] for k in results if k[0].startswith("our") and k[1] == "low_confidence" for bs in [k[2]]}
+        bound_table(bf16, jobs, tpf, threads, args.repeats)
     cpp.close()
     runner.close()
+
+
+def bound_table(gguf: Path, jobs, tpf: dict, threads: int, repeats: int) -> None:
+    """The most low_confidence could gain on this CPU with llama.cpp's own kernels. t(n): stock
+    llama.cpp's forward of n tokens (causal, all logits: no block-mode extra) after a prefix of the
+    task prompts' median length, decode call only, the graph reused as in an AR loop. Decoding a block of B tokens at TPF tau takes B/tau
+    forwards of B tokens, and committing the block adds B positions: at best folded into the next
+    block's first forward, for t(2B) - t(B). So per token, lc needs at least
+    ((B/tau) t(B) + t(2B) - t(B)) / B, and t(2B) / B even at tau = B (a whole block per forward);
+    AR needs t(1). Prefill and Python are left out of both, which only favours lc."""
+    context = sorted(len(ids) for ids, _ in jobs)[len(jobs) // 2]
+    sizes = sorted({1, *(b for b in tpf), *(2 * b for b in tpf)})
+    toks = list(range(10, 10 + max(sizes)))
+    prefix = [10 + i % 1000 for i in range(context)]
+    cpp = LlamaCppModel(gguf, threads=threads)
+    t = {}
+    for n in sizes:  # forwards of n tokens one after another on one sequence (llama.cpp reuses the graph), as
+        samples = []  # an AR loop runs; from the prefix again every 8, so the context stays near the prompts'
+        for _ in range(max(repeats, 8) // 8 + 1):
+            cpp.reset()
+            cpp.decode([prefix], "last")
+            cpp.decode([toks[:n]], logits="all")  # untimed: builds the graph for n tokens
+            for _ in range(8):
+                start = time.perf_counter()
+                cpp.decode([toks[:n]], logits="all")
+                samples.append(time.perf_counter() - start)
+        t[n] = 1e3 * statistics.median(samples)
+    cpp.close()
+    print(f"\n**The ceiling of low_confidence on llama.cpp's kernels, {threads} thread{'s' if threads > 1 else ''}**: stock "
+          f"llama.cpp bf16 forward of n tokens after {context} cached tokens (the prompts' median), t(1) = {t[1]:.3f} ms "
+          f"= {1e3 / t[1]:.0f} AR tokens/s at most. lc tokens/s at most: B / ((B/TPF) t(B) + t(2B) - t(B)), with the "
+          "TPF measured above, and with TPF = B (a whole block per forward)\n")
+    print("| B | t(B) ms | t(2B) ms | TPF | lc tokens/s at most | vs AR's | at TPF = B | vs AR's |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, tau in sorted(tpf.items()):
+        best = b / ((b / tau) * t[b] + t[2 * b] - t[b]) * 1e3
+        ideal = b / t[2 * b] * 1e3
+        print(f"| {b} | {t[b]:.3f} | {t[2 * b]:.3f} | {tau:.2f} | {best:.0f} | {best * t[1] / 1e3:.2f}x | {ideal:.0f} "
+              f"| {ideal * t[1] / 1e3:.2f}x |")
 
 
 def main() -> int:

@@ -123,7 +123,7 @@ def test_chunk_form_trains_after_running_under_inference_mode():
     assert all(torch.isfinite(x.grad).all() for x in leaves)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 5])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 17, 21])  # up to GATHER_PAIRS pairs: a compiled draft window's experts
 def test_gathered_experts_match_naive(tokens):
     experts, topk, hidden, inter = 16, 3, 10, 7
     torch.manual_seed(tokens)
@@ -132,3 +132,15 @@ def test_gathered_experts_match_naive(tokens):
     top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
     torch.testing.assert_close(gathered_experts(x, top_idx, top_w, gate_up, down),
                                naive_experts(x, top_idx, top_w, gate_up, down), atol=1e-4, rtol=1e-4)
+
+
+def test_gathered_experts_compiled_match_naive():
+    """The compiled form (inductor fuses the weight gather into the products) on an odd window."""
+    experts, topk, hidden, inter, tokens = 8, 2, 24, 12, 13
+    torch.manual_seed(3)
+    x = torch.randn(tokens, hidden)
+    gate_up, down = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
+    with torch.inference_mode():
+        got = torch.compile(gathered_experts, dynamic=False)(x, top_idx, top_w, gate_up, down)
+    torch.testing.assert_close(got, naive_experts(x, top_idx, top_w, gate_up, down), atol=1e-5, rtol=1e-5)

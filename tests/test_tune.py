@@ -100,3 +100,23 @@ def test_compiled_tuning_warms_each_block_size_before_timing_it(monkeypatch):
     calls.clear()
     tuning.tune(None, [], (), sizes=(8, 16), thresholds=(0.5, 0.9), runner="eager", score=score)
     assert all(c[3] for c in calls)
+
+
+def test_tuning_interleaves_rounds_and_keeps_each_settings_median(monkeypatch):
+    """ar and every low_confidence setting are decoded once per round, round after round (so a burst
+    of load from elsewhere hits all alike), and each keeps the median of its rounds."""
+    calls, speeds = [], {}
+
+    def fake_rate(model, jobs, eos, mode, block, threshold, runner="eager", score=None):
+        calls.append((mode, block, threshold))
+        n = speeds[(mode, block, threshold)] = speeds.get((mode, block, threshold), 0) + 1
+        rate = {1: 10.0, 2: 1000.0, 3: 30.0}[n] * block  # round 2 is a burst: the median ignores it
+        return dict(block_size=block, threshold=threshold, tokens_per_second=rate, accuracy=1.0)
+
+    monkeypatch.setattr(tuning, "decode_rate", fake_rate)
+    monkeypatch.setattr(tuning, "step_ms", lambda model, sizes, runner="eager": {n: 1.0 for n in sizes})
+    got = tuning.tune(None, [], (), sizes=(8, 16), thresholds=(0.9,), rounds=3)
+    one_round = [("ar", 1, 0.95), ("low_confidence", 8, 0.9), ("low_confidence", 16, 0.9)]
+    assert calls == one_round * 3
+    assert got["ar"]["tokens_per_second"] == 30.0 and got["rounds"] == 3
+    assert [r["tokens_per_second"] for r in got["curve"]] == [240.0, 480.0]

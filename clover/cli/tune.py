@@ -15,6 +15,8 @@ def register(sub) -> None:
     p.add_argument("--thresholds", default="0.9,0.95", help="low_confidence thresholds to try (default 0.9,0.95)")
     p.add_argument("--per-task", type=int, default=1, metavar="N", help="calibration prompts per task (default 1)")
     p.add_argument("--runner", default="eager", choices=RUNNER_CHOICES, help="runner to tune for")
+    p.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="interleaved rounds over all settings; each keeps its median speed (default 3)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -39,6 +41,8 @@ def run(args) -> int:
         raise UserError("--thresholds: thresholds must be in (0, 1)")
     if args.per_task < 1:
         raise UserError("--per-task must be >= 1")
+    if args.rounds < 1:
+        raise UserError("--rounds must be >= 1")
 
     from ..api import DEFAULT_MODEL, encode, eos_ids, load
     from ..data.tasks import plain_prompt
@@ -53,14 +57,15 @@ def run(args) -> int:
         text = tokenizer.decode(ids, skip_special_tokens=True)
         return text.strip().split("\n")[0].strip() == exs[i]["answer"]
 
-    entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner, score)
+    entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner, score, args.rounds)
     keys = tuning.model_key(args.model or DEFAULT_MODEL), tuning.machine_key(str(model.device))
     path = None if args.dry_run else tuning.store(*keys, entry)
     if args.json:
         print_json(dict(model=keys[0], machine=keys[1], stored=str(path) if path else None, **entry))
         return 0
     ar = entry["ar"]["tokens_per_second"]
-    print(f"{keys[1]}, {len(jobs)} task prompts; ar {ar:.1f} tokens/s")
+    print(f"{keys[1]}, {len(jobs)} task prompts, {entry['rounds']} interleaved rounds (medians); ar {ar:.1f} tokens/s, "
+          f"{entry['step_ms']['1']:.2f} ms per AR step")
     ref = entry["reference"]
     print(f"accuracy: ar {entry['ar']['accuracy']:.3f}, low_confidence at block {ref['block_size']} / "
           f"{ref['threshold']} {ref['accuracy']:.3f} (a setting may lose {tuning.ACCURACY_SLACK:.2f})")

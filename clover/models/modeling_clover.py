@@ -430,6 +430,14 @@ class CloverSparseMoe(nn.Module):
         return out.reshape(shape)
 
 
+# (token, expert) pairs up to which a compiled step gathers the experts' weights into its graph (inductor
+# fuses the gather into the batched matrix-vector products, no copy) instead of calling the opaque
+# grouped-GEMM op, whose sort, host sync and per-expert GEMMs cost a fixed ~150 us a layer. On the
+# default dims (1 CPU thread) gathered is 2x faster at 8-16 tokens and even at 48 tokens (96 pairs);
+# `python bench/moe_dispatch.py` measures the crossover.
+GATHER_PAIRS = 64
+
+
 class CloverExperts(nn.Module):
     """Routed SwiGLU experts, fused weights. Owns its dispatch so a quantised twin can replace it."""
 
@@ -440,8 +448,8 @@ class CloverExperts(nn.Module):
 
     def forward(self, x, top_idx, top_w):
         dispatch = grouped_experts
-        if torch.compiler.is_compiling():  # a few tokens: gathered into the graph; more: one opaque op
-            dispatch = gathered_experts if top_idx.numel() < self.gate_up_proj.shape[0] else grouped_experts_op
+        if torch.compiler.is_compiling():  # up to a draft window's tokens: gathered into the graph; more: one opaque op
+            dispatch = gathered_experts if top_idx.numel() <= max(GATHER_PAIRS, self.gate_up_proj.shape[0]) else grouped_experts_op
         return dispatch(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 

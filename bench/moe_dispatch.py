@@ -1,0 +1,65 @@
+"""Expert dispatch inside a compiled step: gathered (weights gathered into the graph) vs the opaque
+grouped-GEMM op, per token count, at a model's MoE dims. Sets where `GATHER_PAIRS`
+(clover/models/modeling_clover.py) should sit on this machine; outputs are checked against the
+naive reference first.
+
+    python bench/moe_dispatch.py [--model DIR] [--threads 1] [--tokens 1,2,4,8,16,32,48,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _median_us(fn, repeats: int) -> float:
+    for _ in range(10):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(samples)
+
+
+def main() -> None:
+    from clover.api import DEFAULT_MODEL
+    from clover.models import CloverConfig
+    from clover.models.modeling_clover import GATHER_PAIRS
+    from clover.ops.moe import gathered_experts, grouped_experts_op, naive_experts
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder whose config gives the MoE dims")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,48,64")
+    ap.add_argument("--repeats", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = CloverConfig.from_pretrained(args.model)
+    e, h, i, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(e, 2 * i, h) * h**-0.5, torch.randn(e, h, i) * i**-0.5
+    gathered = torch.compile(gathered_experts, dynamic=False)
+    grouped = torch.compile(grouped_experts_op, dynamic=False)
+    print(f"`python bench/moe_dispatch.py --threads {args.threads} --tokens {args.tokens}` ({e} experts, top {k}, "
+          f"hidden {h}, expert inter {i}; torch {torch.__version__}, {args.threads} thread(s); GATHER_PAIRS = {GATHER_PAIRS})\n")
+    print("| tokens | pairs | gathered, compiled (us) | grouped op, compiled (us) | gathered / grouped | max abs diff vs naive |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for t in [int(v) for v in args.tokens.split(",")]:
+            x = torch.randn(t, h)
+            top_w, top_idx = torch.randn(t, e).softmax(-1).topk(k)
+            top_w = top_w / top_w.sum(-1, keepdim=True)
+            ref = naive_experts(x, top_idx, top_w, gate_up, down)
+            diff = max((f(x, top_idx, top_w, gate_up, down) - ref).abs().max().item() for f in (gathered, grouped))
+            a = _median_us(lambda: gathered(x, top_idx, top_w, gate_up, down), args.repeats)
+            b = _median_us(lambda: grouped(x, top_idx, top_w, gate_up, down), args.repeats)
+            print(f"| {t} | {t * k} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
