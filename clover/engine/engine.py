@@ -114,8 +114,9 @@ class Engine:
         self.device = model.device
         self.eos = set(cfg.eos_token_ids)
         self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device))
+        cap = self.runner.prefill_chunk  # a compiled runner takes prompts in chunks its graphs fit
         self.batch = RowBatch(self.runner, self.mode.width, self.mode.clean_bs, self.mask_id, self.device,
-                              cfg.prefill_chunk)
+                              min(cfg.prefill_chunk, cap) if cap else cfg.prefill_chunk)
         self.added = 0
 
     # the row batch's parts the server scheduler reads (the slot mode takes the whole `batch`)

@@ -7,11 +7,11 @@ another back end plugs in without touching them.
   commits) as one `torch.compile` graph each (inductor; on CUDA `mode="reduce-overhead"`, CUDA
   graphs). Shapes are static: the attention layers read the cache's whole capacity (masked past each
   row's length), capacities come in buckets, the MoE routing is traced into the graph as a gather
-  of the chosen experts' weights + bmm where tokens x top_k < experts (an AR step) and runs as one
-  opaque custom op otherwise, the cache commit needs no `nonzero`. A graph is compiled once per shape (rows, window width, clean
+  of the chosen experts' weights + bmm up to 64 (token, expert) pairs (modeling_clover.GATHER_PAIRS:
+  AR steps and draft windows) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`. A graph is compiled once per shape (rows, window width, clean
   columns, capacity bucket) and replayed after: on a CPU by calling the captured graph directly
-  (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step); prefill (arbitrary widths)
-  runs eagerly. Logits
+  (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step); prefill runs in chunks of at
+  most 64 tokens, each left-padded to a power of two (masked columns), so it replays graphs too. Logits
   equal the eager runner's within float rounding (fp32: 1e-5); tests/test_runner_compiled.py checks
   it in every mode.
 """
@@ -31,6 +31,7 @@ class EagerRunner:
     """The model's own forward; `forward` returns the logits the caller asked for."""
 
     name = "eager"
+    prefill_chunk = None  # no cap on the prompt tokens per prefill forward
 
     def __init__(self, model):
         self.model = model
@@ -183,15 +184,32 @@ def _named_weights(model) -> dict:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
+STEADY_MAX = 64  # widest clean segment and window a compiled graph takes (also the compiled prefill chunk)
+
+
 def is_steady(num_clean: int, length: int) -> bool:
     """Shapes a steady decode repeats (compiled): no clean column or one (AR), or a clean block of a
-    power-of-two size up to 64, with a window of at most 64. Anything else (prefill chunks, a prompt's
-    tail fused with the first window) would compile a graph used once: it runs eagerly."""
-    return num_clean <= 64 and length - num_clean <= 64 and num_clean & (num_clean - 1) == 0
+    power-of-two size up to 64, with a window of at most 64. Other clean widths up to 64 (prefill
+    chunks, a prompt's tail fused with the first window) are left-padded to the next power of two
+    (`bucket`); wider ones run eagerly."""
+    return num_clean <= STEADY_MAX and length - num_clean <= STEADY_MAX and num_clean & (num_clean - 1) == 0
+
+
+def bucket(ids, pad, num_clean: int):
+    """(ids, pad, num_clean) with the clean segment left-padded to a power of two: padded columns
+    are masked like a shorter row's in a batch (the model's pad_mask), so the logits of the real
+    columns are those of the unpadded call; None where the shape stays eager."""
+    width = 1 << max(num_clean - 1, 0).bit_length()
+    if width == num_clean or width > STEADY_MAX or ids.shape[1] - num_clean > STEADY_MAX:
+        return None
+    extra = width - num_clean
+    pad = pad if pad is not None else torch.zeros_like(ids, dtype=torch.bool)
+    return (torch.nn.functional.pad(ids, (extra, 0)), torch.nn.functional.pad(pad, (extra, 0), value=True), width)
 
 
 class CompiledRunner(EagerRunner):
     name = "compiled"
+    prefill_chunk = STEADY_MAX  # prompts are committed in chunks a graph takes (the engine's cap)
 
     def __init__(self, model, replay: bool = True):
         super().__init__(model)
@@ -208,7 +226,10 @@ class CompiledRunner(EagerRunner):
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
                 index=None) -> torch.Tensor:
         num_clean = ids.shape[1] - draft_len
-        if cache is None or not is_steady(num_clean, ids.shape[1]):
+        padded = None if cache is None or is_steady(num_clean, ids.shape[1]) else bucket(ids, pad, num_clean)
+        if padded is not None:
+            ids, pad, num_clean = padded
+        elif cache is None or not is_steady(num_clean, ids.shape[1]):
             self.eager_calls += 1
             return super().forward(ids, cache, block_size=block_size, draft_len=draft_len,
                                    clean_block_size=clean_block_size, pad=pad, keep=keep, index=index)
