@@ -206,7 +206,7 @@ def decode_table(tmp, args):
         for (name, mode, bs), rs in results.items():
             ratio = statistics.median(r[0] / s[0] for r, s in zip(rs, results[stock]))
             print(f"| {name} | {mode} | {bs} | {statistics.median(r[0] for r in rs):.1f} | {ratio:.2f}x | {rs[-1][1]:.2f} |")
-        tpf = {bs: results[k][-1][1] for k in results if k[0].startswith("our") and k[1] == "low_confidence" for bs in [k[2]]}
+        tpf = {bs: rs[-1][1] for (name, mode, bs), rs in results.items() if name.startswith("our") and mode == "low_confidence"}
         bound_table(bf16, jobs, tpf, threads, args.repeats)
     cpp.close()
     runner.close()
@@ -215,8 +215,8 @@ def decode_table(tmp, args):
 def bound_table(gguf: Path, jobs, tpf: dict, threads: int, repeats: int) -> None:
     """The most low_confidence could gain on this CPU with llama.cpp's own kernels. t(n): stock
     llama.cpp's forward of n tokens (causal, all logits: no block-mode extra) after a prefix of the
-    task prompts' median length, decode call only, the graph reused as in an AR loop. Decoding a block of B tokens at TPF tau takes B/tau
-    forwards of B tokens, and committing the block adds B positions: at best folded into the next
+    task prompts' median length, decode call only, the graph reused as in an AR loop. Decoding a
+    block of B tokens at TPF tau takes B/tau forwards of B tokens, and committing the block adds B positions: at best folded into the next
     block's first forward, for t(2B) - t(B). So per token, lc needs at least
     ((B/tau) t(B) + t(2B) - t(B)) / B, and t(2B) / B even at tau = B (a whole block per forward);
     AR needs t(1). Prefill and Python are left out of both, which only favours lc."""

@@ -9,21 +9,8 @@ naive reference first.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-
-
-def _median_us(fn, repeats: int) -> float:
-    for _ in range(10):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(samples)
 
 
 def main() -> None:
@@ -31,6 +18,7 @@ def main() -> None:
     from clover.models import CloverConfig
     from clover.models.modeling_clover import GATHER_PAIRS
     from clover.ops.moe import gathered_experts, grouped_experts_op, naive_experts
+    from clover.utils.timing import time_alternately
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder whose config gives the MoE dims")
@@ -56,8 +44,10 @@ def main() -> None:
             top_w = top_w / top_w.sum(-1, keepdim=True)
             ref = naive_experts(x, top_idx, top_w, gate_up, down)
             diff = max((f(x, top_idx, top_w, gate_up, down) - ref).abs().max().item() for f in (gathered, grouped))
-            a = _median_us(lambda: gathered(x, top_idx, top_w, gate_up, down), args.repeats)
-            b = _median_us(lambda: grouped(x, top_idx, top_w, gate_up, down), args.repeats)
+            times = time_alternately({name: (lambda f=f: f(x, top_idx, top_w, gate_up, down))
+                                      for name, f in (("gathered", gathered), ("grouped", grouped))},
+                                     repeats=args.repeats, warmup=10)  # interleaved: load hits both alike
+            a, b = 1e6 * times["gathered"], 1e6 * times["grouped"]
             print(f"| {t} | {t * k} | {a:.1f} | {b:.1f} | {a / b:.2f}x | {diff:.1e} |")
 
 

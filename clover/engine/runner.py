@@ -196,11 +196,12 @@ def is_steady(num_clean: int, length: int) -> bool:
 
 
 def bucket(ids, pad, num_clean: int):
-    """(ids, pad, num_clean) with the clean segment left-padded to a power of two: padded columns
-    are masked like a shorter row's in a batch (the model's pad_mask), so the logits of the real
-    columns are those of the unpadded call; None where the shape stays eager."""
+    """(ids, pad, num_clean) of a call that is not steady, with the clean segment left-padded to the
+    next power of two: padded columns are masked like a shorter row's in a batch (the model's
+    pad_mask), so the logits of the real columns are those of the unpadded call; None where even
+    the padded shape is not steady (it stays eager)."""
     width = 1 << max(num_clean - 1, 0).bit_length()
-    if width == num_clean or width > STEADY_MAX or ids.shape[1] - num_clean > STEADY_MAX:
+    if not is_steady(width, ids.shape[1] - num_clean + width):
         return None
     extra = width - num_clean
     pad = pad if pad is not None else torch.zeros_like(ids, dtype=torch.bool)
@@ -226,10 +227,10 @@ class CompiledRunner(EagerRunner):
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
                 index=None) -> torch.Tensor:
         num_clean = ids.shape[1] - draft_len
-        padded = None if cache is None or is_steady(num_clean, ids.shape[1]) else bucket(ids, pad, num_clean)
-        if padded is not None:
-            ids, pad, num_clean = padded
-        elif cache is None or not is_steady(num_clean, ids.shape[1]):
+        steady = cache is not None and is_steady(num_clean, ids.shape[1])
+        if cache is not None and not steady and (padded := bucket(ids, pad, num_clean)) is not None:
+            (ids, pad, num_clean), steady = padded, True
+        if not steady:
             self.eager_calls += 1
             return super().forward(ids, cache, block_size=block_size, draft_len=draft_len,
                                    clean_block_size=clean_block_size, pad=pad, keep=keep, index=index)

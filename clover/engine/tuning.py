@@ -150,6 +150,7 @@ def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=(0.9, 0.95), runner:
     ACCURACY_SLACK of low_confidence at the announced defaults (measured too when not on the grid).
     Every setting (ar included) is decoded once per round, the rounds interleaved, so load from other
     processes hits all alike; each keeps its median tokens/s (greedy: its tokens are the same each round)."""
+    rounds = max(1, rounds)
     settings = [("ar", 1, DEFAULT_THRESHOLD)] + [("low_confidence", b, t) for b in sizes for t in thresholds]
     if score is not None and ("low_confidence", DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD) not in settings:
         settings.append(("low_confidence", DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD))  # the accuracy reference
@@ -158,18 +159,17 @@ def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=(0.9, 0.95), runner:
             for mode, b in dict.fromkeys((m, b) for m, b, _ in settings):
                 decode_rate(model, jobs, eos, mode, b, DEFAULT_THRESHOLD, runner)
         runs = {s: [] for s in settings}
-        for _ in range(max(1, rounds)):
+        for _ in range(rounds):
             for s in settings:
                 runs[s].append(decode_rate(model, jobs, eos, *s, runner, score))
-    measured = {}
-    for s, rs in runs.items():
-        measured[s] = dict(rs[-1], tokens_per_second=statistics.median(r["tokens_per_second"] for r in rs))
+    measured = {s: dict(rs[-1], tokens_per_second=statistics.median(r["tokens_per_second"] for r in rs))
+                for s, rs in runs.items()}
     ar = measured[settings[0]]
     curve = [measured[("low_confidence", b, t)] for b in sizes for t in thresholds]
     reference = measured.get(("low_confidence", DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD)) if score is not None else None
     eligible = [r for r in curve if reference is None or r["accuracy"] >= reference["accuracy"] - ACCURACY_SLACK - 1e-9]
     best = max(eligible or [reference], key=lambda r: r["tokens_per_second"])
     return dict(block_size=best["block_size"], threshold=best["threshold"], runner=runner, ar=ar, curve=curve,
-                reference=reference, rounds=max(1, rounds),
+                reference=reference, rounds=rounds,
                 step_ms={str(k): v for k, v in step_ms(model, [1, *sizes], runner=runner).items()},
                 prompts=len(jobs), tuned_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
