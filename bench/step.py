@@ -6,7 +6,7 @@ One process, the shipped default model (or --model DIR) in fp32 with a prefilled
 --context tokens; steps as the engine runs them: an AR step (1 token committed) and draft steps of
 8/16/32 tokens (logits on every column, nothing committed). Eager and compiled run alternately
 (medians). The floor of a step is max(bytes of the weights it reads / measured memory bandwidth,
-its FLOPs / measured fp32 GEMM rate): a step reads every dense weight, the lm head and the experts
+its FLOPs / measured fp32 GEMM rate, the faster of torch's matmul and oneDNN's): a step reads every dense weight, the lm head and the experts
 its tokens route to (all of them once T * top_k >= experts), and does 2 FLOPs per weight per token.
 
 Each step is timed twice per sample: wall time and this thread's CPU time (`time.thread_time`); on
@@ -60,14 +60,21 @@ def bandwidth(device=torch.device("cpu")) -> float:
 
 
 def gemm_rate(device=torch.device("cpu"), dtype=torch.float32) -> float:
-    """fp32 FLOP/s of a 1024^3 matmul, best of a few (thread CPU time, as above)."""
+    """FLOP/s of a 1024^3 GEMM, best of a few (thread CPU time, as above), by the fastest library
+    torch reaches: its matmul and, on a CPU in fp32, oneDNN on a packed weight (the compiled
+    runner's draft linears; on AMD CPUs it runs AVX-512 kernels where MKL runs AVX2 ones, ~2x)."""
     n = 8192 if device.type == "cuda" else 1024
     x, w = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    fns = [lambda: x @ w]
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        fns.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
     clock, best = _clock(device), float("inf")
-    for _ in range(5):
-        t = clock()
-        x @ w
-        best = min(best, clock() - t)
+    for fn in fns:
+        for _ in range(5):
+            t = clock()
+            fn()
+            best = min(best, clock() - t)
     return 2 * n**3 / best
 
 

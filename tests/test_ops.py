@@ -144,3 +144,50 @@ def test_gathered_experts_compiled_match_naive():
     with torch.inference_mode():
         got = torch.compile(gathered_experts, dynamic=False)(x, top_idx, top_w, gate_up, down)
     torch.testing.assert_close(got, naive_experts(x, top_idx, top_w, gate_up, down), atol=1e-5, rtol=1e-5)
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(2, 9, 256), (3, 17, 128), (1, 33, 200)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_naive(shape, with_bias):
+    from clover.ops.linear import naive_linear, packed_linear
+
+    torch.manual_seed(0)
+    x, w = torch.randn(*shape), torch.randn(777, shape[-1]) / shape[-1] ** 0.5
+    b = torch.randn(777) if with_bias else None
+    torch.testing.assert_close(packed_linear(x, w, b), naive_linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_repacks_after_an_in_place_update():
+    from clover.ops.linear import naive_linear, packed_linear
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 9, 64), torch.randn(96, 64)
+    packed_linear(x, w)
+    with torch.no_grad():
+        w.mul_(-2)  # an optimizer step or load_state_dict writes the same tensor
+    torch.testing.assert_close(packed_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows,routed", [(1, 0), (9, 1)])
+def test_compiled_graphs_route_big_linears_to_the_packed_op(rows, routed):
+    from clover.engine.runner import route_linears
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 1024, bias=False)
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(route_linears(gm))
+        return gm.forward
+
+    x = torch.randn(1, rows, 256)
+    with torch.no_grad():
+        out = torch.compile(lambda t: torch.relu(lin(t)), backend=backend, fullgraph=True, dynamic=False)(x)
+        torch.testing.assert_close(out, torch.relu(lin(x)), rtol=1e-5, atol=1e-5)
+    assert counts == [routed]

@@ -61,6 +61,7 @@ class Layout:
     training: bool = False  # [x_t ; x_0] layout: first half noisy, second half clean
     clean_block_size: int = 1  # window size of the clean columns (the chunk size of the training layout)
     prefix: int = 0  # cache slots the attention layers read (the longest row's committed length)
+    slots: torch.Tensor | None = None  # static: [B, L] the cache slot each column's K/V is written to
     rope: tuple | None = None  # (cos, sin), computed by the first attention layer, shared by the rest
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
@@ -84,9 +85,11 @@ def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -
 
 
 def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad, device, static: bool = False) -> Layout:
-    """`static`: the attention layers read the cache's whole capacity (masked past each row's
-    length) instead of the longest row's prefix, so shapes stay fixed while rows grow (compiled
-    runner) and no host sync reads the lengths."""
+    """`static`: the attention layers write every column's K/V into the cache in place (clean
+    columns at their commit slots, draft columns in the scratch slots after them, past the row's
+    new length, which no later query reads) and attend over the cache's whole capacity, masked
+    past each row's length: shapes stay fixed while rows grow (compiled runner), no host sync reads
+    the lengths and no step copies the cache (a cat of prefix and new keys would)."""
     num_clean = length - draft_len
     wid = window_ids(num_clean, clean_bs, device)
     if draft_len:
@@ -103,12 +106,19 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
         eye = torch.eye(length, dtype=torch.bool, device=device)[None] & pad[:, :, None]
         new, same = new | eye, same | eye
     prefix = (cache.capacity if static else cache.max_len()) if cache is not None else 0
+    slots = None
     if prefix:
         old = (torch.arange(prefix, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
-        new = torch.cat([old, new], dim=-1)
+        if static:  # keys = the cache itself: each column's mask entries move to its slot
+            slots = lens[:, None] + cols[None, :]
+            if num_clean:
+                slots = torch.cat([commit_slots(lens, pad, num_clean), slots[:, num_clean:]], dim=1)
+            new = old.scatter(2, slots[:, None, :].expand(-1, length, -1), new)
+        else:
+            new = torch.cat([old, new], dim=-1)
     calib = _calibration_rows(cfg, [(num_clean, clean_bs), (draft_len, draft_bs)], device)
     return Layout(wid, positions, new[:, None], same[:, None] if calib is not None else None, calib,
-                  num_clean, pad, clean_block_size=clean_bs, prefix=prefix)
+                  num_clean, pad, clean_block_size=clean_bs, prefix=prefix, slots=slots)
 
 
 def training_layout(cfg, batch, length, block, device) -> Layout:
@@ -204,7 +214,12 @@ class CloverAttention(nn.Module):
         cos, sin = layout.rope_for(self.rotary_dim, self.theta, q.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         keys, values = k, v
-        if cache is not None:
+        if cache is not None and layout.slots is not None:  # static: written in place, then read whole
+            rows = torch.arange(batch, device=x.device)[:, None]
+            cache.key[self.layer_idx][rows, :, layout.slots] = cast(k.transpose(1, 2), cache.dtype)
+            cache.value[self.layer_idx][rows, :, layout.slots] = cast(v.transpose(1, 2), cache.dtype)
+            keys, values = cache.key[self.layer_idx].to(k.dtype), cache.value[self.layer_idx].to(v.dtype)
+        elif cache is not None:
             prefix = layout.prefix
             if prefix:
                 keys = torch.cat([cache.key[self.layer_idx][:, :, :prefix].to(k.dtype), k], dim=2)
@@ -579,7 +594,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             raise ValueError(f"draft_len={draft_len} must be in [1, {length}]")
         clean_bs = clean_block_size or (block if draft_len else 1)
         if cache is not None:
-            cache.reserve(length - draft_len)
+            cache.reserve(length if static else length - draft_len)  # static: draft columns get scratch slots
         return stream_layout(self.config, batch, length, draft_len, clean_bs, block, cache, pad_mask,
                              input_ids.device, static)
 
