@@ -11,6 +11,10 @@ its tokens route to (all of them once T * top_k >= experts), and does 2 FLOPs pe
 
 Each step is timed twice per sample: wall time and this thread's CPU time (`time.thread_time`); on
 a machine shared with other processes the wall time also counts the time the scheduler gave them.
+`--burst K` makes a sample K consecutive calls of one step (the mean), as a decode runs them (AR
+steps follow AR steps, an AR step commits its token, so the cache grows by K); with the default
+K = 1 every call follows another candidate's, whose weights and buffers evicted this one's from
+the caches (pessimistic for a model that fits in the last-level cache).
 
     python bench/step.py --profile [--sizes 1,32]
 
@@ -137,8 +141,9 @@ def profile_steps(candidates: dict, setup, steps: int = 20, top: int = 5) -> Non
 
 
 def _extra(args) -> str:
-    return "".join(f" --{k} {v}" for k, v in (("device", args.device), ("dtype", args.dtype), ("preset", args.preset))
-                   if v not in (None, "cpu", "float32")) + ("" if args.runners.count(",") == 2 else f" --runners {args.runners}")
+    return "".join(f" --{k} {v}" for k, v in (("device", args.device), ("dtype", args.dtype), ("preset", args.preset),
+                                              ("burst", args.burst))
+                   if v not in (None, "cpu", "float32", 1)) + ("" if args.runners.count(",") == 2 else f" --runners {args.runners}")
 
 
 def main() -> None:
@@ -153,7 +158,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--preset", help="random weights at a built-in preset's dims instead of a model folder")
     ap.add_argument("--runners", default="eager,compiled,compiled-dynamo")
+    ap.add_argument("--burst", type=int, default=1, help="consecutive calls per timed sample (see above)")
     args = ap.parse_args()
+    if args.profile and args.burst != 1:
+        ap.error("--profile summarises single calls: leave out --burst")
     torch.set_num_threads(args.threads)
     model = load_model(args)
     device = model.device
@@ -166,7 +174,7 @@ def main() -> None:
     caches = {}
     with torch.inference_mode():
         for kind, r in runners.items():
-            cache = r.new_cache(1, args.context + 64)
+            cache = r.new_cache(1, args.context + 64 + args.burst)
             model(prompt, cache=cache)
             caches[kind] = (cache, cache.snapshot())
     candidates, compile_s = {}, {}
@@ -179,7 +187,7 @@ def main() -> None:
             else:
                 fn = (lambda r=r, c=cache, ids=ids, n=n: (r.forward(ids, c, block_size=n, draft_len=n, clean_block_size=n,
                                                                     keep=n), _sync(device)))
-            candidates[(kind, n)] = fn
+            candidates[(kind, n)] = fn if args.burst == 1 else (lambda fn=fn: [fn() for _ in range(args.burst)])
     with torch.inference_mode():
         for key, fn in candidates.items():  # first call = compilation (cold, unless inductor's cache has it)
             for _ in range(2):  # the first compiles (or loads) the shape's graph, the second replays it
@@ -199,7 +207,7 @@ def main() -> None:
                 got = time_alternately({f"{k} {n}": fn for (k, n), fn in candidates.items()},
                                        repeats=max(1, args.repeats // 2), setup=restore, clock=clock)
                 for name, v in got.items():
-                    out.setdefault(name, []).append(v)
+                    out.setdefault(name, []).append(v / args.burst)
         times = {name: statistics.median(v) for name, v in times.items()}
         cpu = {name: statistics.median(v) for name, v in cpu.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

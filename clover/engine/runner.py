@@ -4,16 +4,19 @@ another back end plugs in without touching them.
 
 * `EagerRunner`: the model's forward, op by op (the reference; the default).
 * `CompiledRunner`: the steady steps (an AR token, a draft window, a window plus the block it
-  commits) as one `torch.compile` graph each (inductor; on CUDA `mode="reduce-overhead"`, CUDA
-  graphs). Shapes are static: the attention layers read the cache's whole capacity (masked past each
-  row's length), capacities come in buckets, the MoE routing is traced into the graph as a gather
-  of the chosen experts' weights + bmm up to 64 (token, expert) pairs (modeling_clover.GATHER_PAIRS:
-  AR steps and draft windows) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`. A graph is compiled once per shape (rows, window width, clean
-  columns, capacity bucket) and replayed after: on a CPU by calling the captured graph directly
-  (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step); prefill runs in chunks of at
-  most 64 tokens, each left-padded to a power of two (masked columns), so it replays graphs too. Logits
-  equal the eager runner's within float rounding (fp32: 1e-5); tests/test_runner_compiled.py checks
-  it in every mode.
+  commits), layout included, as one `torch.compile` graph each (inductor; on CUDA
+  `mode="reduce-overhead"`, CUDA graphs). Shapes are static: the attention layers write the step's
+  K/V into the cache in place and read its whole capacity (masked past each row's length),
+  capacities come in buckets, the MoE routing is traced into the graph as a gather of the chosen
+  experts' weights + bmm up to 64 (token, expert) pairs (modeling_clover.GATHER_PAIRS: AR steps
+  and draft windows) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`.
+  On a CPU the graph's kernels are called by inductor's C++ wrapper and its fp32 linears of 8+
+  rows run on packed oneDNN weights (`route_linears`). A graph is compiled once per shape (rows,
+  window width, clean columns, capacity bucket) and replayed after: on a CPU by calling the
+  captured graph directly (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step);
+  prefill runs in chunks of at most 64 tokens, each left-padded to a power of two (masked columns),
+  so it replays graphs too. Logits equal the eager runner's within float rounding (fp32: 1e-5);
+  tests/test_runner_compiled.py checks it in every mode.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from ..models.modeling_clover import stream_layout
 
 RUNNERS = ("eager", "compiled")
 CAPACITY_BUCKET = 256  # compiled caches hold a multiple of this many tokens per row
@@ -50,7 +55,11 @@ class EagerRunner:
                           logits_index=index).logits
 
 
-def _step(model, ids, layout, cache, keep: int):
+def _step(model, ids, pad, cache, keep: int, draft_len: int, clean_bs: int, block: int):
+    """One steady step, layout included: its masks and positions are a dozen small ops on the
+    cache's lengths (~0.4 ms a step when run eagerly on the host), fused into the graph here."""
+    layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_bs, block, cache, pad,
+                           ids.device, static=True)
     return model.head(model.model(ids, layout, cache), keep)
 
 
@@ -133,10 +142,11 @@ for _register in (torch.nn.modules.module.register_module_parameter_registration
 
 class Replay:
     """One compiled graph called without dynamo (no frame evaluation, no guards): the graph's inputs
-    are the model's parameters (bound once) and the call's tensors, fetched from (ids, layout, cache)
+    are the model's parameters (bound once) and the call's tensors, fetched from (ids, pad, cache)
     by the attribute paths found at capture time and checked against the captured shapes and strides
     (a mismatch returns None: the caller goes through dynamo instead). Built only where the compiling
-    call had no side effect beyond the layout's RoPE memo, so skipping dynamo's bytecode changes nothing.
+    call returned nothing but the logits (no side effect outside the graph), so skipping dynamo's
+    bytecode changes nothing.
     Weights are bound by object: in-place updates are seen; after any module registered a parameter,
     buffer or submodule (`_weights_epoch`), the bound objects are checked once against the model's
     and a replaced one is rebound (or, laid out otherwise, retires the Replay: dynamo takes over)."""
@@ -146,23 +156,20 @@ class Replay:
         self.model, self.weights, self.epoch = weakref.ref(model), weights, _weights_epoch[0]  # weights: slot -> name
 
     @classmethod
-    def build(cls, record, model, result, ids, layout, cache) -> "Replay | None":
+    def build(cls, record, model, result, ids, pad, cache) -> "Replay | None":
         outputs = record.pop("outputs", None)
         if outputs is None or cache.recording:  # recording stores tensors on the cache: a side effect
             return None
-        hits = [i for i, o in enumerate(outputs) if o is result]
-        memo = [id(t) for t in layout.rope or ()]
-        if len(hits) != 1 or any(id(o) not in memo for i, o in enumerate(outputs) if i != hits[0]):
+        if len(outputs) != 1 or outputs[0] is not result:  # any other output is a side effect we'd skip
             return None
-        paths = {id(ids): "ids"}
-        for root, obj in (("layout", layout), ("cache", cache)):
-            for name, v in vars(obj).items():
-                if isinstance(v, torch.Tensor):
-                    paths[id(v)] = f"{root}.{name}"
-                elif isinstance(v, (dict, list)):
-                    for k, t in (v.items() if isinstance(v, dict) else enumerate(v)):
-                        if isinstance(t, torch.Tensor) and isinstance(k, (int, str)):
-                            paths[id(t)] = f"{root}.{name}[{k!r}]"
+        paths = {id(ids): "ids", **({id(pad): "pad"} if pad is not None else {})}
+        for name, v in vars(cache).items():
+            if isinstance(v, torch.Tensor):
+                paths[id(v)] = f"cache.{name}"
+            elif isinstance(v, (dict, list)):
+                for k, t in (v.items() if isinstance(v, dict) else enumerate(v)):
+                    if isinstance(t, torch.Tensor) and isinstance(k, (int, str)):
+                        paths[id(t)] = f"cache.{name}[{k!r}]"
         names = {id(t): n for n, t in _named_weights(model).items()}
         args, dynamic, exprs, weights = list(record["inputs"]), [], [], {}
         for i, t in enumerate(args):
@@ -174,8 +181,8 @@ class Replay:
                 weights[i] = names[id(t)]
             else:
                 return None  # an input we cannot fetch again
-        fetch = eval(f"lambda ids, layout, cache: ({', '.join(exprs)},)")  # noqa: S307 (paths built above)
-        return cls(record["fn"], args, fetch, dynamic, hits[0], model, weights)
+        fetch = eval(f"lambda ids, pad, cache: ({', '.join(exprs)},)")  # noqa: S307 (paths built above)
+        return cls(record["fn"], args, fetch, dynamic, 0, model, weights)
 
     def current(self) -> bool:
         """Whether the bound weights are the model's (checked once per `_weights_epoch`): a replaced
@@ -191,11 +198,11 @@ class Replay:
             self.epoch = _weights_epoch[0]
         return True
 
-    def __call__(self, ids, layout, cache):
+    def __call__(self, ids, pad, cache):
         if not self.current():
             return None
         args = list(self.args)
-        for (i, shape, stride), t in zip(self.dynamic, self.fetch(ids, layout, cache)):
+        for (i, shape, stride), t in zip(self.dynamic, self.fetch(ids, pad, cache)):
             if t.shape != shape or t.stride() != stride:
                 return None
             args[i] = t
@@ -262,17 +269,17 @@ class CompiledRunner(EagerRunner):
                                    clean_block_size=clean_block_size, pad=pad, keep=keep, index=index)
         self.compiled_calls += 1
         m = self.model
-        layout = m.prepare_stream(ids, cache, block_size, draft_len, clean_block_size, pad, static=True)
-        key = _shape_key(ids, layout, cache, keep)
+        clean_bs, block = m.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
+        key = _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block)
         replay = self._replays.get(key) if self.replay else None
         if replay is not None and not replay.current():
             replay = self._replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
-        logits = replay(ids, layout, cache) if replay is not None else None
+        logits = replay(ids, pad, cache) if replay is not None else None
         if logits is None:
             del self._captures[:]
-            logits = self.step_fn(m, ids, layout, cache, keep)
+            logits = self.step_fn(m, ids, pad, cache, keep, draft_len, clean_bs, block)
             if self._captures:  # this call compiled a graph: its replay serves the key from now on
-                self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, layout, cache)
+                self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, pad, cache)
         else:
             self.replayed_calls += 1
         m.commit_lens(cache, num_clean, pad)
@@ -282,12 +289,10 @@ class CompiledRunner(EagerRunner):
 _replays: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: Replay or None}
 
 
-def _shape_key(ids, layout, cache, keep) -> tuple:
+def _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block) -> tuple:
     """Everything a compiled step specialises on besides the (fixed) weights: one graph, one Replay."""
-    return (tuple(ids.shape), ids.device, layout.num_clean, layout.clean_block_size, layout.prefix,
-            layout.pad is None, layout.calib is None, None if layout.calib is None else tuple(layout.calib.shape),
-            cache.recording, cache.capacity, cache.batch_size, cache.dtype, keep,
-            torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+    return (tuple(ids.shape), ids.device, draft_len, clean_bs, block, pad is None, cache.recording, cache.capacity,
+            cache.batch_size, cache.dtype, keep, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
 
 def make_runner(kind: str, model) -> EagerRunner:

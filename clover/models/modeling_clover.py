@@ -93,7 +93,7 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
     num_clean = length - draft_len
     wid = window_ids(num_clean, clean_bs, device)
     if draft_len:
-        first_draft = int(wid[-1]) + 1 if num_clean else 0
+        first_draft = -(-num_clean // clean_bs)  # the clean windows' count (no host sync: traceable)
         wid = torch.cat([wid, torch.full((draft_len,), first_draft, device=device)])
     lens = cache.lens if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
     npad = pad.sum(1) if pad is not None else torch.zeros(batch, dtype=torch.long, device=device)
@@ -588,15 +588,22 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
     def prepare_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
                        static: bool = False) -> Layout:
         """Validate, make room in the cache and build the layout (host-side work, before the layers)."""
+        clean_bs, block = self.check_stream(input_ids, cache, block_size, draft_len, clean_block_size, static)
         batch, length = input_ids.shape
+        return stream_layout(self.config, batch, length, draft_len, clean_bs, block, cache, pad_mask,
+                             input_ids.device, static)
+
+    def check_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None,
+                     static: bool = False) -> tuple[int, int]:
+        """Validate and make room in the cache; returns the (clean, draft) window sizes. The part of
+        `prepare_stream` that must run on the host: a compiled runner builds the layout in its graph."""
+        length = input_ids.shape[1]
         block = block_size or 1
         if draft_len and not 1 <= draft_len <= length:
             raise ValueError(f"draft_len={draft_len} must be in [1, {length}]")
-        clean_bs = clean_block_size or (block if draft_len else 1)
         if cache is not None:
             cache.reserve(length if static else length - draft_len)  # static: draft columns get scratch slots
-        return stream_layout(self.config, batch, length, draft_len, clean_bs, block, cache, pad_mask,
-                             input_ids.device, static)
+        return clean_block_size or (block if draft_len else 1), block
 
     def head(self, hidden, logits_to_keep: int = 0, logits_index=None):
         if logits_to_keep:
