@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from ..models.modeling_clover import stream_layout
+from ..ops.linear import worth_packing
 
 RUNNERS = ("eager", "compiled")
 CAPACITY_BUCKET = 256  # compiled caches hold a multiple of this many tokens per row
@@ -110,16 +111,16 @@ def route_linears(gm) -> int:
     """Send the graph's fp32 CPU linears that a packed oneDNN GEMM runs faster (ops/linear/packed.py:
     8 rows or more, big enough weights) to `clover::packed_linear`; the weight must be a graph input
     (a parameter), whose packed copy is then made once. Returns how many were routed."""
-    from ..ops.linear import worth_packing
-
     routed = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
             continue
         args = list(node.args) + [node.kwargs.get("bias")] * (3 - len(node.args))
-        x, w, b = (a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in args[:3])
-        if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and args[1].op == "placeholder"
-                and x.device == w.device and x.dtype == w.dtype and worth_packing(x.numel() // x.shape[-1], w)):
+        if not (isinstance(args[0], torch.fx.Node) and isinstance(args[1], torch.fx.Node) and args[1].op == "placeholder"):
+            continue
+        x, w = args[0].meta.get("example_value"), args[1].meta.get("example_value")
+        if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.device == w.device
+                and x.dtype == w.dtype and worth_packing(x.numel() // x.shape[-1], w)):
             node.target, node.args, node.kwargs = torch.ops.clover.packed_linear.default, tuple(args[:3]), {}
             routed += 1
     if routed:
