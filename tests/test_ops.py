@@ -123,7 +123,7 @@ def test_chunk_form_trains_after_running_under_inference_mode():
     assert all(torch.isfinite(x.grad).all() for x in leaves)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 5, 17, 21])  # up to GATHER_PAIRS pairs: a compiled draft window's experts
+@pytest.mark.parametrize("tokens", [1, 2, 5, 17, 21, 63])  # up to GATHER_PAIRS pairs: a compiled draft window's experts
 def test_gathered_experts_match_naive(tokens):
     experts, topk, hidden, inter = 16, 3, 10, 7
     torch.manual_seed(tokens)

@@ -8,8 +8,8 @@ another back end plugs in without touching them.
   `mode="reduce-overhead"`, CUDA graphs). Shapes are static: the attention layers write the step's
   K/V into the cache in place and read its whole capacity (masked past each row's length),
   capacities come in buckets, the MoE routing is traced into the graph as a gather of the chosen
-  experts' weights + bmm up to 64 (token, expert) pairs (modeling_clover.GATHER_PAIRS: AR steps
-  and draft windows) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`.
+  experts' weights + bmm up to 128 (token, expert) pairs (modeling_clover.GATHER_PAIRS: AR steps
+  and forwards of up to 64 tokens at top-2) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`.
   On a CPU the graph's kernels are called by inductor's C++ wrapper and its fp32 linears of 8+
   rows run on packed oneDNN weights (`route_linears`). A graph is compiled once per shape (rows,
   window width, clean columns, capacity bucket) and replayed after: on a CPU by calling the

@@ -448,9 +448,10 @@ class CloverSparseMoe(nn.Module):
 # (token, expert) pairs up to which a compiled step gathers the experts' weights into its graph (inductor
 # fuses the gather into the batched matrix-vector products, no copy) instead of calling the opaque
 # grouped-GEMM op, whose sort, host sync and per-expert GEMMs cost a fixed ~150 us a layer. On the
-# default dims (1 CPU thread) gathered is 2x faster at 8-16 tokens and even at 48 tokens (96 pairs);
-# `python bench/moe_dispatch.py` measures the crossover.
-GATHER_PAIRS = 64
+# default dims (1 CPU thread) gathered is 2x faster at 8-16 tokens, 0.78x of the op at 48 tokens (96
+# pairs) and even at 64 (128 pairs: a prompt's tail fused with its first window, a 32-token commit
+# with its next window); `python bench/moe_dispatch.py` measures the crossover.
+GATHER_PAIRS = 128
 
 
 class CloverExperts(nn.Module):
