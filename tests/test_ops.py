@@ -174,6 +174,17 @@ def test_packed_linear_repacks_after_an_in_place_update():
 
 
 @needs_onednn
+def test_packed_linear_takes_weights_made_under_inference_mode():
+    from clover.ops.linear import naive_linear, packed_linear
+
+    with torch.inference_mode():  # such a weight has no version counter to watch: it must still be right
+        x, w = torch.randn(2, 9, 64), torch.randn(96, 64)
+        torch.testing.assert_close(packed_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
+        w.mul_(-2)
+        torch.testing.assert_close(packed_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
 @pytest.mark.parametrize("rows,routed", [(1, 0), (9, 1)])
 def test_compiled_graphs_route_big_linears_to_the_packed_op(rows, routed):
     from clover.engine.runner import route_linears

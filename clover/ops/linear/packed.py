@@ -9,7 +9,8 @@ MKL (`worth_packing`). The compiled CPU runner routes the linears of its graphs 
 
 The packed copy is cached per weight tensor (by identity, dropped with it) and rebuilt whenever the
 weight's version counter moves (an in-place update: `copy_`, `load_state_dict`, an optimizer step),
-so it can never serve stale weights. It costs one extra copy of each packed weight's bytes.
+so it can never serve stale weights. It costs one extra copy of each packed weight's bytes. A weight
+made under `torch.inference_mode` has no version counter: it runs unpacked (F.linear).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("clover::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for fp32 CPU tensors, computed by oneDNN on the packed weight."""
+    if weight.is_inference():  # no version counter: an in-place update could not be seen, so no packed copy
+        return torch.nn.functional.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), packed_weight(weight), bias,
                                              "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
