@@ -97,18 +97,30 @@ def test_expert_custom_op_equals_eager_and_naive(tokens):
 
 
 def test_static_layout_equals_prefix_layout(model):
-    """Reading the cache's whole capacity (masked) gives the logits of reading the longest prefix."""
+    """Writing K/V into the cache in place and reading its whole capacity (masked) gives the logits
+    of reading the longest prefix: rows of different lengths, a window that commits a clean block
+    with a left pad (commit slots) and drafts the next (scratch slots), then a step reading what it
+    committed."""
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 120, (2, 11), generator=g)
-    window = torch.randint(0, 120, (2, 4), generator=g)
+    prompt_pad = torch.zeros(2, 11, dtype=torch.bool)
+    prompt_pad[1, :3] = True  # row 1 is 3 tokens shorter
+    window = torch.randint(0, 120, (2, 8), generator=g)
+    window_pad = torch.zeros(2, 8, dtype=torch.bool)
+    window_pad[0, 0] = True  # row 0 commits 3 of its 4 clean columns
+    after = torch.randint(0, 120, (2, 1), generator=g)
     outs = []
     for static in (False, True):
         cache = model.new_cache(2, capacity=64)
         with torch.no_grad():
-            model(prompt, cache=cache)
-            layout = model.prepare_stream(window, cache, 4, 4, 4, None, static=static)
-            outs.append(model.head(model.model(window, layout, cache), 4))
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+            model(prompt, cache=cache, pad_mask=prompt_pad)
+            layout = model.prepare_stream(window, cache, 4, 4, 4, window_pad, static=static)
+            first = model.head(model.model(window, layout, cache), 8)
+            model.commit_lens(cache, 4, window_pad)
+            layout = model.prepare_stream(after, cache, static=static)
+            outs.append((first, model.head(model.model(after, layout, cache), 1), cache.lens.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_steady_shapes_and_bucketed_capacity(model):
