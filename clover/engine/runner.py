@@ -152,8 +152,8 @@ class Replay:
     buffer or submodule (`_weights_epoch`), the bound objects are checked once against the model's
     and a replaced one is rebound (or, laid out otherwise, retires the Replay: dynamo takes over)."""
 
-    def __init__(self, fn, args: list, fetch, dynamic: list, out: int, model, weights: dict):
-        self.fn, self.args, self.fetch, self.dynamic, self.out = fn, args, fetch, dynamic, out
+    def __init__(self, fn, args: list, fetch, dynamic: list, model, weights: dict):
+        self.fn, self.args, self.fetch, self.dynamic = fn, args, fetch, dynamic
         self.model, self.weights, self.epoch = weakref.ref(model), weights, _weights_epoch[0]  # weights: slot -> name
 
     @classmethod
@@ -183,7 +183,7 @@ class Replay:
             else:
                 return None  # an input we cannot fetch again
         fetch = eval(f"lambda ids, pad, cache: ({', '.join(exprs)},)")  # noqa: S307 (paths built above)
-        return cls(record["fn"], args, fetch, dynamic, 0, model, weights)
+        return cls(record["fn"], args, fetch, dynamic, model, weights)
 
     def current(self) -> bool:
         """Whether the bound weights are the model's (checked once per `_weights_epoch`): a replaced
@@ -207,7 +207,7 @@ class Replay:
             if t.shape != shape or t.stride() != stride:
                 return None
             args[i] = t
-        return self.fn(*args)[self.out]
+        return self.fn(*args)[0]  # the graph's only output (build): the logits
 
 
 def _layout_of(t: torch.Tensor) -> tuple:

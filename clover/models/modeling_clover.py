@@ -110,9 +110,7 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
     if prefix:
         old = (torch.arange(prefix, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
         if static:  # keys = the cache itself: each column's mask entries move to its slot
-            slots = lens[:, None] + cols[None, :]
-            if num_clean:
-                slots = torch.cat([commit_slots(lens, pad, num_clean), slots[:, num_clean:]], dim=1)
+            slots = commit_slots(lens, pad, length)  # draft columns land past the new length: scratch
             new = old.scatter(2, slots[:, None, :].expand(-1, length, -1), new)
         else:
             new = torch.cat([old, new], dim=-1)
