@@ -146,49 +146,60 @@ def test_gathered_experts_compiled_match_naive():
     torch.testing.assert_close(got, naive_experts(x, top_idx, top_w, gate_up, down), atol=1e-5, rtol=1e-5)
 
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def _tiled():
+    from clover.ops.linear import tiled
+
+    if not tiled.available():
+        pytest.skip("the tiled linear cannot be built here (no C++ compiler or not x86-64)")
+    return tiled
 
 
-@needs_onednn
-@pytest.mark.parametrize("shape", [(2, 9, 256), (3, 17, 128), (1, 33, 200)])
+@pytest.mark.parametrize("shape", [(1, 1, 256), (2, 9, 256), (3, 17, 128), (1, 33, 200), (2, 70, 7)])
+@pytest.mark.parametrize("out", [777, 16, 5])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_naive(shape, with_bias):
-    from clover.ops.linear import naive_linear, packed_linear
+def test_tiled_linear_matches_naive(shape, out, with_bias):
+    from clover.ops.linear import naive_linear
 
+    tiled = _tiled()
     torch.manual_seed(0)
-    x, w = torch.randn(*shape), torch.randn(777, shape[-1]) / shape[-1] ** 0.5
-    b = torch.randn(777) if with_bias else None
-    torch.testing.assert_close(packed_linear(x, w, b), naive_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x, w = torch.randn(*shape), torch.randn(out, shape[-1]) / shape[-1] ** 0.5
+    b = torch.randn(out) if with_bias else None
+    torch.testing.assert_close(tiled.tiled_linear(x, w, b), naive_linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_packed_linear_repacks_after_an_in_place_update():
-    from clover.ops.linear import naive_linear, packed_linear
+def test_tiled_linear_repacks_after_an_in_place_update_and_forgets_freed_weights():
+    from clover.ops.linear import naive_linear
 
+    tiled = _tiled()
     torch.manual_seed(0)
     x, w = torch.randn(2, 9, 64), torch.randn(96, 64)
-    packed_linear(x, w)
+    tiled.tiled_linear(x, w)
     with torch.no_grad():
         w.mul_(-2)  # an optimizer step or load_state_dict writes the same tensor
-    torch.testing.assert_close(packed_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiled.tiled_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
+    live = tiled.cached_weights()
+    del w
+    assert tiled.cached_weights() == live - 1
+    w2 = torch.randn(96, 64)  # may reuse the freed weight's memory: must not get its packed copy
+    torch.testing.assert_close(tiled.tiled_linear(x, w2), naive_linear(x, w2), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_packed_linear_takes_weights_made_under_inference_mode():
-    from clover.ops.linear import naive_linear, packed_linear
+def test_tiled_linear_takes_weights_made_under_inference_mode():
+    from clover.ops.linear import naive_linear
 
+    tiled = _tiled()
     with torch.inference_mode():  # such a weight has no version counter to watch: it must still be right
         x, w = torch.randn(2, 9, 64), torch.randn(96, 64)
-        torch.testing.assert_close(packed_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tiled.tiled_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
         w.mul_(-2)
-        torch.testing.assert_close(packed_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tiled.tiled_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-@pytest.mark.parametrize("rows,routed", [(1, 0), (9, 1)])
-def test_compiled_graphs_route_big_linears_to_the_packed_op(rows, routed):
+@pytest.mark.parametrize("rows", [1, 9])
+def test_compiled_graphs_route_linears_to_the_tiled_op(rows):
     from clover.engine.runner import route_linears
 
+    _tiled()
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 1024, bias=False)
     counts = []
@@ -201,4 +212,21 @@ def test_compiled_graphs_route_big_linears_to_the_packed_op(rows, routed):
     with torch.no_grad():
         out = torch.compile(lambda t: torch.relu(lin(t)), backend=backend, fullgraph=True, dynamic=False)(x)
         torch.testing.assert_close(out, torch.relu(lin(x)), rtol=1e-5, atol=1e-5)
-    assert counts == [routed]
+    assert counts == [1]
+
+
+@pytest.mark.parametrize("tokens,experts,topk,hidden,inter", [(1, 8, 2, 256, 128), (9, 8, 2, 256, 128),
+                                                              (33, 5, 3, 40, 24), (64, 8, 2, 17, 9)])
+def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter):
+    from clover.ops.moe import naive_experts
+
+    tiled = _tiled()
+    torch.manual_seed(1)
+    x = torch.randn(tokens, hidden)
+    gate_up, down = torch.randn(experts, 2 * inter, hidden) / hidden**0.5, torch.randn(experts, hidden, inter) / inter**0.5
+    top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
+    want = naive_experts(x, top_idx, top_w, gate_up, down)
+    torch.testing.assert_close(tiled.tiled_experts(x, top_idx, top_w, gate_up, down), want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        down.mul_(-1)  # repacked after an in-place update
+    torch.testing.assert_close(tiled.tiled_experts(x, top_idx, top_w, gate_up, down), -want, atol=1e-5, rtol=1e-5)

@@ -10,8 +10,8 @@ another back end plugs in without touching them.
   capacities come in buckets, the MoE routing is traced into the graph as a gather of the chosen
   experts' weights + bmm up to 128 (token, expert) pairs (modeling_clover.GATHER_PAIRS: AR steps
   and forwards of up to 64 tokens at top-2) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`.
-  On a CPU the graph's kernels are called by inductor's C++ wrapper and its fp32 linears of 8+
-  rows run on packed oneDNN weights (`route_linears`). A graph is compiled once per shape (rows,
+  On a CPU the graph's kernels are called by inductor's C++ wrapper and its fp32 linears run on
+  weights packed once (`route_linears`, ops/linear/tiled.py). A graph is compiled once per shape (rows,
   window width, clean columns, capacity bucket) and replayed after: on a CPU by calling the
   captured graph directly (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step);
   prefill runs in chunks of at most 64 tokens, each left-padded to a power of two (masked columns),
@@ -26,13 +26,13 @@ import weakref
 import torch
 
 from ..models.modeling_clover import stream_layout
-from ..ops.linear import worth_packing
+from ..ops.linear import tiled, worth_routing
 
 RUNNERS = ("eager", "compiled")
 CAPACITY_BUCKET = 256  # compiled caches hold a multiple of this many tokens per row
 RECOMPILE_LIMIT = 64  # graphs per process for the step function (shape buckets x variants)
 CPP_WRAPPER = True  # inductor's C++ wrapper calls a graph's kernels (no Python between them: ~0.2 ms a step)
-PACK_LINEARS = True  # CPU graphs: big enough fp32 linears of 8+ rows run on packed oneDNN weights
+PACK_LINEARS = True  # CPU graphs: fp32 linears run on packed weights (ops/linear/tiled.py)
 
 
 class EagerRunner:
@@ -74,6 +74,8 @@ def compiled_step(model):
     if entry is None:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         captures: list = []
+        if model.device.type == "cpu":
+            tiled.available()  # build (or load) the C++ kernels before tracing: graphs then route to them
         if model.device.type == "cuda":  # CUDA graphs replay there; dynamo's call stays in front of them
             fn = torch.compile(_step, dynamic=False, fullgraph=True, mode="reduce-overhead")
         else:
@@ -108,9 +110,9 @@ def _capturing_backend(captures: list):
 
 
 def route_linears(gm) -> int:
-    """Send the graph's fp32 CPU linears that a packed oneDNN GEMM runs faster (ops/linear/packed.py:
-    8 rows or more, big enough weights) to `clover::packed_linear`; the weight must be a graph input
-    (a parameter), whose packed copy is then made once. Returns how many were routed."""
+    """Send the graph's fp32 CPU linears to `clover_cpu::linear` (ops/linear/tiled.py: a weight packed
+    once, read once per call); the weight must be a graph input (a parameter), whose packed copy is
+    then made once. Returns how many were routed."""
     routed = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
@@ -120,8 +122,8 @@ def route_linears(gm) -> int:
             continue
         x, w = args[0].meta.get("example_value"), args[1].meta.get("example_value")
         if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.device == w.device
-                and x.dtype == w.dtype and worth_packing(x.numel() // x.shape[-1], w)):
-            node.target, node.args, node.kwargs = torch.ops.clover.packed_linear.default, tuple(args[:3]), {}
+                and x.dtype == w.dtype and worth_routing(x.numel() // x.shape[-1], w)):
+            node.target, node.args, node.kwargs = torch.ops.clover_cpu.linear.default, tuple(args[:3]), {}
             routed += 1
     if routed:
         gm.recompile()

@@ -1,7 +1,7 @@
-"""Dense projections: `naive` is the reference (F.linear); `packed` runs fp32 on CPU through oneDNN
-with the weight packed once (faster from 8 rows on)."""
+"""Dense projections: `naive` is the reference (F.linear); `tiled` runs fp32 on CPU on a weight
+packed once, for the few rows of a decode step (tiled.cpp)."""
 
 from .naive import naive_linear
-from .packed import packed_linear, worth_packing
+from .tiled import experts_fit, tiled_experts, tiled_linear, worth_routing
 
-__all__ = ["naive_linear", "packed_linear", "worth_packing"]
+__all__ = ["experts_fit", "naive_linear", "tiled_experts", "tiled_linear", "worth_routing"]

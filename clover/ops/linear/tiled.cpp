@@ -1,0 +1,266 @@
+// fp32 y = x @ W^T (+ b) for the few rows of a decode step, on a weight packed once into panels of
+// 16 output columns: packed[p, k, j] = W[16 p + j, k] (zero rows past N). See tiled.py.
+//
+// `clover_cpu::linear(x, weight, bias)` keeps the packed copy of each weight it sees (keyed by the
+// weight's TensorImpl, held weakly, so a freed weight's entry dies with it) and repacks when the
+// weight's version counter moves (an in-place update: copy_, load_state_dict, an optimizer step);
+// it can never serve a stale weight. A weight made under inference mode has no version counter:
+// it goes to at::linear unpacked.
+//
+// Each tile is R rows x P panels held in R*P vector accumulators; for every k it loads P panel
+// vectors and FMAs each with the broadcast x[r, k]. A panel pair (2 x K x 16 floats, 32 KB at
+// K = 256) stays in L1 while every row tile passes over it, so the weight is read from memory once
+// per call whatever the row count. AVX-512 where the compiler targets it, else 8-wide AVX2 (two
+// vectors per panel) or plain C++ that the compiler may vectorise.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cmath>
+#include <mutex>
+#include <vector>
+#include <unordered_map>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+
+#if defined(__AVX512F__)
+template <int R, int P>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+                 int64_t n0, int64_t N, const float* bias) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_ps(w + (p * K + k) * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * kPanel;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, _mm512_add_ps(acc[r][p], b));
+  }
+}
+#else
+template <int R, int P>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+                 int64_t n0, int64_t N, const float* bias) {
+  float acc[R][P][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      for (int p = 0; p < P; ++p)
+        for (int j = 0; j < kPanel; ++j) acc[r][p][j] += xv * w[(p * K + k) * kPanel + j];
+    }
+  for (int p = 0; p < P; ++p)
+    for (int j = 0; j < kPanel; ++j) {
+      const int64_t n = n0 + p * kPanel + j;
+      if (n >= N) break;
+      for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r][p][j] + (bias ? bias[n] : 0.f);
+    }
+}
+#endif
+
+template <int P>
+void rows_tail(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+               int64_t n0, int64_t N, const float* bias) {
+  switch (rows) {
+    case 1: tile<1, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 2: tile<2, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 3: tile<3, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 4: tile<4, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 5: tile<5, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 6: tile<6, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 7: tile<7, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    default: tile<8, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+  }
+}
+
+// Panels [p0, p1) for every row: the panel group (P panels) outermost, so it stays in L1 across row tiles.
+void panels(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, const float* bias,
+            int64_t p0, int64_t p1) {
+  constexpr int P = 2;
+  int64_t p = p0;
+  for (; p + P <= p1; p += P)
+    for (int64_t m = 0; m < M; m += 8)
+      rows_tail<P>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+  for (; p < p1; ++p)
+    for (int64_t m = 0; m < M; m += 8)
+      rows_tail<1>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+}
+
+at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                        int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "tiled_linear: fp32 only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(0) * kPanel >= n,
+              "tiled_linear: packed must be [ceil(n / 16), K, 16]");
+  const int64_t K = packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "tiled_linear: x has ", x.size(-1), " features, the weight ", K);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  auto w = packed.contiguous();
+  const int64_t M = x2.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto y = at::empty({M, n}, x.options());
+  const float* b = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "tiled_linear: bias must have n elements");
+    bc = bias->contiguous();
+    b = bc.data_ptr<float>();
+  }
+  const int64_t groups = (packed.size(0) + 1) / 2;  // panel pairs: the unit of work per thread
+  if (M > 0) {
+    const float* xp = x2.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t np = packed.size(0);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      panels(xp, M, K, wp, yp, n, b, 2 * g0, std::min<int64_t>(2 * g1, np));
+    });
+  }
+  return y.view(sizes);
+}
+
+// [..., N, K] -> [..., ceil(N / 16), K, 16]: every matrix of a stack (the experts) packed alike.
+at::Tensor pack(const at::Tensor& w) {
+  const int64_t N = w.size(-2), K = w.size(-1), np = (N + kPanel - 1) / kPanel;
+  auto lead = w.sizes().vec();
+  lead.resize(lead.size() - 2);
+  auto padded_sizes = lead;
+  padded_sizes.push_back(np * kPanel);
+  padded_sizes.push_back(K);
+  auto padded = at::zeros(padded_sizes, w.options());
+  padded.narrow(-2, 0, N).copy_(w);
+  auto view_sizes = lead;
+  for (int64_t d : {np, kPanel, K}) view_sizes.push_back(d);
+  return padded.view(view_sizes).transpose(-2, -1).contiguous();
+}
+
+struct Entry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> weight;
+  uint32_t version;
+  at::Tensor packed;
+};
+
+std::mutex cache_mutex;
+std::unordered_map<const c10::TensorImpl*, Entry> cache;
+
+at::Tensor packed_weight(const at::Tensor& w) {
+  if (w.is_inference()) return pack(w);  // no version counter to watch: packed afresh every call
+  const c10::TensorImpl* key = w.unsafeGetTensorImpl();
+  const uint32_t version = w.unsafeGetTensorImpl()->version_counter().current_version();
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  auto it = cache.find(key);
+  if (it != cache.end() && !it->second.weight.expired() && it->second.version == version) return it->second.packed;
+  for (auto e = cache.begin(); e != cache.end();)  // drop the entries of freed weights
+    e = e->second.weight.expired() ? cache.erase(e) : std::next(e);
+  at::Tensor packed;
+  {
+    at::NoGradGuard no_grad;
+    packed = pack(w.detach());
+  }
+  cache.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()), version, packed});
+  return packed;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2, "clover_cpu::linear: weight must be 2-D");
+  if (weight.is_inference() || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat)
+    return at::linear(x, weight, bias);
+  return tiled_linear(x, packed_weight(weight), bias, weight.size(0));
+}
+
+// Routed SwiGLU experts (gate_up [E, 2I, H] rows [gate ; up], down [E, H, I]) of x [T, H] for the
+// top-k choices of every token: each used expert runs its tokens' rows through both packed
+// projections; the pair outputs are then summed per token in slot order, weighted (the order
+// ops/moe/naive.py sums them in).
+at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,
+                   const at::Tensor& down) {
+  TORCH_CHECK(x.dim() == 2 && top_idx.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3, "clover_cpu::experts: bad ranks");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat,
+              "clover_cpu::experts: fp32 only");
+  const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), E = gate_up.size(0);
+  const int64_t I2 = gate_up.size(1), I = down.size(2);
+  TORCH_CHECK(gate_up.size(2) == H && down.size(1) == H && I2 == 2 * I, "clover_cpu::experts: shapes disagree");
+  const at::Tensor gu = packed_weight(gate_up), dn = packed_weight(down);  // [E, 2I/16, H, 16], [E, H/16, I, 16]
+  auto xc = x.contiguous();
+  auto idx = top_idx.to(at::kLong).contiguous();
+  auto wts = top_w.to(at::kFloat).contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = wts.data_ptr<float>();
+  std::vector<std::vector<int64_t>> pairs(E);  // pair = token * k + slot, per expert
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "clover_cpu::experts: expert index out of range");
+    pairs[ip[p]].push_back(p);
+  }
+  std::vector<float> out(T * k * H), xs, h, a, o;
+  const int64_t gu_stride = gu.size(1) * H * kPanel, dn_stride = dn.size(1) * I * kPanel;
+  const float* gup = gu.data_ptr<float>();
+  const float* dnp = dn.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(pairs[e].size());
+    if (!n) continue;
+    xs.resize(n * H), h.resize(n * I2), a.resize(n * I), o.resize(n * H);
+    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pairs[e][r] / k) * H, H, xs.data() + r * H);
+    panels(xs.data(), n, H, gup + e * gu_stride, h.data(), I2, nullptr, 0, gu.size(1));
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = h[r * I2 + j], u = h[r * I2 + I + j];
+        a[r * I + j] = g / (1.f + std::exp(-g)) * u;
+      }
+    panels(a.data(), n, I, dnp + e * dn_stride, o.data(), H, nullptr, 0, dn.size(1));
+    for (int64_t r = 0; r < n; ++r) std::copy_n(o.data() + r * H, H, out.data() + pairs[e][r] * H);
+  }
+  auto y = at::empty({T, H}, x.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = yp + t * H;
+    std::fill_n(row, H, 0.f);
+    for (int64_t s = 0; s < k; ++s) {
+      const float w = wp[t * k + s];
+      const float* src = out.data() + (t * k + s) * H;
+      for (int64_t j = 0; j < H; ++j) row[j] += src[j] * w;
+    }
+  }
+  return y;
+}
+
+int64_t cached_weights() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  int64_t live = 0;
+  for (const auto& e : cache) live += !e.second.weight.expired();
+  return live;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(clover_cpu, m) {
+  m.def("tiled_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("pack(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor down) -> Tensor");
+  m.def("cached_weights() -> int", &cached_weights);
+}
+
+TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
+  m.impl("tiled_linear", &tiled_linear);
+  m.impl("pack", &pack);
+  m.impl("linear", &linear);
+  m.impl("experts", &experts);
+}
+

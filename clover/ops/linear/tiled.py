@@ -1,0 +1,99 @@
+"""fp32 linear for the few rows of a decode step, on a weight packed once (CPU; `tiled.cpp`).
+
+On these CPUs neither of torch's fp32 GEMMs suits a decode step's 1-64 rows: MKL repacks the weight
+on every call and on AMD runs its AVX2 kernels (30-90 GFLOP/s), oneDNN pays ~10 us a call before
+any work. `clover_cpu::linear` packs each weight once into panels of 16 output columns and runs
+tiles of up to 8 rows x 2 panels in vector registers, the panel pair in L1 while every row tile
+passes over it: the weight is read once per call, 1.5-3x faster than either at 8-32 rows and no
+slower at one (bench/linear.py). The compiled CPU runner routes its graphs' fp32 linears here
+(engine/runner.route_linears); eager never does.
+
+The op keeps the packed copy per weight tensor (weakly: a freed weight's copy goes at the next
+miss) and repacks when the weight's version counter moves (`copy_`, `load_state_dict`, an
+optimizer step), so it never serves a stale weight; it costs one copy of each weight's bytes. A
+weight made under `torch.inference_mode` has no version counter: it runs unpacked (at::linear).
+
+The C++ source is compiled on first use by torch.utils.cpp_extension (`-O3 -march=native`, ~10 s,
+cached under torch's extensions dir, rebuilt when the source changes). Where that fails (no
+compiler) or the CPU is not x86-64, `available()` is False and graphs keep torch's linear.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("tiled.cpp")
+_state: dict = {}
+
+
+def available() -> bool:
+    """Whether `clover_cpu::linear` is loaded (built on the first call; False where it cannot be)."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return _state["ok"]
+
+
+def _load() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64") or os.environ.get("CLOVER_NO_TILED") == "1":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="clover_cpu_ops", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native"],
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no headers: torch's own linear serves
+        warnings.warn(f"clover: the tiled fp32 linear could not be built ({type(e).__name__}: {e}); "
+                      "compiled CPU graphs keep torch's linear", stacklevel=2)
+        return False
+
+    @torch.library.register_fake("clover_cpu::linear")
+    def _(x, weight, bias=None):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.register_fake("clover_cpu::experts")
+    def _(x, top_idx, top_w, gate_up, down):
+        return torch.empty_like(x)
+
+    return True
+
+
+MIN_ROWS = 1  # rows per call from which the tiled op beats torch's (bench/linear.py, bench/step.py)
+
+
+def worth_routing(rows: int, weight: torch.Tensor) -> bool:
+    """A 2-D fp32 CPU weight and at least MIN_ROWS rows."""
+    return (rows >= MIN_ROWS and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and available())
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for fp32 CPU tensors through `clover_cpu::linear` (packed weight)."""
+    if not available():
+        raise RuntimeError("the tiled fp32 linear is not available on this machine")
+    return torch.ops.clover_cpu.linear(x, weight, bias)
+
+
+def experts_fit(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """Whether `tiled_experts` takes these: fp32 CPU activations and experts, the op built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and gate_up.dtype == torch.float32
+            and gate_up.device.type == "cpu" and available())
+
+
+def tiled_experts(x, top_idx, top_w, gate_up, down) -> torch.Tensor:
+    """ops/moe/naive.py's routed experts through `clover_cpu::experts`: each used expert's rows run
+    through its packed gate_up and down (the same weight cache as `tiled_linear`), the pair outputs
+    summed per token in slot order. One opaque op with static output shape: a compiled graph calls
+    it for any token count."""
+    if not available():
+        raise RuntimeError("the tiled fp32 kernels are not available on this machine")
+    return torch.ops.clover_cpu.experts(x, top_idx, top_w, gate_up, down)
+
+
+def cached_weights() -> int:
+    """How many live weights have a packed copy (for tests)."""
+    return torch.ops.clover_cpu.cached_weights() if available() else 0
