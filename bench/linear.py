@@ -58,7 +58,7 @@ def main() -> None:
                                      repeats=args.repeats, warmup=10, clock=time.thread_time)
                 a, o, b = (1e6 * t[k] for k in ("mkl", "onednn", "tiled"))
                 print(f"| {name} | {n} x {k} | {rows} | {a:.1f} | {o:.1f} | {b:.1f} | {b / a:.2f}x | {b / o:.2f}x | "
-                      f"{'yes' if worth_routing(rows, w) else 'no'} | {diff:.1e} |")
+                      f"{'yes' if worth_routing(w) else 'no'} | {diff:.1e} |")
 
 
 if __name__ == "__main__":

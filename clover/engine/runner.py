@@ -74,11 +74,10 @@ def compiled_step(model):
     if entry is None:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         captures: list = []
-        if model.device.type == "cpu":
-            tiled.available()  # build (or load) the C++ kernels before tracing: graphs then route to them
         if model.device.type == "cuda":  # CUDA graphs replay there; dynamo's call stays in front of them
             fn = torch.compile(_step, dynamic=False, fullgraph=True, mode="reduce-overhead")
         else:
+            tiled.available()  # build (or load) the C++ kernels before tracing: graphs then route to them
             fn = torch.compile(_step, dynamic=False, fullgraph=True, backend=_capturing_backend(captures))
         entry = _compiled_steps[model] = (fn, captures)
     return entry
@@ -122,7 +121,7 @@ def route_linears(gm) -> int:
             continue
         x, w = args[0].meta.get("example_value"), args[1].meta.get("example_value")
         if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.device == w.device
-                and x.dtype == w.dtype and worth_routing(x.numel() // x.shape[-1], w)):
+                and x.dtype == w.dtype and worth_routing(w)):
             node.target, node.args, node.kwargs = torch.ops.clover_cpu.linear.default, tuple(args[:3]), {}
             routed += 1
     if routed:

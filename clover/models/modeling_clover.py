@@ -453,7 +453,8 @@ class CloverSparseMoe(nn.Module):
 GATHER_PAIRS = 128
 # A compiled step on a CPU in fp32 runs the experts as one C++ op over packed expert weights instead
 # (ops/linear/tiled.py: each used expert's rows through its two projections, weights read once):
-# 2-5x faster than the gathered products at 1-64 tokens (bench/moe_dispatch.py).
+# in a step ~0.9x the time of the gathered products at 8-64 tokens; alone, 0.63-0.79x at 16-64 tokens
+# (bench/moe_dispatch.py).
 TILED_EXPERTS = True
 TILED_PAIRS = 4  # (token, expert) pairs from which the tiled op runs them: an AR step (2 pairs) gathers, ~10% faster
 
@@ -468,10 +469,12 @@ class CloverExperts(nn.Module):
 
     def forward(self, x, top_idx, top_w):
         dispatch = grouped_experts
-        if torch.compiler.is_compiling() and TILED_EXPERTS and top_idx.numel() >= TILED_PAIRS and experts_fit(x, self.gate_up_proj):
-            dispatch = tiled_experts
-        elif torch.compiler.is_compiling():  # up to a draft window's tokens: gathered into the graph; more: one opaque op
-            dispatch = gathered_experts if top_idx.numel() <= max(GATHER_PAIRS, self.gate_up_proj.shape[0]) else grouped_experts_op
+        if torch.compiler.is_compiling():
+            pairs = top_idx.numel()
+            if TILED_EXPERTS and pairs >= TILED_PAIRS and experts_fit(x, self.gate_up_proj):
+                dispatch = tiled_experts
+            else:  # up to a draft window's tokens: gathered into the graph; more: one opaque op
+                dispatch = gathered_experts if pairs <= max(GATHER_PAIRS, self.gate_up_proj.shape[0]) else grouped_experts_op
         return dispatch(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 

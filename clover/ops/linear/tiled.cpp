@@ -10,8 +10,8 @@
 // Each tile is R rows x P panels held in R*P vector accumulators; for every k it loads P panel
 // vectors and FMAs each with the broadcast x[r, k]. A panel pair (2 x K x 16 floats, 32 KB at
 // K = 256) stays in L1 while every row tile passes over it, so the weight is read from memory once
-// per call whatever the row count. AVX-512 where the compiler targets it, else 8-wide AVX2 (two
-// vectors per panel) or plain C++ that the compiler may vectorise.
+// per call whatever the row count. AVX-512 where the compiler targets it, else plain C++ that the
+// compiler may vectorise.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -250,16 +250,12 @@ int64_t cached_weights() {
 }  // namespace
 
 TORCH_LIBRARY(clover_cpu, m) {
-  m.def("tiled_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("pack(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor down) -> Tensor");
   m.def("cached_weights() -> int", &cached_weights);
 }
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
-  m.impl("tiled_linear", &tiled_linear);
-  m.impl("pack", &pack);
   m.impl("linear", &linear);
   m.impl("experts", &experts);
 }
