@@ -35,6 +35,28 @@ def test_engine_calls_the_model_only_through_its_runner(model, monkeypatch):
     assert len(calls) == len(direct) > seq.forward_passes  # prefill chunks + steps, nothing beside the runner
 
 
+@pytest.mark.parametrize("mode", ["ar", "low_confidence", "self_spec"])
+def test_prompt_chunks_fit_the_runner_cap(model, monkeypatch, mode):
+    """A runner with a prefill cap (compiled: 64, what its graphs take) sees no forward committing more
+    clean columns than the cap, the prompt's last chunk fused with the first window included: an AR
+    step commits its window, so that chunk leaves it room (a 65-column AR forward ran eagerly)."""
+    monkeypatch.setattr(EagerRunner, "prefill_chunk", 8)
+    clean = []
+    real = EagerRunner.forward
+
+    def spy(self, ids, cache, **kw):
+        clean.append(ids.shape[1] - kw.get("draft_len", 0))
+        return real(self, ids, cache, **kw)
+
+    monkeypatch.setattr(EagerRunner, "forward", spy)
+    cfg = DecodeConfig(mode=mode, block_size=4, max_new_tokens=6)
+    ref = Engine(model, cfg.with_(prefill_chunk=512)).generate([list(range(3, 40))])[0]
+    clean.clear()
+    seq = Engine(model, cfg).generate([list(range(3, 40))])[0]
+    assert max(clean) <= 8 and len(clean) > 5
+    assert seq.token_ids == ref.token_ids
+
+
 def test_runner_forward_equals_model_forward(model):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 120, (3, 13), generator=g)

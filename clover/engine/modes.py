@@ -33,6 +33,7 @@ class Mode:
 
     width = 1  # columns of the per-row window
     clean_bs = 1  # clean window size of commits
+    commits_window = False  # the window's columns are clean (committed by the forward that reads them)
 
     def __init__(self, cfg, mask_id: int, device, generator):
         self.cfg, self.block_size, self.mask_id, self.device = cfg, cfg.block_size, mask_id, device
@@ -56,6 +57,8 @@ class Mode:
 
 
 class ARMode(Mode):
+    commits_window = True
+
     def step(self, batch: RowBatch) -> Events:
         tokens, _ = self.sample(batch.forward(batch.window, 0, 1)[:, -1])
         batch.window = tokens[:, None]
