@@ -24,9 +24,18 @@ if [ ! -d "$SDIST/vendor/llama.cpp" ]; then
 fi
 GEN=()
 command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
-configure() {  # source dir, build dir
-  if [ ! -f "$2/CMakeCache.txt" ]; then
+# ggml's AMX int8 path (compiled in by -march=native on Sapphire Rapids and later) segfaults inside
+# llama_decode on these models' small dims for every quantised type (q8_0, q4_0, q4_K; f32/bf16 do not
+# use it): build without AMX, so quantised GGUFs run ggml's AVX-512 repacked kernels, as on other CPUs.
+NO_AMX=""
+if echo 'int main(){return 0;}' | ${CC:-cc} -x c -mno-amx-int8 -o /dev/null - 2>/dev/null; then
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+configure() {  # source dir, build dir (configured again when made with other flags)
+  if [ ! -f "$2/CMakeCache.txt" ] || ! grep -q "^CMAKE_CXX_FLAGS:STRING=$NO_AMX\$" "$2/CMakeCache.txt"; then
+    rm -rf "$2"
     cmake -S "$1" -B "$2" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+      -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
       -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >/dev/null
   fi
