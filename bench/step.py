@@ -5,7 +5,7 @@
 One process, the shipped default model (or --model DIR) in fp32 with a prefilled cache of
 --context tokens; steps as the engine runs them: an AR step (1 token committed) and draft steps of
 8/16/32 tokens (logits on every column, nothing committed). Eager and compiled run alternately
-(medians). The floor of a step is max(bytes of the weights it reads / measured memory bandwidth,
+(medians). The floor of a step is max(bytes of the weights it reads (2 a weight for bf16 values) / measured memory bandwidth,
 its FLOPs / measured fp32 GEMM rate, the faster of torch's matmul and oneDNN's): a step reads every dense weight, the lm head and the experts
 its tokens route to (all of them once T * top_k >= experts), and does 2 FLOPs per weight per token.
 
@@ -83,13 +83,16 @@ def gemm_rate(device=torch.device("cpu"), dtype=torch.float32) -> float:
 
 
 def step_weights(model, tokens: int) -> tuple[float, float]:
-    """(bytes read, weights used per token) by a step of `tokens` tokens."""
+    """(bytes read, weights used per token) by a step of `tokens` tokens; 2 bytes a weight when every
+    weight is a bf16 value (a bf16 checkpoint loaded as fp32: what the tiled kernels then read)."""
     c = model.config
+    bf16_valued = all(torch.equal(p, p.bfloat16().to(p.dtype)) for p in model.parameters() if p.dim() >= 2)
+    itemsize = 2 if bf16_valued else model.dtype.itemsize
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) - c.vocab_size * c.hidden_size
     used = min(1.0, tokens * c.num_experts_per_tok / c.num_experts)  # embedding rows: negligible
     per_token = dense + expert * c.num_experts_per_tok / c.num_experts
-    return model.dtype.itemsize * (dense + expert * used), per_token
+    return itemsize * (dense + expert * used), per_token
 
 
 def load_model(args):

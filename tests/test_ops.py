@@ -154,17 +154,37 @@ def _tiled():
     return tiled
 
 
+AVX512 = "AVX512" in torch.backends.cpu.get_cpu_capability()  # where the tiled kernels keep bf16 panels
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 256), (2, 9, 256), (3, 17, 128), (1, 33, 200), (2, 70, 7)])
 @pytest.mark.parametrize("out", [777, 16, 5])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tiled_linear_matches_naive(shape, out, with_bias):
+@pytest.mark.parametrize("bf16_values", [False, True])
+def test_tiled_linear_matches_naive(shape, out, with_bias, bf16_values):
+    """fp32 weights, and fp32 weights holding bf16 values (a bf16 checkpoint loaded as fp32), which
+    the op packs as bf16 panels: half the bytes, widened exactly."""
     from clover.ops.linear import naive_linear
 
     tiled = _tiled()
     torch.manual_seed(0)
     x, w = torch.randn(*shape), torch.randn(out, shape[-1]) / shape[-1] ** 0.5
+    if bf16_values:
+        w = w.bfloat16().float()
     b = torch.randn(out) if with_bias else None
     torch.testing.assert_close(tiled.tiled_linear(x, w, b), naive_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert tiled.bf16_panels(w) == (bf16_values and AVX512)
+
+
+def test_tiled_linear_keeps_fp32_panels_unless_every_value_is_bf16():
+    from clover.ops.linear import naive_linear
+
+    tiled = _tiled()
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 64), torch.randn(40, 64).bfloat16().float()
+    w[7, 5] += 2**-20  # one value bf16 cannot hold: the panels must stay fp32 (lossless or nothing)
+    assert not tiled.bf16_panels(w)
+    torch.testing.assert_close(tiled.tiled_linear(x, w), naive_linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_tiled_linear_repacks_after_an_in_place_update_and_forgets_freed_weights():
@@ -217,13 +237,17 @@ def test_compiled_graphs_route_linears_to_the_tiled_op(rows):
 
 @pytest.mark.parametrize("tokens,experts,topk,hidden,inter", [(1, 8, 2, 256, 128), (9, 8, 2, 256, 128),
                                                               (33, 5, 3, 40, 24), (64, 8, 2, 17, 9)])
-def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter):
+@pytest.mark.parametrize("bf16_values", [False, True])
+def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter, bf16_values):
     from clover.ops.moe import naive_experts
 
     tiled = _tiled()
     torch.manual_seed(1)
     x = torch.randn(tokens, hidden)
     gate_up, down = torch.randn(experts, 2 * inter, hidden) / hidden**0.5, torch.randn(experts, hidden, inter) / inter**0.5
+    if bf16_values:  # bf16 panels for one projection only: the op mixes panel types
+        down = down.bfloat16().float()
+        assert tiled.bf16_panels(down) == AVX512 and not tiled.bf16_panels(gate_up)
     top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
     want = naive_experts(x, top_idx, top_w, gate_up, down)
     torch.testing.assert_close(tiled.tiled_experts(x, top_idx, top_w, gate_up, down), want, atol=1e-5, rtol=1e-5)

@@ -85,6 +85,24 @@ def test_compiled_ar_equals_eager_batch(model):
     check_equal(model, "ar", [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]])
 
 
+def test_compiled_equals_eager_on_bf16_valued_weights(model):
+    """A bf16 checkpoint loaded as fp32 (the shipped models): the tiled kernels keep bf16 panels and
+    an AR step's experts run tiled (CloverExperts.tiled_pairs = 1); still equal to eager."""
+    import copy
+
+    from clover.models.modeling_clover import CloverExperts
+    from clover.ops.linear import tiled
+
+    if not tiled.available() or "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        pytest.skip("bf16 panels need the tiled AVX-512 kernels")
+    bf = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in bf.parameters():
+            p.copy_(p.bfloat16().float())
+    check_equal(bf, "ar", [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]])
+    assert all(m.tiled_pairs == 1 for m in bf.modules() if isinstance(m, CloverExperts))
+
+
 @full_only
 @pytest.mark.timeout(2400)  # ~10 graphs per mode: over pytest-timeout's 600 s on a loaded 2-core machine
 @pytest.mark.parametrize("mode", ["low_confidence", "self_spec", "ar"])

@@ -25,8 +25,8 @@ import weakref
 
 import torch
 
-from ..models.modeling_clover import stream_layout
-from ..ops.linear import tiled, worth_routing
+from ..models.modeling_clover import CloverExperts, stream_layout
+from ..ops.linear import bf16_panels, tiled, worth_routing
 
 RUNNERS = ("eager", "compiled")
 CAPACITY_BUCKET = 256  # compiled caches hold a multiple of this many tokens per row
@@ -78,6 +78,9 @@ def compiled_step(model):
             fn = torch.compile(_step, dynamic=False, fullgraph=True, mode="reduce-overhead")
         else:
             tiled.available()  # build (or load) the C++ kernels before tracing: graphs then route to them
+            for m in model.modules():  # bf16 panels (half the bytes): tiled beats gathered from an AR step's 2 pairs
+                if isinstance(m, CloverExperts) and bf16_panels(m.gate_up_proj) and bf16_panels(m.down_proj):
+                    m.tiled_pairs = 1
             fn = torch.compile(_step, dynamic=False, fullgraph=True, backend=_capturing_backend(captures))
         entry = _compiled_steps[model] = (fn, captures)
     return entry

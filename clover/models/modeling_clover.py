@@ -457,10 +457,15 @@ GATHER_PAIRS = 128
 # (bench/moe_dispatch.py).
 TILED_EXPERTS = True
 TILED_PAIRS = 4  # (token, expert) pairs from which the tiled op runs them: an AR step (2 pairs) gathers, ~10% faster
+# ... unless the experts' packed panels are bf16 (bf16 values held in fp32, as a bf16 checkpoint loads: half the
+# bytes), where the tiled op is ~0.9x of the gathered products at 2 pairs too: the compiled runner then sets
+# CloverExperts.tiled_pairs = 1 (engine/runner.compiled_step)
 
 
 class CloverExperts(nn.Module):
     """Routed SwiGLU experts, fused weights. Owns its dispatch so a quantised twin can replace it."""
+
+    tiled_pairs = TILED_PAIRS  # pairs from which a compiled CPU step runs the tiled op (see TILED_PAIRS)
 
     def __init__(self, num_experts, hidden, inter):
         super().__init__()
@@ -471,7 +476,7 @@ class CloverExperts(nn.Module):
         dispatch = grouped_experts
         if torch.compiler.is_compiling():
             pairs = top_idx.numel()
-            if TILED_EXPERTS and pairs >= TILED_PAIRS and experts_fit(x, self.gate_up_proj):
+            if TILED_EXPERTS and pairs >= self.tiled_pairs and experts_fit(x, self.gate_up_proj):
                 dispatch = tiled_experts
             else:  # up to a draft window's tokens: gathered into the graph; more: one opaque op
                 dispatch = gathered_experts if pairs <= max(GATHER_PAIRS, self.gate_up_proj.shape[0]) else grouped_experts_op

@@ -31,15 +31,22 @@ namespace {
 constexpr int64_t kPanel = 16;
 
 #if defined(__AVX512F__)
-template <int R, int P>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+// 16 bf16 weights widened to fp32 exactly (a bf16 is the top half of its fp32)
+inline __m512 load16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+template <int R, int P, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
                  int64_t n0, int64_t N, const float* bias) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_ps(w + (p * K + k) * kPanel);
+    for (int p = 0; p < P; ++p) wv[p] = load16(w + (p * K + k) * kPanel);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
@@ -55,8 +62,8 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* 
   }
 }
 #else
-template <int R, int P>
-inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+template <int R, int P, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
                  int64_t n0, int64_t N, const float* bias) {
   float acc[R][P][kPanel] = {};
   for (int64_t k = 0; k < K; ++k)
@@ -74,37 +81,48 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* 
 }
 #endif
 
-template <int P>
-void rows_tail(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+template <int P, typename W>
+void rows_tail(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
                int64_t n0, int64_t N, const float* bias) {
   switch (rows) {
-    case 1: tile<1, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 2: tile<2, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 3: tile<3, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 4: tile<4, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 5: tile<5, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 6: tile<6, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 7: tile<7, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    default: tile<8, P>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 1: tile<1, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 2: tile<2, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 3: tile<3, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 4: tile<4, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 5: tile<5, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 6: tile<6, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    case 7: tile<7, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
+    default: tile<8, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
   }
 }
 
 // Panels [p0, p1) for every row: the panel group (P panels) outermost, so it stays in L1 across row tiles.
-void panels(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, const float* bias,
+template <typename W>
+void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, const float* bias,
             int64_t p0, int64_t p1) {
   constexpr int P = 2;
   int64_t p = p0;
   for (; p + P <= p1; p += P)
     for (int64_t m = 0; m < M; m += 8)
-      rows_tail<P>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+      rows_tail<P, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
   for (; p < p1; ++p)
     for (int64_t m = 0; m < M; m += 8)
-      rows_tail<1>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+      rows_tail<1, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+}
+
+// Calls fn with the panels' data as const float* or, for bf16 panels, their raw const uint16_t*.
+template <typename Fn>
+void with_panels(const at::Tensor& packed, Fn&& fn) {
+  if (packed.scalar_type() == at::kBFloat16)
+    fn(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()));
+  else
+    fn(static_cast<const float*>(packed.data_ptr<float>()));
 }
 
 at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                         int64_t n) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "tiled_linear: fp32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+              "tiled_linear: fp32 activations, fp32 or bf16 panels");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(0) * kPanel >= n,
               "tiled_linear: packed must be [ceil(n / 16), K, 16]");
   const int64_t K = packed.size(1);
@@ -125,11 +143,12 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const std
   const int64_t groups = (packed.size(0) + 1) / 2;  // panel pairs: the unit of work per thread
   if (M > 0) {
     const float* xp = x2.data_ptr<float>();
-    const float* wp = w.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const int64_t np = packed.size(0);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      panels(xp, M, K, wp, yp, n, b, 2 * g0, std::min<int64_t>(2 * g1, np));
+    with_panels(w, [&](auto wp) {
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        panels(xp, M, K, wp, yp, n, b, 2 * g0, std::min<int64_t>(2 * g1, np));
+      });
     });
   }
   return y.view(sizes);
@@ -147,7 +166,15 @@ at::Tensor pack(const at::Tensor& w) {
   padded.narrow(-2, 0, N).copy_(w);
   auto view_sizes = lead;
   for (int64_t d : {np, kPanel, K}) view_sizes.push_back(d);
-  return padded.view(view_sizes).transpose(-2, -1).contiguous();
+  auto packed = padded.view(view_sizes).transpose(-2, -1).contiguous();
+#if defined(__AVX512F__)
+  // Weights that are bf16 values held in fp32 (a bf16 checkpoint loaded as fp32, as the shipped
+  // models are) keep their panels in bf16: half the bytes a call reads, widened exactly on load, so
+  // the products and their order are those of the fp32 panels.
+  auto narrow = packed.to(at::kBFloat16);
+  if (at::equal(narrow.to(at::kFloat), packed)) return narrow;
+#endif
+  return packed;
 }
 
 struct Entry {
@@ -188,15 +215,30 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 // top-k choices of every token: each used expert runs its tokens' rows through both packed
 // projections; the pair outputs are then summed per token in slot order, weighted (the order
 // ops/moe/naive.py sums them in).
+template <typename GU, typename DN>
+at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gu,
+                       const GU* gup, const at::Tensor& dn, const DN* dnp, int64_t I);
+
 at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,
                    const at::Tensor& down) {
   TORCH_CHECK(x.dim() == 2 && top_idx.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3, "clover_cpu::experts: bad ranks");
   TORCH_CHECK(x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat,
               "clover_cpu::experts: fp32 only");
-  const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), E = gate_up.size(0);
-  const int64_t I2 = gate_up.size(1), I = down.size(2);
-  TORCH_CHECK(gate_up.size(2) == H && down.size(1) == H && I2 == 2 * I, "clover_cpu::experts: shapes disagree");
+  const int64_t H = x.size(1), I = down.size(2);
+  TORCH_CHECK(gate_up.size(2) == H && down.size(1) == H && gate_up.size(1) == 2 * I && down.size(0) == gate_up.size(0),
+              "clover_cpu::experts: shapes disagree");
   const at::Tensor gu = packed_weight(gate_up), dn = packed_weight(down);  // [E, 2I/16, H, 16], [E, H/16, I, 16]
+  at::Tensor y;
+  with_panels(gu, [&](auto gup) {
+    with_panels(dn, [&](auto dnp) { y = run_experts(x, top_idx, top_w, gu, gup, dn, dnp, I); });
+  });
+  return y;
+}
+
+template <typename GU, typename DN>
+at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gu,
+                       const GU* gup, const at::Tensor& dn, const DN* dnp, int64_t I) {
+  const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), E = gu.size(0), I2 = 2 * I;
   auto xc = x.contiguous();
   auto idx = top_idx.to(at::kLong).contiguous();
   auto wts = top_w.to(at::kFloat).contiguous();
@@ -210,8 +252,6 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Ten
   }
   std::vector<float> out(T * k * H), xs, h, a, o;
   const int64_t gu_stride = gu.size(1) * H * kPanel, dn_stride = dn.size(1) * I * kPanel;
-  const float* gup = gu.data_ptr<float>();
-  const float* dnp = dn.data_ptr<float>();
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = static_cast<int64_t>(pairs[e].size());
     if (!n) continue;
@@ -240,6 +280,8 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Ten
   return y;
 }
 
+bool packed_bf16(const at::Tensor& weight) { return packed_weight(weight).scalar_type() == at::kBFloat16; }
+
 int64_t cached_weights() {
   std::lock_guard<std::mutex> lock(cache_mutex);
   int64_t live = 0;
@@ -253,6 +295,7 @@ TORCH_LIBRARY(clover_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor down) -> Tensor");
   m.def("cached_weights() -> int", &cached_weights);
+  m.def("packed_bf16(Tensor weight) -> bool", &packed_bf16);
 }
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
