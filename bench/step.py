@@ -82,12 +82,16 @@ def gemm_rate(device=torch.device("cpu"), dtype=torch.float32) -> float:
     return 2 * n**3 / best
 
 
-def step_weights(model, tokens: int) -> tuple[float, float]:
-    """(bytes read, weights used per token) by a step of `tokens` tokens; 2 bytes a weight when every
-    weight is a bf16 value (a bf16 checkpoint loaded as fp32: what the tiled kernels then read)."""
-    c = model.config
+def weight_itemsize(model) -> int:
+    """Bytes a weight takes as read: 2 when every weight is a bf16 value (a bf16 checkpoint loaded as
+    fp32: the tiled kernels keep it in bf16 panels), else the model dtype's."""
     bf16_valued = all(torch.equal(p, p.bfloat16().to(p.dtype)) for p in model.parameters() if p.dim() >= 2)
-    itemsize = 2 if bf16_valued else model.dtype.itemsize
+    return 2 if bf16_valued else model.dtype.itemsize
+
+
+def step_weights(model, tokens: int, itemsize: int) -> tuple[float, float]:
+    """(bytes read, weights used per token) by a step of `tokens` tokens, `itemsize` bytes a weight."""
+    c = model.config
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) - c.vocab_size * c.hidden_size
     used = min(1.0, tokens * c.num_experts_per_tok / c.num_experts)  # embedding rows: negligible
@@ -225,9 +229,9 @@ def main() -> None:
         print(f"| {kind} | " + " | ".join(f"{times[f'{kind} {n}'] * 1e3:.2f}" for n in sizes) + " |")
     for kind in runners:
         print(f"| {kind} ({'thread CPU time' if device.type == 'cpu' else 'synced wall, 2nd half'}) | " + " | ".join(f"{cpu[f'{kind} {n}'] * 1e3:.2f}" for n in sizes) + " |")
-    floors = []
+    floors, itemsize = [], weight_itemsize(model)
     for n in sizes:
-        nbytes, per_token = step_weights(model, n)
+        nbytes, per_token = step_weights(model, n, itemsize)
         floors.append(max(nbytes / bw, 2 * per_token * n / rate))
     print("| floor | " + " | ".join(f"{f * 1e3:.2f}" for f in floors) + " |")
     comp = [k for k in runners if k.startswith("compiled")] or list(runners)

@@ -217,26 +217,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 // ops/moe/naive.py sums them in).
 template <typename GU, typename DN>
 at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gu,
-                       const GU* gup, const at::Tensor& dn, const DN* dnp, int64_t I);
-
-at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,
-                   const at::Tensor& down) {
-  TORCH_CHECK(x.dim() == 2 && top_idx.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3, "clover_cpu::experts: bad ranks");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat,
-              "clover_cpu::experts: fp32 only");
-  const int64_t H = x.size(1), I = down.size(2);
-  TORCH_CHECK(gate_up.size(2) == H && down.size(1) == H && gate_up.size(1) == 2 * I && down.size(0) == gate_up.size(0),
-              "clover_cpu::experts: shapes disagree");
-  const at::Tensor gu = packed_weight(gate_up), dn = packed_weight(down);  // [E, 2I/16, H, 16], [E, H/16, I, 16]
-  at::Tensor y;
-  with_panels(gu, [&](auto gup) {
-    with_panels(dn, [&](auto dnp) { y = run_experts(x, top_idx, top_w, gu, gup, dn, dnp, I); });
-  });
-  return y;
-}
-
-template <typename GU, typename DN>
-at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gu,
                        const GU* gup, const at::Tensor& dn, const DN* dnp, int64_t I) {
   const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), E = gu.size(0), I2 = 2 * I;
   auto xc = x.contiguous();
@@ -277,6 +257,22 @@ at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at:
       for (int64_t j = 0; j < H; ++j) row[j] += src[j] * w;
     }
   }
+  return y;
+}
+
+at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,
+                   const at::Tensor& down) {
+  TORCH_CHECK(x.dim() == 2 && top_idx.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3, "clover_cpu::experts: bad ranks");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat,
+              "clover_cpu::experts: fp32 only");
+  const int64_t H = x.size(1), I = down.size(2);
+  TORCH_CHECK(gate_up.size(2) == H && down.size(1) == H && gate_up.size(1) == 2 * I && down.size(0) == gate_up.size(0),
+              "clover_cpu::experts: shapes disagree");
+  const at::Tensor gu = packed_weight(gate_up), dn = packed_weight(down);  // [E, 2I/16, H, 16], [E, H/16, I, 16]
+  at::Tensor y;
+  with_panels(gu, [&](auto gup) {
+    with_panels(dn, [&](auto dnp) { y = run_experts(x, top_idx, top_w, gu, gup, dn, dnp, I); });
+  });
   return y;
 }
 
