@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Qwen3NextC
 import clover  # noqa: F401  (registers the Auto classes)
 from clover.convert import clover_config_from_hf, convert_state_dict
 from clover.models import CloverConfig, CloverForBlockDiffusion, CloverModel, preset_config
-from clover.models.modeling_clover import window_ids
+from clover.models.modeling_clover import _left_context, window_ids
 from clover.sizes import model_stats
 
 TINY = dict(preset_config("clover-tiny").to_dict())
@@ -176,6 +176,39 @@ def test_left_padded_rows_equal_unpadded_rows():
             torch.testing.assert_close(nxt[row], model(draft[row : row + 1], cache=single, block_size=block, draft_len=4).logits[0],
                                        atol=1e-5, rtol=1e-5)
     assert batch.lens.tolist() == [4, 7]
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 20])
+def test_left_context_moves_the_conv_state_to_each_rows_first_token(length):
+    """The padded conv input [pads ; conv state ; tokens], checked against a per-row loop on random
+    inputs (rows with no pad, some pads, all but one column padded)."""
+    kernel, channels = 4, 5
+    pads = [0, length // 2, length - 1, min(2, length - 1)]
+    pad = torch.tensor([[j < p for j in range(length)] for p in pads])
+    ext = torch.randn(len(pads), channels, kernel - 1 + length)
+    ext[..., kernel - 1 :] = ext[..., kernel - 1 :].masked_fill(pad[:, None, :], 0.0)  # pad columns arrive zeroed
+    ref = torch.zeros_like(ext)
+    for row, p in enumerate(pads):
+        state, tokens = ext[row, :, : kernel - 1], ext[row, :, kernel - 1 + p :]
+        ref[row] = torch.cat([torch.zeros(channels, p), state, tokens], dim=-1)
+    assert torch.equal(_left_context(ext, pad, kernel), ref)
+
+
+def test_left_padded_segment_on_a_filled_cache_equals_the_unpadded_one():
+    """A padded commit after a prefill: the conv state the padding must move is not zero."""
+    model, block = tiny_model(), 4
+    ids = torch.randint(0, 120, (1, 9))
+    more = torch.randint(0, 120, (1, 5))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), more], dim=1)
+    pad = torch.arange(8)[None, :] < 3
+    with torch.no_grad():
+        a, b = model.new_cache(1), model.new_cache(1)
+        model(ids, cache=a, clean_block_size=block)
+        model(ids, cache=b, clean_block_size=block)
+        ref = model(more, cache=a, clean_block_size=block, logits_to_keep=5).logits
+        out = model(padded, cache=b, clean_block_size=block, pad_mask=pad, logits_to_keep=5).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.conv[0], a.conv[0])
 
 
 def test_rollback_rewinds_each_row_to_its_accepted_point():
