@@ -176,6 +176,31 @@ def test_tiled_linear_matches_naive(shape, out, with_bias, bf16_values):
     assert tiled.bf16_panels(w) == (bf16_values and AVX512)
 
 
+@pytest.mark.parametrize("rows", [5, 6, 7, 16, 17, 40, 64])
+@pytest.mark.parametrize("in_features,out", [(64, 777), (256, 16), (96, 5), (224, 40)])
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_panels_on_amx_and_avx512_match_naive(rows, in_features, out, amx):
+    """bf16-valued weights from 6 rows run on AMX tiles where the CPU has them (x split into three
+    bf16 terms: fp32 accuracy), else on the AVX-512 tiles; both against the naive linear, batch 2."""
+    from clover.ops.linear import naive_linear
+
+    tiled = _tiled()
+    torch.manual_seed(rows)
+    x = torch.randn(2, rows, in_features) * torch.logspace(-3, 3, in_features)  # wide range: the split must hold
+    w = (torch.randn(out, in_features) / in_features**0.5).bfloat16().float()
+    b = torch.randn(out)
+    was = tiled.use_amx(amx)
+    try:
+        y = tiled.tiled_linear(x, w, b)
+    finally:
+        tiled.use_amx(True)
+    torch.testing.assert_close(y, naive_linear(x, w, b), rtol=1e-5, atol=1e-5 * x.abs().max().item())
+    # fp32 accuracy: the error within a few fp32 roundings of the sum of |products| (fp64 reference)
+    ref = x.double() @ w.double().T + b.double()
+    assert ((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T + b.double().abs())).all()
+    assert not was or "amx_bf16" in open("/proc/cpuinfo").read()
+
+
 def test_tiled_linear_keeps_fp32_panels_unless_every_value_is_bf16():
     from clover.ops.linear import naive_linear
 
@@ -236,7 +261,8 @@ def test_compiled_graphs_route_linears_to_the_tiled_op(rows):
 
 
 @pytest.mark.parametrize("tokens,experts,topk,hidden,inter", [(1, 8, 2, 256, 128), (9, 8, 2, 256, 128),
-                                                              (33, 5, 3, 40, 24), (64, 8, 2, 17, 9)])
+                                                              (33, 5, 3, 40, 24), (64, 8, 2, 17, 9),
+                                                              (61, 4, 2, 64, 96)])  # ~30 rows an expert: AMX
 @pytest.mark.parametrize("bf16_values", [False, True])
 def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter, bf16_values):
     from clover.ops.moe import naive_experts
@@ -247,7 +273,9 @@ def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter, bf16_va
     gate_up, down = torch.randn(experts, 2 * inter, hidden) / hidden**0.5, torch.randn(experts, hidden, inter) / inter**0.5
     if bf16_values:  # bf16 panels for one projection only: the op mixes panel types
         down = down.bfloat16().float()
-        assert tiled.bf16_panels(down) == AVX512 and not tiled.bf16_panels(gate_up)
+        if tokens > 32:  # and both in bf16
+            gate_up = gate_up.bfloat16().float()
+        assert tiled.bf16_panels(down) == AVX512 and tiled.bf16_panels(gate_up) == (AVX512 and tokens > 32)
     top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
     want = naive_experts(x, top_idx, top_w, gate_up, down)
     torch.testing.assert_close(tiled.tiled_experts(x, top_idx, top_w, gate_up, down), want, atol=1e-5, rtol=1e-5)

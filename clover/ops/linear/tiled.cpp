@@ -1,5 +1,8 @@
 // fp32 y = x @ W^T (+ b) for the few rows of a decode step, on a weight packed once into panels of
 // 16 output columns: packed[p, k, j] = W[16 p + j, k] (zero rows past N). See tiled.py.
+// bf16 panels (weights whose values are all bf16) are laid out in k pairs ("VNNI"): [p, k/2, j, 2]
+// = W[16 p + j, k], K padded to even with zeros, so one 64-byte load holds columns j's weights for
+// k and k+1; the AVX-512 tile widens both exactly, and AMX tiles read the same bytes.
 //
 // `clover_cpu::linear(x, weight, bias)` keeps the packed copy of each weight it sees (keyed by the
 // weight's TensorImpl, held weakly, so a freed weight's entry dies with it) and repacks when the
@@ -22,8 +25,15 @@
 #include <vector>
 #include <unordered_map>
 
+#include <type_traits>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define CLOVER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -32,11 +42,6 @@ constexpr int64_t kPanel = 16;
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-// 16 bf16 weights widened to fp32 exactly (a bf16 is the top half of its fp32)
-inline __m512 load16(const uint16_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
 
 template <int R, int P, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
@@ -44,12 +49,34 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = load16(w + (p * K + k) * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+  if constexpr (std::is_same_v<W, uint16_t>) {  // k pairs: one load, both halves widened exactly
+    const int64_t Kp = K + (K & 1);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t k = 0; k < K; k += 2) {
+      __m512 we[P], wo[P];
+      for (int p = 0; p < P; ++p) {
+        const __m512i v = _mm512_loadu_si512(w + (p * Kp + k) * kPanel);
+        we[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        wo[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      }
+      const bool odd = k + 1 < K;
+      for (int r = 0; r < R; ++r) {
+        const __m512 xe = _mm512_set1_ps(x[r * ldx + k]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xe, we[p], acc[r][p]);
+        if (odd) {
+          const __m512 xo = _mm512_set1_ps(x[r * ldx + k + 1]);
+          for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xo, wo[p], acc[r][p]);
+        }
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      __m512 wv[P];
+      for (int p = 0; p < P; ++p) wv[p] = load16(w + (p * K + k) * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+      }
     }
   }
   for (int p = 0; p < P; ++p) {
@@ -96,18 +123,114 @@ void rows_tail(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t K,
   }
 }
 
+// Rows of the packed weight's panels: K for fp32 panels, K padded to even for bf16 (k pairs).
+template <typename W>
+constexpr int64_t panel_k(int64_t K) { return std::is_same_v<W, uint16_t> ? K + (K & 1) : K; }
+
+#if defined(CLOVER_AMX)
+// AMX (bf16 tiles, fp32 accumulators) for bf16 panels. The weights are bf16 numbers, and x is split
+// exactly-enough into three bf16 terms, x = x1 + x2 + x3 + e with |e| <= 2^-27 |x| (below fp32's own
+// rounding), so every product x_i * w is exact in fp32 and only the summation order differs from the
+// fp32 kernel: the accuracy of an fp32 GEMM, at AMX's rate (bench/linear.py: 0.4-0.6x the AVX-512 time from 8 rows). Used from kAmxMinRows rows, K a multiple
+// of 32 (one tile row of bf16 pairs).
+constexpr int64_t kAmxMinRows = 6;
+bool amx_enabled = true;  // clover_cpu::use_amx: off for A/B benchmarks and tests of the AVX-512 path
+
+bool amx_ready() {
+  static const bool ok = [] {  // Linux hands out the 8 KB tile state only on request
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x [M, K] fp32 -> three bf16 terms [3][Mp][K] (rows past M zero), each the rounded residual of the last.
+void split3(const float* x, int64_t M, int64_t K, int64_t Mp, std::vector<uint16_t>& out) {
+  out.assign(3 * Mp * K, 0);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512 rest = _mm512_loadu_ps(x + r * K + k);
+      for (int t = 0; t < 3; ++t) {
+        const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest));  // round to nearest even
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + (t * Mp + r) * K + k), h);
+        rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      }
+    }
+}
+
+void amx_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, const float* bias,
+                int64_t p0, int64_t p1) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  thread_local std::vector<uint16_t> a;
+  split3(x, M, K, Mp, a);
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;  // 0-1 C, 2-4 the x terms, 5-6 panels
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[2][16][16];
+  const int64_t stride = K * 2, chunks = K / 32;
+  for (int64_t p = p0; p < p1; p += 2) {
+    const bool two = p + 1 < p1;
+    const uint16_t* w0 = w + p * K * kPanel;
+    const uint16_t* w1 = w0 + K * kPanel;
+    for (int64_t m = 0; m < Mp; m += 16) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t kc = 0; kc < chunks; ++kc) {
+        const uint16_t* ak = a.data() + m * K + kc * 32;
+        _tile_loadd(2, ak, stride);
+        _tile_loadd(3, ak + Mp * K, stride);
+        _tile_loadd(4, ak + 2 * Mp * K, stride);
+        _tile_loadd(5, w0 + kc * 32 * kPanel, 64);
+        _tile_dpbf16ps(0, 2, 5);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_dpbf16ps(0, 4, 5);
+        if (two) {
+          _tile_loadd(6, w1 + kc * 32 * kPanel, 64);
+          _tile_dpbf16ps(1, 2, 6);
+          _tile_dpbf16ps(1, 3, 6);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      if (two) _tile_stored(1, c[1], 64);
+      for (int q = 0; q < (two ? 2 : 1); ++q) {
+        const int64_t n = (p + q) * kPanel;
+        const int64_t left = N - n;
+        const __mmask16 mask = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < std::min<int64_t>(16, M - m); ++r)
+          _mm512_mask_storeu_ps(y + (m + r) * N + n, mask, _mm512_add_ps(_mm512_load_ps(c[q][r]), b));
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // Panels [p0, p1) for every row: the panel group (P panels) outermost, so it stays in L1 across row tiles.
 template <typename W>
 void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, const float* bias,
             int64_t p0, int64_t p1) {
+#if defined(CLOVER_AMX)
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (M >= kAmxMinRows && K % 32 == 0 && amx_enabled && amx_ready()) return amx_panels(x, M, K, w, y, N, bias, p0, p1);
+  }
+#endif
   constexpr int P = 2;
+  const int64_t Kp = panel_k<W>(K);
   int64_t p = p0;
   for (; p + P <= p1; p += P)
     for (int64_t m = 0; m < M; m += 8)
-      rows_tail<P, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+      rows_tail<P, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * Kp * kPanel, K, y + m * N, N, p * kPanel, N, bias);
   for (; p < p1; ++p)
     for (int64_t m = 0; m < M; m += 8)
-      rows_tail<1, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * K * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+      rows_tail<1, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * Kp * kPanel, K, y + m * N, N, p * kPanel, N, bias);
 }
 
 // Calls fn with the panels' data as const float* or, for bf16 panels, their raw const uint16_t*.
@@ -125,8 +248,9 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const std
               "tiled_linear: fp32 activations, fp32 or bf16 panels");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(0) * kPanel >= n,
               "tiled_linear: packed must be [ceil(n / 16), K, 16]");
-  const int64_t K = packed.size(1);
-  TORCH_CHECK(x.size(-1) == K, "tiled_linear: x has ", x.size(-1), " features, the weight ", K);
+  const int64_t K = x.size(-1);
+  const int64_t Kp = packed.scalar_type() == at::kBFloat16 ? K + (K & 1) : K;
+  TORCH_CHECK(packed.size(1) == Kp, "tiled_linear: x has ", K, " features, the weight ", packed.size(1));
   auto x2 = x.reshape({-1, K}).contiguous();
   auto w = packed.contiguous();
   const int64_t M = x2.size(0);
@@ -170,9 +294,24 @@ at::Tensor pack(const at::Tensor& w) {
 #if defined(__AVX512F__)
   // Weights that are bf16 values held in fp32 (a bf16 checkpoint loaded as fp32, as the shipped
   // models are) keep their panels in bf16: half the bytes a call reads, widened exactly on load, so
-  // the products and their order are those of the fp32 panels.
+  // the products and their order are those of the fp32 panels. Laid out in k pairs (see the top).
   auto narrow = packed.to(at::kBFloat16);
-  if (at::equal(narrow.to(at::kFloat), packed)) return narrow;
+  if (at::equal(narrow.to(at::kFloat), packed)) {
+    if (K & 1) {  // a zero k row to pair the last one with
+      auto pad_sizes = narrow.sizes().vec();
+      pad_sizes[pad_sizes.size() - 2] = 1;
+      narrow = at::cat({narrow, at::zeros(pad_sizes, narrow.options())}, -2);
+    }
+    auto sizes = narrow.sizes().vec();  // [..., np, Kp, 16] -> [..., np, Kp/2, 2, 16] -> [..., np, Kp/2, 16, 2]
+    const int64_t Kp = sizes[sizes.size() - 2];
+    sizes.pop_back();
+    sizes.pop_back();
+    auto pairs = sizes;
+    for (int64_t d : {Kp / 2, int64_t{2}, kPanel}) pairs.push_back(d);
+    sizes.push_back(Kp);
+    sizes.push_back(kPanel);
+    return narrow.view(pairs).transpose(-2, -1).contiguous().view(sizes);
+  }
 #endif
   return packed;
 }
@@ -231,7 +370,7 @@ at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at:
     pairs[ip[p]].push_back(p);
   }
   std::vector<float> out(T * k * H), xs, h, a, o;
-  const int64_t gu_stride = gu.size(1) * H * kPanel, dn_stride = dn.size(1) * I * kPanel;
+  const int64_t gu_stride = gu.size(1) * gu.size(2) * kPanel, dn_stride = dn.size(1) * dn.size(2) * kPanel;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = static_cast<int64_t>(pairs[e].size());
     if (!n) continue;
@@ -278,6 +417,19 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Ten
 
 bool packed_bf16(const at::Tensor& weight) { return packed_weight(weight).scalar_type() == at::kBFloat16; }
 
+// Turns the AMX path on or off (where it is built and the OS grants the tiles); returns whether it
+// was usable before the call.
+bool use_amx(bool on) {
+#if defined(CLOVER_AMX)
+  const bool was = amx_enabled && amx_ready();
+  amx_enabled = on;
+  return was;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 int64_t cached_weights() {
   std::lock_guard<std::mutex> lock(cache_mutex);
   int64_t live = 0;
@@ -292,6 +444,7 @@ TORCH_LIBRARY(clover_cpu, m) {
   m.def("experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor down) -> Tensor");
   m.def("cached_weights() -> int", &cached_weights);
   m.def("packed_bf16(Tensor weight) -> bool", &packed_bf16);
+  m.def("use_amx(bool on) -> bool", &use_amx);
 }
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
