@@ -294,3 +294,10 @@ def test_save_load_round_trip(tmp_path, shard):
         torch.testing.assert_close(loaded(ids, block_size=4, draft_len=4).logits, model(ids, block_size=4, draft_len=4).logits)
     base = AutoModel.from_pretrained(tmp_path)
     assert isinstance(base, CloverModel)
+
+
+def test_window_ids_count_windows_from_the_end():
+    """The cumsum form equals the obvious division for every length and block a step can have."""
+    for length in range(0, 70):
+        for block in (1, 2, 3, 4, 5, 8, 16, 32, 64):
+            assert torch.equal(window_ids(length, block), (torch.arange(length) + (-length) % block) // block)
