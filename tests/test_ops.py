@@ -1,5 +1,7 @@
 """Every fast op against its naive reference: random inputs, odd lengths, batch 2."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -198,7 +200,7 @@ def test_bf16_panels_on_amx_and_avx512_match_naive(rows, in_features, out, amx):
     # fp32 accuracy: the error within a few fp32 roundings of the sum of |products| (fp64 reference)
     ref = x.double() @ w.double().T + b.double()
     assert ((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T + b.double().abs())).all()
-    assert not was or "amx_bf16" in open("/proc/cpuinfo").read()
+    assert not was or "amx_bf16" in Path("/proc/cpuinfo").read_text()
 
 
 def test_tiled_linear_keeps_fp32_panels_unless_every_value_is_bf16():

@@ -152,7 +152,9 @@ struct alignas(64) TileConfig {
 
 // x [M, K] fp32 -> three bf16 terms [3][Mp][K] (rows past M zero), each the rounded residual of the last.
 void split3(const float* x, int64_t M, int64_t K, int64_t Mp, std::vector<uint16_t>& out) {
-  out.assign(3 * Mp * K, 0);
+  out.resize(3 * Mp * K);
+  for (int t = 0; t < 3; ++t)  // only the rows past M need zeros: every other element is written below
+    std::fill(out.begin() + (t * Mp + M) * K, out.begin() + (t + 1) * Mp * K, uint16_t{0});
   for (int64_t r = 0; r < M; ++r)
     for (int64_t k = 0; k < K; k += 16) {
       __m512 rest = _mm512_loadu_ps(x + r * K + k);
