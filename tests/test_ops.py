@@ -262,6 +262,43 @@ def test_compiled_graphs_route_linears_to_the_tiled_op(rows):
     assert counts == [1]
 
 
+@pytest.mark.parametrize("batch,size,width", [((1, 4, 1), 8, 128), ((2, 3, 5), 7, 33), ((2,), 64, 128), ((3,), 1, 5)])
+def test_unit_lower_solve_matches_torch(batch, size, width):
+    """The gated delta rule's chunk solve, forward substitution in C++, against torch's trsm: only
+    the strict lower part of the system is read (garbage on and above the diagonal)."""
+    tiled = _tiled()
+    g = torch.Generator().manual_seed(size)
+    lower = torch.randn(*batch, size, size, generator=g) * 0.3
+    system = lower.tril(-1) + torch.eye(size)
+    rhs = torch.randn(*batch, size, width, generator=g)
+    ref = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    garbage = lower + torch.randn(*batch, size, size, generator=g).triu() * 100  # diagonal and upper unread
+    got = tiled.unit_lower_solve(garbage, rhs)
+    assert got.shape == ref.shape and got.is_contiguous()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(system @ got, rhs, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_graphs_route_unit_lower_solves():
+    from clover.engine.runner import route_solves
+
+    _tiled()
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(route_solves(gm))
+        gm.recompile()
+        return gm.forward
+
+    system = torch.randn(2, 9, 9).tril(-1) * 0.3 + torch.eye(9)
+    rhs = torch.randn(2, 9, 12)
+    fn = lambda a, b: torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True) * 2  # noqa: E731
+    with torch.no_grad():
+        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(system, rhs)
+    torch.testing.assert_close(out, fn(system, rhs), rtol=1e-5, atol=1e-5)
+    assert counts == [1]
+
+
 @pytest.mark.parametrize("tokens,experts,topk,hidden,inter", [(1, 8, 2, 256, 128), (9, 8, 2, 256, 128),
                                                               (33, 5, 3, 40, 24), (64, 8, 2, 17, 9),
                                                               (61, 4, 2, 64, 96)])  # ~30 rows an expert: AMX

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from clover.engine import DecodeConfig, Engine
+from clover.engine import runner as runner_module
 from clover.engine.runner import CompiledRunner, EagerRunner
 from helpers import tiny_model
 
@@ -50,8 +51,8 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
     return logits, seqs, engine.runner
 
 
-def graphs():
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+def graphs():  # the model steps' graphs (dynamo) and the modes' fused step functions (`Fused`)
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + runner_module.fused_compiles[0]
 
 
 def check_equal(model, mode, prompts, late=()):
@@ -126,3 +127,33 @@ def test_replay_follows_a_replaced_weight(model):
     for a, b in zip(got_logits, ref_logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert runner.replayed_calls == runner.compiled_calls > 0
+
+
+@pytest.mark.parametrize("mode", ["low_confidence", "topk"] + (["entropy", "margin"] if FULL else []))
+def test_fused_diffusion_step_equals_eager(mode):
+    """The diffusion step's bookkeeping (sampling, fill policy, EOS cut) compiled as one graph
+    (`Fused`) gives exactly the eager function's outputs on random states: 3 rows, an odd block,
+    suppressed tokens, EOS among the candidates; compiled once, then replayed."""
+    import functools
+
+    from clover.engine.modes import sample_and_advance
+    from clover.engine.policies import make_policy
+    from clover.engine.sampling import SamplingParams
+
+    policy, sampling = make_policy(mode, 5, 0.3, 2), SamplingParams(suppress=(2,))
+    fn = functools.partial(sample_and_advance, policy, sampling, 1)
+    fused = runner_module.Fused(fn, ("test", policy, sampling, 1))
+    g = torch.Generator().manual_seed(0)
+    rows, block, vocab = 3, 5, 37
+    before = runner_module.fused_compiles[0]
+    for trial in range(6):
+        filled = torch.rand(rows, block, generator=g) < 0.4
+        args = (torch.randn(rows, block, vocab, generator=g) * 3, filled,
+                torch.randint(0, vocab, (rows, block), generator=g), torch.randint(0, 3, (rows, block), generator=g),
+                torch.randint(0, 3, (rows,), generator=g), torch.arange(block)[None, :] < torch.tensor([[5], [3], [4]]),
+                torch.randint(0, vocab, (rows, block), generator=g), torch.tensor([0, 3]))
+        got, ref = fused(*args), fn(*args)
+        assert len(got) == len(ref) == 7
+        for a, b in zip(got, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert runner_module.fused_compiles[0] == before + 1  # compiled at the first call, replayed after

@@ -16,6 +16,7 @@ returns (sequence, new tokens) events from `step`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -157,8 +158,9 @@ class DiffusionMode(Mode):
         super().__init__(cfg, mask_id, device, generator)
         self.policy = make_policy(cfg.mode, cfg.block_size, cfg.threshold, cfg.steps)
         self.width = self.clean_bs = cfg.block_size
-        self.eos_t = torch.tensor(sorted(self.eos), device=device) if self.eos else None
+        self.eos_t = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.state: BlockState | None = None
+        self._fused = None  # greedy: `sample_and_advance` as the runner calls it (made at the first step)
 
     def _eligible(self, seqs: list[Sequence]) -> torch.Tensor:
         """Targets a new block may fill: all B, or the remaining budget in a last partial block."""
@@ -182,24 +184,26 @@ class DiffusionMode(Mode):
 
     def step(self, batch: RowBatch) -> Events:
         B, st = self.block_size, self.state
-        masked = st.eligible & ~st.filled
         # the head runs only on columns some row still has masked; the others can't be chosen
-        cols = masked.any(0).nonzero().squeeze(1)
+        cols = (st.eligible & ~st.filled).any(0).nonzero().squeeze(1)
         if cols.numel() == B:
             cols = None
-        tokens, probs = self.sample(batch.forward(batch.window, B, B, B, cols))
-        chosen = self.policy.select(probs, tokens, masked, st.steps_done, cols)
-        if cols is not None:
-            tokens = torch.full_like(st.targets, self.mask_id).index_copy_(1, cols, tokens)
-        st.targets = torch.where(chosen, tokens, st.targets)
-        st.fill_step = torch.where(chosen, st.steps_done[:, None], st.fill_step)
-        st.filled |= chosen
-        batch.window[:, 1:] = torch.where(chosen[:, :-1], tokens[:, :-1], batch.window[:, 1:])
-        st.steps_done += 1
-        if self.eos_t is not None:  # nothing after the first filled EOS is kept or filled
-            eos = (st.filled & torch.isin(st.targets, self.eos_t)).long()
-            st.eligible &= (eos.cumsum(1) - eos) == 0
-        done = ~(st.eligible & ~st.filled).any(1)
+        logits = batch.forward(batch.window, B, B, B, cols)
+        if self.cfg.sampling.greedy:  # sampling is part of the pure step: the runner may compile it whole
+            if self._fused is None:
+                self._fused = batch.runner.fuse(functools.partial(sample_and_advance, self.policy, self.cfg.sampling,
+                                                                  self.mask_id),
+                                                ("diffusion", self.policy, self.cfg.sampling, self.mask_id))
+            if cols is not None:  # columns nobody has masked get logits 0: never chosen
+                logits = logits.new_zeros(*st.targets.shape, logits.shape[-1]).index_copy_(1, cols, logits)
+            *fields, batch.window, done = self._fused(logits, *st.fields(), batch.window, self.eos_t)
+        else:  # the generator draws for the columns the head ran on only
+            tokens, probs = self.sample(logits)
+            if cols is not None:
+                tokens = torch.full_like(st.targets, self.mask_id).index_copy_(1, cols, tokens)
+                probs = probs.new_zeros(*st.targets.shape, probs.shape[-1]).index_copy_(1, cols, probs)
+            *fields, batch.window, done = advance(self.policy, tokens, probs, *st.fields(), batch.window, self.eos_t)
+        self.state = BlockState(*fields)
         return self._finish_blocks(batch, done) if bool(done.any()) else []
 
     def _finish_blocks(self, batch: RowBatch, done: torch.Tensor) -> Events:
@@ -223,6 +227,30 @@ class DiffusionMode(Mode):
             st.steps_done = torch.where(go_on, 0, st.steps_done)
             st.eligible = torch.where(go_on[:, None], self._eligible(batch.seqs), st.eligible)
         return events
+
+
+def advance(policy, tokens, probs, filled, targets, fill_step, steps_done, eligible, window, eos_t):
+    """One denoising step after sampling, for every row at once: the policy chooses among the masked
+    targets by the sampled tokens [R, B] and their distributions probs [R, B, V]; the chosen tokens
+    are recorded and written into the window's next columns; each row's block stops after its first
+    filled EOS (`eos_t`: the EOS ids, possibly none). Returns the new BlockState fields, the window
+    and which rows finished their block. Pure tensor code: no host sync, shapes fixed by the inputs."""
+    masked = eligible & ~filled
+    chosen = policy.select(probs, tokens, masked, steps_done)
+    targets = torch.where(chosen, tokens, targets)
+    fill_step = torch.where(chosen, steps_done[:, None], fill_step)
+    filled = filled | chosen
+    window = torch.cat([window[:, :1], torch.where(chosen[:, :-1], tokens[:, :-1], window[:, 1:])], dim=1)
+    eos = (filled & torch.isin(targets, eos_t)).long()  # nothing after the first filled EOS is kept or filled
+    eligible = eligible & ((eos.cumsum(1) - eos) == 0)
+    done = ~(eligible & ~filled).any(1)
+    return filled, targets, fill_step, steps_done + 1, eligible, window, done
+
+
+def sample_and_advance(policy, sampling, mask_id, logits, *state):
+    """Greedy sampling of logits [R, B, V] and `advance`: a greedy diffusion step's whole bookkeeping,
+    pure, so a compiled runner makes it one graph (`runner.fuse`)."""
+    return advance(policy, *sample(logits, sampling, mask_id), *state)
 
 
 def make_mode(cfg, mask_id: int, device, generator) -> Mode:

@@ -57,13 +57,9 @@ class Policy:
     threshold: float | None = None  # threshold rule when set, else `steps` budget per block
     steps: int = 1
 
-    def select(self, probs, tokens, masked, steps_done, cols=None) -> torch.Tensor:
-        """probs [R, B, V], tokens/masked [R, B], steps_done [R] (steps taken in the current block).
-        With `cols`, probs and tokens cover only those columns of the block ([R, len(cols), ...]):
-        the others are not masked in any row."""
+    def select(self, probs, tokens, masked, steps_done) -> torch.Tensor:
+        """probs [R, B, V], tokens/masked [R, B], steps_done [R] (steps taken in the current block)."""
         score = self.score(probs, tokens)
-        if cols is not None:
-            score = score.new_full(masked.shape, NEG_INF).index_copy_(1, cols, score)
         if self.threshold is not None:
             return select_threshold(score, masked, self.threshold)
         left = (self.steps - steps_done).clamp_min(1)

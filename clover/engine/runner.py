@@ -11,12 +11,18 @@ another back end plugs in without touching them.
   experts' weights + bmm up to 128 (token, expert) pairs (modeling_clover.GATHER_PAIRS: AR steps
   and forwards of up to 64 tokens at top-2) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`.
   On a CPU the graph's kernels are called by inductor's C++ wrapper and its fp32 linears run on
-  weights packed once (`route_linears`, ops/linear/tiled.py). A graph is compiled once per shape (rows,
+  weights packed once (`route_linears`, ops/linear/tiled.py) and its chunk solves on a small
+  forward substitution (`route_solves`). A graph is compiled once per shape (rows,
   window width, clean columns, capacity bucket) and replayed after: on a CPU by calling the
   captured graph directly (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step);
   prefill runs in chunks of at most 64 tokens, each left-padded to a power of two (masked columns),
   so it replays graphs too. Logits equal the eager runner's within float rounding (fp32: 1e-5);
   tests/test_runner_compiled.py checks it in every mode.
+
+Besides the model, a mode may hand the runner a pure tensor function it calls every step (`fuse`:
+a diffusion step's sampling, fill policy and block bookkeeping, ~45 small ops). The eager runner
+calls it as it is; the compiled runner traces it once per input layout (make_fx) and calls the
+inductor graph directly: one call instead of ~0.2 ms of per-op dispatch a step.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ class EagerRunner:
 
     def new_cache(self, rows: int, capacity: int):
         return self.model.new_cache(rows, capacity=capacity)
+
+    def fuse(self, fn, key):
+        """`fn(*tensors) -> tuple of tensors`, pure (no side effect, no host sync, output shapes
+        fixed by the input shapes), as this runner calls it: eagerly, op by op."""
+        return fn
 
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
                 index=None) -> torch.Tensor:
@@ -127,9 +138,31 @@ def route_linears(gm) -> int:
                 and x.dtype == w.dtype and worth_routing(w)):
             node.target, node.args, node.kwargs = torch.ops.clover_cpu.linear.default, tuple(args[:3]), {}
             routed += 1
+    routed += route_solves(gm)
     if routed:
         gm.recompile()
     return routed
+
+
+def route_solves(gm) -> int:
+    """Send the graph's fp32 CPU unit lower-triangular solves (the gated delta rule's chunk systems)
+    to `clover_cpu::unit_lower_solve` (ops/gated_delta_rule/unit_lower_solve.cpp); the caller recompiles."""
+    routed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.linalg.solve_triangular:
+            continue
+        kw = node.kwargs
+        a, b = (n.meta.get("example_value") if isinstance(n, torch.fx.Node) else None for n in node.args[:2])
+        if (len(node.args) == 2 and set(kw) <= {"upper", "unitriangular", "left"} and kw.get("upper") is False
+                and kw.get("unitriangular") is True and kw.get("left", True) is True
+                and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _fp32_cpu_pair(a, b)):
+            node.target, node.kwargs = torch.ops.clover_cpu.unit_lower_solve.default, {}
+            routed += 1
+    return routed
+
+
+def _fp32_cpu_pair(a, b) -> bool:
+    return a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu" and tiled.available()
 
 
 _weights_epoch = [0]  # bumped whenever any module (re)registers a parameter, buffer or submodule
@@ -262,6 +295,11 @@ class CompiledRunner(EagerRunner):
     def new_cache(self, rows: int, capacity: int):
         return super().new_cache(rows, -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET)
 
+    def fuse(self, fn, key):
+        """`fn` compiled once per input layout, graphs shared by every runner in the process under
+        `key` (hashable: it must name everything `fn` computes with besides its tensor inputs)."""
+        return Fused(fn, key)
+
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
                 index=None) -> torch.Tensor:
         num_clean = ids.shape[1] - draft_len
@@ -298,6 +336,32 @@ def _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block) -> tuple:
     """Everything a compiled step specialises on besides the (fixed) weights: one graph, one Replay."""
     return (tuple(ids.shape), ids.device, draft_len, clean_bs, block, pad is None, cache.recording, cache.capacity,
             cache.batch_size, cache.dtype, keep, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+
+_fused_graphs: dict = {}  # (key, input layouts, mode flags) -> compiled graph
+fused_compiles = [0]  # graphs `Fused` compiled in this process (tests count recompilation)
+
+
+class Fused:
+    """A pure tensor function traced (make_fx, fake tensors) and compiled (inductor) once per input
+    layout, then called directly: no dynamo frame, no guards. Its inputs are all tensors, so the
+    layouts are the whole key; its Python constants are the caller's `key`."""
+
+    def __init__(self, fn, key):
+        self.fn, self.key = fn, key
+
+    def __call__(self, *args):
+        k = (self.key, tuple(_layout_of(a) for a in args), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        graph = _fused_graphs.get(k)
+        if graph is None:
+            from torch._inductor.compile_fx import compile_fx
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            gm = make_fx(self.fn, tracing_mode="fake")(*args)
+            with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER and args[0].device.type == "cpu"):
+                graph = _fused_graphs[k] = compile_fx(gm, list(args))
+            fused_compiles[0] += 1
+        return tuple(graph(*args))
 
 
 def make_runner(kind: str, model) -> EagerRunner:

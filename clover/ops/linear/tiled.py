@@ -21,6 +21,7 @@ miss) and repacks when the weight's version counter moves (`copy_`, `load_state_
 optimizer step), so it never serves a stale weight; it costs one copy of each weight's bytes. A
 weight made under `torch.inference_mode` has no version counter: it runs unpacked (at::linear).
 
+The same extension holds ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below).
 The C++ source is compiled on first use by torch.utils.cpp_extension (`-O3 -march=native`, ~10 s,
 cached under torch's extensions dir, rebuilt when the source changes). Where that fails (no
 compiler) or the CPU is not x86-64, `available()` is False and graphs keep torch's linear.
@@ -36,6 +37,8 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("tiled.cpp")
+# the other CPU ops built into the same extension (one compile, one library): see each file's header
+_MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",)
 _state: dict = {}
 
 
@@ -52,7 +55,7 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="clover_cpu_ops", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native"],
+        load(name="clover_cpu_ops", sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=["-O3", "-march=native"],
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch's own linear serves
         warnings.warn(f"clover: the tiled fp32 linear could not be built ({type(e).__name__}: {e}); "
@@ -66,6 +69,10 @@ def _load() -> bool:
     @torch.library.register_fake("clover_cpu::experts")
     def _(x, top_idx, top_w, gate_up, down):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("clover_cpu::unit_lower_solve")
+    def _(system, rhs):
+        return rhs.new_empty(rhs.shape)
 
     return True
 
@@ -110,6 +117,14 @@ def bf16_panels(weight: torch.Tensor) -> bool:
 def cached_weights() -> int:
     """How many live weights have a packed copy (for tests)."""
     return torch.ops.clover_cpu.cached_weights() if available() else 0
+
+
+def unit_lower_solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True) for fp32 CPU
+    tensors through `clover_cpu::unit_lower_solve` (row-by-row forward substitution)."""
+    if not available():
+        raise RuntimeError("the clover CPU ops are not available on this machine")
+    return torch.ops.clover_cpu.unit_lower_solve(system, rhs)
 
 
 def use_amx(on: bool) -> bool:
