@@ -142,7 +142,10 @@ def decode_rate(model, jobs, eos, mode: str, block_size: int, threshold: float, 
 ACCURACY_SLACK = 0.02  # a tuned setting may lose at most 2 points of accuracy against lc at the defaults
 
 
-def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=(0.8, 0.85, 0.9, 0.95), runner: str = "eager", score=None,
+THRESHOLDS = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95)  # tried by default: lower ones fill more per step, the accuracy check guards them
+
+
+def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=THRESHOLDS, runner: str = "eager", score=None,
          rounds: int = 3) -> dict:
     """Measure the step cost per window and low_confidence tokens/s per (block size, threshold) on
     `jobs`; the entry to store: the best setting, the curve, ar's rate and the step costs. With
