@@ -164,9 +164,9 @@ def decode_table(tmp, args):
     modes = [("ar", 1), ("low_confidence", 2), ("low_confidence", 4), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32),
              ("self_spec", 8)]
 
-    def clover_run(m, mode, bs, runner_kind="eager"):
+    def clover_run(m, mode, bs, runner_kind="eager", threshold=DecodeConfig.threshold):
         def go():
-            cfg = DecodeConfig(mode=mode, block_size=bs, eos_token_ids=eos, runner=runner_kind)
+            cfg = DecodeConfig(mode=mode, block_size=bs, threshold=threshold, eos_token_ids=eos, runner=runner_kind)
             toks = fwd = 0
             for ids, budget in jobs:
                 seq = Engine(m, dataclasses.replace(cfg, max_new_tokens=budget)).generate([ids])[0]
@@ -185,8 +185,11 @@ def decode_table(tmp, args):
     runs.update({("our llama.cpp runner bf16", m, b): clover_run(runner, m, b) for m, b in modes})
     runs[("PyTorch f32 eager", "ar", 1)] = clover_run(model, "ar", 1)
     runs[("PyTorch f32 eager", "low_confidence", 16)] = clover_run(model, "low_confidence", 16)
-    for m, b in (("ar", 1), ("low_confidence", 8), ("low_confidence", 16)):
-        runs[("PyTorch f32 compiled", m, b)] = go = clover_run(model, m, b, "compiled")
+    compiled = [("ar", 1, None), ("low_confidence", 8, None), ("low_confidence", 16, None)]
+    compiled += [("low_confidence", int(b), float(t)) for b, t in (x.split("/") for x in args.tuned)]
+    for m, b, t in compiled:  # the announced threshold, and the tuned settings (`clover tune`) given by --tuned
+        key = ("PyTorch f32 compiled", m, b if t is None else f"{b} / {t}")
+        runs[key] = go = clover_run(model, m, b, "compiled", *(() if t is None else (t,)))
         with torch.inference_mode():
             go()  # compiles (or loads inductor's cache) every shape these prompts need, before the timed rounds
     for threads in args.threads:
@@ -263,13 +266,16 @@ def main() -> int:
     ap.add_argument("--per-task", type=int, default=2, help="task prompts per synthetic task (default 2)")
     ap.add_argument("--decode-repeats", type=int, default=3, help="interleaved rounds of the decode table")
     ap.add_argument("--decode-only", action="store_true", help="only the decode table (no step tables)")
+    ap.add_argument("--tuned", nargs="*", default=["8/0.7"], metavar="B/THRESHOLD",
+                    help="extra compiled low_confidence settings for the decode table, e.g. what `clover tune` chose "
+                         "(default 8/0.7; the plain rows use the announced threshold 0.95)")
     args = ap.parse_args()
     if find_build() is None or find_build(variant="clover") is None:
         print("bench/llamacpp.py: no llama.cpp build (make llamacpp)", file=sys.stderr)
         return 2
     print(f"`python bench/llamacpp.py --repeats {args.repeats} --context {args.context} --threads "
           f"{' '.join(map(str, args.threads))} --per-task {args.per_task} --decode-repeats {args.decode_repeats}"
-          f"{' --decode-only' if args.decode_only else ''}` "
+          f"{' --decode-only' if args.decode_only else ''} --tuned {' '.join(args.tuned)}` "
           f"(llama.cpp from llama-cpp-python 0.3.36's sdist, torch {torch.__version__})")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
