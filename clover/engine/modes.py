@@ -6,6 +6,8 @@ returns (sequence, new tokens) events from `step`.
   [last known token, MASK x (B-1)]; column j predicts target j; a fill policy (engine/policies.py)
   picks the targets each step fills. A finished block becomes clean and is committed *in the same
   forward* as the first step of the next block (clean_block_size = B).
+  What follows the forward (sampling, the policy, the block bookkeeping) is one pure function,
+  `advance` (greedy: `sample_and_advance`), which a compiled runner makes one graph (`runner.fuse`).
 * `ARMode` (`ar`): greedy/sampled next-token decoding; the last token is committed as it is fed.
 * `SelfSpecMode` (`self_spec`): prefix committed causally (clean_block_size = 1); each round
   drafts a block in one diffusion step, verifies it causally with the cache recording, keeps the
