@@ -189,7 +189,7 @@ def decode_table(tmp, args):
     compiled += [("low_confidence", int(b), float(t)) for b, t in (x.split("/") for x in args.tuned)]
     for m, b, t in compiled:  # the announced threshold, and the tuned settings (`clover tune`) given by --tuned
         key = ("PyTorch f32 compiled", m, b if t is None else f"{b} / {t}")
-        runs[key] = go = clover_run(model, m, b, "compiled", *(() if t is None else (t,)))
+        runs[key] = go = clover_run(model, m, b, "compiled", DecodeConfig.threshold if t is None else t)
         with torch.inference_mode():
             go()  # compiles (or loads inductor's cache) every shape these prompts need, before the timed rounds
     for threads in args.threads:

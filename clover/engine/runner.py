@@ -11,7 +11,7 @@ another back end plugs in without touching them.
   experts' weights + bmm up to 128 (token, expert) pairs (modeling_clover.GATHER_PAIRS: AR steps
   and forwards of up to 64 tokens at top-2) and runs as one opaque custom op beyond, the cache commit needs no `nonzero`.
   On a CPU the graph's kernels are called by inductor's C++ wrapper and its fp32 linears run on
-  weights packed once (`route_linears`, ops/linear/tiled.py) and its chunk solves on a small
+  weights packed once (`route_ops`: `route_linears`, ops/linear/tiled.py) and its chunk solves on a small
   forward substitution (`route_solves`). A graph is compiled once per shape (rows,
   window width, clean columns, capacity bucket) and replayed after: on a CPU by calling the
   captured graph directly (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step);
@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from ..models.modeling_clover import CloverExperts, stream_layout
-from ..ops.linear import bf16_panels, tiled, worth_routing
+from ..ops.linear import bf16_panels, solve_fits, tiled, worth_routing
 
 RUNNERS = ("eager", "compiled")
 CAPACITY_BUCKET = 256  # compiled caches hold a multiple of this many tokens per row
@@ -105,7 +105,7 @@ def _capturing_backend(captures: list):
         from torch._inductor.compile_fx import compile_fx
 
         if PACK_LINEARS:
-            route_linears(gm)
+            route_ops(gm)
         with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER):
             compiled = compile_fx(gm, example_inputs)
         record = {"fn": compiled, "inputs": list(example_inputs)}
@@ -138,7 +138,6 @@ def route_linears(gm) -> int:
                 and x.dtype == w.dtype and worth_routing(w)):
             node.target, node.args, node.kwargs = torch.ops.clover_cpu.linear.default, tuple(args[:3]), {}
             routed += 1
-    routed += route_solves(gm)
     if routed:
         gm.recompile()
     return routed
@@ -146,23 +145,27 @@ def route_linears(gm) -> int:
 
 def route_solves(gm) -> int:
     """Send the graph's fp32 CPU unit lower-triangular solves (the gated delta rule's chunk systems)
-    to `clover_cpu::unit_lower_solve` (ops/gated_delta_rule/unit_lower_solve.cpp); the caller recompiles."""
+    to `clover_cpu::unit_lower_solve` (ops/gated_delta_rule/unit_lower_solve.cpp). Returns how many
+    were routed."""
     routed = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.linalg.solve_triangular:
+        if (node.op != "call_function" or node.target is not torch.linalg.solve_triangular or len(node.args) != 2
+                or not all(isinstance(n, torch.fx.Node) for n in node.args)):
             continue
         kw = node.kwargs
-        a, b = (n.meta.get("example_value") if isinstance(n, torch.fx.Node) else None for n in node.args[:2])
-        if (len(node.args) == 2 and set(kw) <= {"upper", "unitriangular", "left"} and kw.get("upper") is False
-                and kw.get("unitriangular") is True and kw.get("left", True) is True
-                and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _fp32_cpu_pair(a, b)):
+        a, b = (n.meta.get("example_value") for n in node.args)
+        if (set(kw) <= {"upper", "unitriangular", "left"} and kw.get("upper") is False
+                and kw.get("unitriangular") is True and kw.get("left", True) is True and solve_fits(a, b)):
             node.target, node.kwargs = torch.ops.clover_cpu.unit_lower_solve.default, {}
             routed += 1
+    if routed:
+        gm.recompile()
     return routed
 
 
-def _fp32_cpu_pair(a, b) -> bool:
-    return a.dtype == b.dtype == torch.float32 and a.device.type == b.device.type == "cpu" and tiled.available()
+def route_ops(gm) -> int:
+    """A CPU graph's ops that have a clover_cpu kernel sent to it: linears, then chunk solves."""
+    return route_linears(gm) + route_solves(gm)
 
 
 _weights_epoch = [0]  # bumped whenever any module (re)registers a parameter, buffer or submodule

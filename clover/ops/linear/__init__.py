@@ -2,6 +2,6 @@
 packed once, for the few rows of a decode step (tiled.cpp)."""
 
 from .naive import naive_linear
-from .tiled import bf16_panels, experts_fit, tiled_experts, tiled_linear, worth_routing
+from .tiled import bf16_panels, experts_fit, solve_fits, tiled_experts, tiled_linear, worth_routing
 
-__all__ = ["bf16_panels", "experts_fit", "naive_linear", "tiled_experts", "tiled_linear", "worth_routing"]
+__all__ = ["bf16_panels", "experts_fit", "naive_linear", "solve_fits", "tiled_experts", "tiled_linear", "worth_routing"]

@@ -98,6 +98,11 @@ def experts_fit(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     return _fp32_cpu(x, gate_up) and available()
 
 
+def solve_fits(system, rhs) -> bool:
+    """Whether `unit_lower_solve` takes these: fp32 CPU tensors, the op built."""
+    return isinstance(system, torch.Tensor) and isinstance(rhs, torch.Tensor) and _fp32_cpu(system, rhs) and available()
+
+
 def tiled_experts(x, top_idx, top_w, gate_up, down) -> torch.Tensor:
     """ops/moe/naive.py's routed experts through `clover_cpu::experts`: each used expert's rows run
     through its packed gate_up and down (the same weight cache as `tiled_linear`), the pair outputs
