@@ -65,6 +65,21 @@ def reference_low_confidence(model, prompt, n, threshold):
     return out, traj
 
 
+@pytest.mark.parametrize("mode,extra", [("low_confidence", {"threshold": 0.5}), ("topk", {"steps": 3})])
+def test_greedy_pick_equals_the_distribution_path(model, prompts, mode, extra, monkeypatch):
+    """Greedy steps of probability-scored policies take each column's token and probability straight
+    from the logits (ops/greedy_pick); through the full distribution (`sample_and_score`, as entropy /
+    margin run) the same rows decode to the same tokens in the same steps."""
+    from clover.engine.policies import Policy
+
+    fast = run(model, prompts, mode=mode, max_new_tokens=12, sampling=SamplingParams(suppress=(5,)), **extra)
+    monkeypatch.setattr(Policy, "by_probability", property(lambda self: False))
+    slow = run(model, prompts, mode=mode, max_new_tokens=12, sampling=SamplingParams(suppress=(5,)), **extra)
+    assert [(s.token_ids, s.trajectory, s.forward_passes) for s in fast] == \
+        [(s.token_ids, s.trajectory, s.forward_passes) for s in slow]
+    assert all(5 not in s.token_ids for s in fast)
+
+
 def test_head_runs_only_on_masked_columns(model, prompts):
     """Draft steps compute logits only for the columns still masked in some row (the equality with
     full recomputation is the test below); the first step of a block needs all B."""

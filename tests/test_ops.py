@@ -320,3 +320,38 @@ def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter, bf16_va
     with torch.no_grad():
         down.mul_(-1)  # repacked after an in-place update
     torch.testing.assert_close(tiled.tiled_experts(x, top_idx, top_w, gate_up, down), -want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 37), (3, 4099), (1, 8, 4096), (2, 3, 1, 17)])
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
+def test_greedy_pick_matches_naive(shape, kernel):
+    """The greedy token (first maximum) and its softmax probability without the distribution: the C++
+    kernel and the torch form against softmax + argmax + gather. Odd vocabularies (vector tails),
+    batch dims, banned ids (duplicated, unsorted, holding the largest logit), exact ties, -inf
+    logits; tokens identical, probabilities within fp32 rounding."""
+    from clover.ops.greedy_pick import naive_greedy_pick, torch_greedy_pick
+
+    if kernel == "cpp":
+        _tiled()
+        pick = torch.ops.clover_cpu.greedy_pick
+    else:
+        pick = torch_greedy_pick
+    g = torch.Generator().manual_seed(shape[-1])
+    vocab = shape[-1]
+    for trial in range(4):
+        logits = torch.randn(*shape, generator=g) * (1 + 4 * trial)
+        banned = torch.tensor([3, vocab - 1, 0, 3])
+        logits[..., 3] = logits.max() + 1  # the largest logit is banned
+        if trial == 1:  # exact ties: the lowest id wins
+            logits[..., 5] = logits[..., vocab - 2] = logits[..., 7] = logits.max() + 1
+        if trial == 2:
+            logits[..., 10:] = float("-inf")
+        if trial == 3:
+            banned = torch.tensor([], dtype=torch.long)
+        ref_tokens, ref_probs = naive_greedy_pick(logits, banned)
+        tokens, probs = pick(logits, banned)
+        assert tokens.shape == probs.shape == shape[:-1] and tokens.dtype == torch.long and probs.dtype == torch.float32
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(probs, ref_probs, rtol=1e-6, atol=1e-7)
+    everything = torch.arange(vocab)  # all ids banned: no distribution (NaN), as torch's softmax
+    assert pick(logits, everything)[1].isnan().all()

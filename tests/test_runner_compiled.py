@@ -31,7 +31,7 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
 
     def record(self, ids, cache, **kw):
         out = real(self, ids, cache, **kw)
-        logits.append(out.detach().clone())
+        logits.append((out.detach().clone(), kw.get("index")))
         return out
 
     cls.forward = record
@@ -55,22 +55,29 @@ def graphs():  # the model steps' graphs (dynamo) and the modes' fused step func
     return torch._dynamo.utils.counters["stats"]["unique_graphs"] + runner_module.fused_compiles[0]
 
 
+def assert_same_logits(got, ref):
+    """Logits of each call equal; where the eager runner ran the head on some columns only (`index`),
+    the compiled runner, whose head costs the same for all (`full_head`), may have returned them all."""
+    assert len(got) == len(ref)
+    for (a, a_index), (b, b_index) in zip(got, ref):
+        if a_index is None and b_index is not None:
+            a = a[:, b_index]
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def check_equal(model, mode, prompts, late=()):
     ref_logits, ref, _ = decode(model, "eager", mode, prompts, late)
     got_logits, got, runner = decode(model, "compiled", mode, prompts, late)
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
     assert [s.forward_passes for s in got] == [s.forward_passes for s in ref]
-    assert len(got_logits) == len(ref_logits)
-    for a, b in zip(got_logits, ref_logits):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_same_logits(got_logits, ref_logits)
     assert runner.compiled_calls > runner.eager_calls  # the steps ran compiled, not the eager fallback
     before = graphs()
     for replay in (True, False):  # warm: the same shapes replay (the captured graphs), then through dynamo
         again_logits, again, warm = decode(model, "compiled", mode, prompts, late, replay=replay)
         assert graphs() == before, "recompiled in a warm steady decode"
         assert [s.token_ids for s in again] == [s.token_ids for s in ref]
-        for a, b in zip(again_logits, ref_logits):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert_same_logits(again_logits, ref_logits)
         # replay on: the warm decode's compiled calls skipped dynamo (all of them, but self_spec's
         # recording steps: those store tensors on the cache, a side effect only dynamo replays); off: none
         assert warm.compiled_calls > 0
@@ -124,36 +131,53 @@ def test_replay_follows_a_replaced_weight(model):
     finally:
         model.lm_head.weight = old
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
-    for a, b in zip(got_logits, ref_logits):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_same_logits(got_logits, ref_logits)
     assert runner.replayed_calls == runner.compiled_calls > 0
 
 
 @pytest.mark.parametrize("mode", ["low_confidence", "topk"] + (["entropy", "margin"] if FULL else []))
 def test_fused_diffusion_step_equals_eager(mode):
-    """The diffusion step's bookkeeping (sampling, fill policy, EOS cut) compiled as one graph
-    (`Fused`) gives exactly the eager function's outputs on random states: 3 rows, an odd block,
-    suppressed tokens, EOS among the candidates; compiled once, then replayed."""
+    """The pure functions of a diffusion step compiled as one graph each (`Fused`) give exactly the
+    eager functions' outputs on random states: the fill policy and block bookkeeping (`advance`: 3
+    rows, an odd block, EOS among the candidates); for probability scores the greedy pick (a custom
+    op inside the graph) with `advance` (`pick_and_advance`, banned ids); for the scores that need
+    the distribution, greedy sampling + the score (`sample_and_score`, suppressed tokens; its scores
+    within float rounding). Each compiled once, then replayed."""
     import functools
 
-    from clover.engine.modes import sample_and_advance
+    from clover.engine.modes import advance, pick_and_advance, sample_and_score
     from clover.engine.policies import make_policy
     from clover.engine.sampling import SamplingParams
 
     policy, sampling = make_policy(mode, 5, 0.3, 2), SamplingParams(suppress=(2,))
-    fn = functools.partial(sample_and_advance, policy, sampling, 1)
-    fused = runner_module.Fused(fn, ("test", policy, sampling, 1))
+    step = functools.partial(advance, policy)
+    fused_step = runner_module.Fused(step, ("test-advance", policy))
+    score = functools.partial(sample_and_score, policy, sampling, 1)
+    fused_score = runner_module.Fused(score, ("test-score", policy, sampling, 1)) if not policy.by_probability else None
+    pick = functools.partial(pick_and_advance, policy)  # probability-scored: the greedy pick and `advance` in one
+    fused_pick = runner_module.Fused(pick, ("test-pick", policy)) if policy.by_probability else None
     g = torch.Generator().manual_seed(0)
     rows, block, vocab = 3, 5, 37
     before = runner_module.fused_compiles[0]
     for trial in range(6):
+        logits = torch.randn(rows, block, vocab, generator=g) * 3
+        tokens, scores = score(logits)
+        if fused_score is not None:
+            got_tokens, got_scores = fused_score(logits)
+            assert torch.equal(got_tokens, tokens)  # the scores' sums may run in another order: float rounding
+            torch.testing.assert_close(got_scores, scores, rtol=1e-6, atol=1e-6)
         filled = torch.rand(rows, block, generator=g) < 0.4
-        args = (torch.randn(rows, block, vocab, generator=g) * 3, filled,
+        args = (tokens, scores, filled,
                 torch.randint(0, vocab, (rows, block), generator=g), torch.randint(0, 3, (rows, block), generator=g),
                 torch.randint(0, 3, (rows,), generator=g), torch.arange(block)[None, :] < torch.tensor([[5], [3], [4]]),
                 torch.randint(0, vocab, (rows, block), generator=g), torch.tensor([0, 3]))
-        got, ref = fused(*args), fn(*args)
+        got, ref = fused_step(*args), step(*args)
         assert len(got) == len(ref) == 7
         for a, b in zip(got, ref):
             assert a.dtype == b.dtype and torch.equal(a, b)
-        assert runner_module.fused_compiles[0] == before + 1  # compiled at the first call, replayed after
+        if fused_pick is not None:
+            pick_args = (logits, torch.tensor([2, 1]), *args[2:])
+            got, ref = fused_pick(*pick_args), pick(*pick_args)
+            assert len(got) == len(ref) == 7 and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref))
+        # compiled at the first call, replayed after
+        assert runner_module.fused_compiles[0] == before + 2

@@ -6,8 +6,11 @@ returns (sequence, new tokens) events from `step`.
   [last known token, MASK x (B-1)]; column j predicts target j; a fill policy (engine/policies.py)
   picks the targets each step fills. A finished block becomes clean and is committed *in the same
   forward* as the first step of the next block (clean_block_size = B).
-  What follows the forward (sampling, the policy, the block bookkeeping) is one pure function,
-  `advance` (greedy: `sample_and_advance`), which a compiled runner makes one graph (`runner.fuse`).
+  After the forward: each column's token and its score (greedy + a probability-scored policy: the
+  token and its probability straight from the logits, ops/greedy_pick; entropy / margin: the
+  distribution, `sample_and_score`; sampled: drawn for the head's columns), then the policy and the
+  block bookkeeping as one pure function, `advance`; a compiled runner makes each pure function
+  one graph (`runner.fuse`).
 * `ARMode` (`ar`): greedy/sampled next-token decoding; the last token is committed as it is fed.
 * `SelfSpecMode` (`self_spec`): prefix committed causally (clean_block_size = 1); each round
   drafts a block in one diffusion step, verifies it causally with the cache recording, keeps the
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.greedy_pick import greedy_pick
 from .batch import RowBatch
 from .policies import SCORES, make_policy
 from .sampling import sample
@@ -42,9 +46,17 @@ class Mode:
         self.cfg, self.block_size, self.mask_id, self.device = cfg, cfg.block_size, mask_id, device
         self.generator = generator
         self.eos = set(cfg.eos_token_ids)
+        # ids never chosen: the mask token and the suppressed ones (as `sample` bans them)
+        self.banned = torch.tensor(sorted({mask_id, *cfg.sampling.suppress}), dtype=torch.long, device=device)
 
     def sample(self, logits):
         return sample(logits, self.cfg.sampling, self.mask_id, self.generator)
+
+    def tokens(self, logits):
+        """The chosen token of each column: greedy straight from the logits (no distribution), else drawn."""
+        if self.cfg.sampling.greedy:
+            return greedy_pick(logits, self.banned)[0]
+        return self.sample(logits)[0]
 
     def join(self, seqs: list[Sequence], first: bool) -> None:
         """New rows were appended to the batch (`first`: the batch was empty before)."""
@@ -63,7 +75,7 @@ class ARMode(Mode):
     commits_window = True
 
     def step(self, batch: RowBatch) -> Events:
-        tokens, _ = self.sample(batch.forward(batch.window, 0, 1)[:, -1])
+        tokens = self.tokens(batch.forward(batch.window, 0, 1)[:, -1])
         batch.window = tokens[:, None]
         events = []
         for seq, t in zip(batch.seqs, tokens.tolist()):
@@ -101,15 +113,15 @@ class SelfSpecMode(Mode):
         B, st, window = self.block_size, self.state, batch.window
         draft = st.ready_draft
         if draft is None:
-            draft, _ = self.sample(batch.forward(window, B, B, B))  # draft[:, j] = guess for target j
+            draft = self.tokens(batch.forward(window, B, B, B))  # draft[:, j] = guess for target j
         batch.cache.start_recording()
         verify_ids = torch.cat([window[:, :1], draft[:, :-1]], dim=1)
         fuse = st.ready_draft is not None or st.whole_last_round
         if fuse:
             next_window = torch.cat([draft[:, -1:], window[:, 1:]], dim=1)  # [d_B, MASK...]
-            tokens, _ = self.sample(batch.forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B, B))
+            tokens = self.tokens(batch.forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B, B))
         else:
-            tokens, _ = self.sample(batch.forward(verify_ids, 0, B))
+            tokens = self.tokens(batch.forward(verify_ids, 0, B))
         ar, next_draft = tokens[:, :B], tokens[:, B:]  # ar[:, j] = greedy AR token for target j
         agree = (draft == ar).long().cumprod(1).sum(1)
         # the agreeing prefix equals ar[:, :agree]; ar[:, agree] is the correction (when agree < B)
@@ -162,7 +174,8 @@ class DiffusionMode(Mode):
         self.width = self.clean_bs = cfg.block_size
         self.eos_t = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.state: BlockState | None = None
-        self._fused = None  # greedy: `sample_and_advance` as the runner calls it (made at the first step)
+        # `advance`, `sample_and_score`, `pick_and_advance` as the runner calls them (`fuse`), made when first used
+        self._advance = self._scored = self._pick_advance = None
 
     def _eligible(self, seqs: list[Sequence]) -> torch.Tensor:
         """Targets a new block may fill: all B, or the remaining budget in a last partial block."""
@@ -185,60 +198,86 @@ class DiffusionMode(Mode):
         return [(t if f else None, s) for f, t, s in zip(filled, tokens, steps)]
 
     def step(self, batch: RowBatch) -> Events:
-        B, st = self.block_size, self.state
-        # the head runs only on columns some row still has masked; the others can't be chosen
-        cols = (st.eligible & ~st.filled).any(0).nonzero().squeeze(1)
-        if cols.numel() == B:
-            cols = None
+        B, st, runner = self.block_size, self.state, batch.runner
+        cols = None
+        if not runner.full_head:  # the head runs only on columns some row still has masked; the others can't be chosen
+            cols = (st.eligible & ~st.filled).any(0).nonzero().squeeze(1)
+            cols = None if cols.numel() == B else cols
         logits = batch.forward(batch.window, B, B, B, cols)
-        if self.cfg.sampling.greedy:  # sampling is part of the pure step: the runner may compile it whole
-            if self._fused is None:
-                self._fused = batch.runner.fuse(functools.partial(sample_and_advance, self.policy, self.cfg.sampling,
-                                                                  self.mask_id),
-                                                ("diffusion", self.policy, self.cfg.sampling, self.mask_id))
-            if cols is not None:  # columns nobody has masked get logits 0: never chosen
-                logits = logits.new_zeros(*st.targets.shape, logits.shape[-1]).index_copy_(1, cols, logits)
-            *fields, batch.window, done = self._fused(logits, *st.fields(), batch.window, self.eos_t)
-        else:  # the generator draws for the columns the head ran on only
-            tokens, probs = self.sample(logits)
-            if cols is not None:
-                tokens = torch.full_like(st.targets, self.mask_id).index_copy_(1, cols, tokens)
-                probs = probs.new_zeros(*st.targets.shape, probs.shape[-1]).index_copy_(1, cols, probs)
-            *fields, batch.window, done = advance(self.policy, tokens, probs, *st.fields(), batch.window, self.eos_t)
+        if cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
+            if self._pick_advance is None:  # the greedy pick and `advance` as one call
+                self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy),
+                                                 ("pick_advance", self.policy))
+            *fields, batch.window, done = self._pick_advance(logits, self.banned, *st.fields(), batch.window, self.eos_t)
+        else:
+            tokens, score = self._score(runner, logits, cols)
+            if self._advance is None:
+                self._advance = runner.fuse(functools.partial(advance, self.policy), ("advance", self.policy))
+            *fields, batch.window, done = self._advance(tokens, score, *st.fields(), batch.window, self.eos_t)
         self.state = BlockState(*fields)
         return self._finish_blocks(batch, done) if bool(done.any()) else []
+
+    def _score(self, runner, logits: torch.Tensor, cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each column's token and the policy's score of it, [rows, B], from the logits of the head's
+        columns `cols` (None: all); the other columns get the mask token and score 0 (nobody has
+        them masked: never chosen)."""
+        sampling, st = self.cfg.sampling, self.state
+        if sampling.greedy and self.policy.by_probability:  # the token's probability, no distribution
+            tokens, score = greedy_pick(logits, self.banned)
+        elif sampling.greedy:  # entropy / margin: the distribution, as one graph of a fixed layout
+            if cols is not None:
+                logits, cols = logits.new_zeros(*st.targets.shape, logits.shape[-1]).index_copy_(1, cols, logits), None
+            if self._scored is None:
+                self._scored = runner.fuse(functools.partial(sample_and_score, self.policy, sampling, self.mask_id),
+                                           ("score", self.policy, sampling, self.mask_id))
+            tokens, score = self._scored(logits)
+        else:  # the generator draws for the head's columns only
+            tokens, probs = self.sample(logits)
+            score = self.policy.score(probs, tokens)
+        if cols is not None:
+            tokens = torch.full_like(st.targets, self.mask_id).index_copy_(1, cols, tokens)
+            score = score.new_zeros(st.targets.shape).index_copy_(1, cols, score)
+        return tokens, score
 
     def _finish_blocks(self, batch: RowBatch, done: torch.Tensor) -> Events:
         """Hand finished blocks to their sequences; rows that go on commit their window with the
         next forward (fused) and start a new block from their last target."""
         B, st = self.block_size, self.state
-        rows = done.nonzero().squeeze(1).tolist()
-        counts = st.eligible[done].sum(1).tolist()
-        events = []
-        for r, toks, steps, n in zip(rows, st.targets[done].tolist(), st.fill_step[done].tolist(), counts):
-            seq = batch.seqs[r]
-            seq.append(toks[:n], steps[:n], self.eos)
-            events.append((seq, toks[:n]))
-        go_on = torch.tensor([r in rows and not s.finished for r, s in enumerate(batch.seqs)], device=self.device)
-        if bool(go_on.any()):
-            batch.pending = (batch.window, None if bool(go_on.all()) else ~go_on[:, None].expand(-1, B))
+        # one host read: per row [done, eligible..., targets..., fill_step...]
+        info = torch.cat([done[:, None], st.eligible, st.targets, st.fill_step], dim=1).tolist()
+        events, go_on = [], []
+        for seq, row in zip(batch.seqs, info):
+            if row[0]:
+                n = sum(row[1:B + 1])
+                seq.append(row[B + 1:B + 1 + n], row[2 * B + 1:2 * B + 1 + n], self.eos)
+                events.append((seq, row[B + 1:B + 1 + n]))
+            go_on.append(bool(row[0]) and not seq.finished)
+        if any(go_on):
             fresh = torch.full_like(batch.window, self.mask_id)
             fresh[:, 0] = st.targets[:, -1]
-            batch.window = torch.where(go_on[:, None], fresh, batch.window)
-            st.filled &= ~go_on[:, None]
-            st.steps_done = torch.where(go_on, 0, st.steps_done)
-            st.eligible = torch.where(go_on[:, None], self._eligible(batch.seqs), st.eligible)
+            if all(go_on):  # (batch 1: always) every row starts a new block
+                batch.pending, batch.window = (batch.window, None), fresh
+                st.filled = torch.zeros_like(st.filled)
+                st.steps_done = torch.zeros_like(st.steps_done)
+                st.eligible = self._eligible(batch.seqs)
+            else:
+                go = torch.tensor(go_on, device=self.device)
+                batch.pending = (batch.window, ~go[:, None].expand(-1, B))
+                batch.window = torch.where(go[:, None], fresh, batch.window)
+                st.filled = st.filled & ~go[:, None]
+                st.steps_done = torch.where(go, 0, st.steps_done)
+                st.eligible = torch.where(go[:, None], self._eligible(batch.seqs), st.eligible)
         return events
 
 
-def advance(policy, tokens, probs, filled, targets, fill_step, steps_done, eligible, window, eos_t):
+def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligible, window, eos_t):
     """One denoising step after sampling, for every row at once: the policy chooses among the masked
-    targets by the sampled tokens [R, B] and their distributions probs [R, B, V]; the chosen tokens
+    targets by the sampled tokens [R, B] and its scores of them [R, B] (`policy.score`); the chosen tokens
     are recorded and written into the window's next columns; each row's block stops after its first
     filled EOS (`eos_t`: the EOS ids, possibly none). Returns the new BlockState fields, the window
     and which rows finished their block. Pure tensor code: no host sync, shapes fixed by the inputs."""
     masked = eligible & ~filled
-    chosen = policy.select(probs, tokens, masked, steps_done)
+    chosen = policy.choose(score, masked, steps_done)
     targets = torch.where(chosen, tokens, targets)
     fill_step = torch.where(chosen, steps_done[:, None], fill_step)
     filled = filled | chosen
@@ -249,10 +288,17 @@ def advance(policy, tokens, probs, filled, targets, fill_step, steps_done, eligi
     return filled, targets, fill_step, steps_done + 1, eligible, window, done
 
 
-def sample_and_advance(policy, sampling, mask_id, logits, *state):
-    """Greedy sampling of logits [R, B, V] and `advance`: a greedy diffusion step's whole bookkeeping,
+def pick_and_advance(policy, logits, banned, *state):
+    """A greedy step of a probability-scored policy from the logits of every column [R, B, V]: each
+    column's token and probability (ops/greedy_pick; `banned`: ids never chosen), then `advance`."""
+    return advance(policy, *greedy_pick(logits, banned), *state)
+
+
+def sample_and_score(policy, sampling, mask_id, logits):
+    """Greedy tokens of logits [R, B, V] and the policy's scores of them (from their distributions),
     pure, so a compiled runner makes it one graph (`runner.fuse`)."""
-    return advance(policy, *sample(logits, sampling, mask_id), *state)
+    tokens, probs = sample(logits, sampling, mask_id)
+    return tokens, policy.score(probs, tokens)
 
 
 def make_mode(cfg, mask_id: int, device, generator) -> Mode:

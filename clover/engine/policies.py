@@ -57,9 +57,18 @@ class Policy:
     threshold: float | None = None  # threshold rule when set, else `steps` budget per block
     steps: int = 1
 
+    @property
+    def by_probability(self) -> bool:
+        """Whether the score is the chosen token's probability: a greedy step then needs no distribution
+        (ops/greedy_pick gives the token and its probability)."""
+        return self.score is probability
+
     def select(self, probs, tokens, masked, steps_done) -> torch.Tensor:
         """probs [R, B, V], tokens/masked [R, B], steps_done [R] (steps taken in the current block)."""
-        score = self.score(probs, tokens)
+        return self.choose(self.score(probs, tokens), masked, steps_done)
+
+    def choose(self, score, masked, steps_done) -> torch.Tensor:
+        """The same from the positions' scores [R, B] (`self.score` of their distributions)."""
         if self.threshold is not None:
             return select_threshold(score, masked, self.threshold)
         left = (self.steps - steps_done).clamp_min(1)

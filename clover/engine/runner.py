@@ -20,9 +20,9 @@ another back end plugs in without touching them.
   tests/test_runner_compiled.py checks it in every mode.
 
 Besides the model, a mode may hand the runner a pure tensor function it calls every step (`fuse`:
-a diffusion step's sampling, fill policy and block bookkeeping, ~45 small ops). The eager runner
-calls it as it is; the compiled runner traces it once per input layout (make_fx) and calls the
-inductor graph directly: one call instead of ~0.2 ms of per-op dispatch a step.
+a diffusion step's fill policy and block bookkeeping, ~25 small ops; the distribution scores of
+entropy / margin). The eager runner calls it as it is; the compiled runner traces it once per input
+layout (make_fx) and calls the inductor graph directly: one call instead of per-op dispatch.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class EagerRunner:
 
     name = "eager"
     prefill_chunk = None  # no cap on the prompt tokens per prefill forward
+    # whether the head costs the same for a subset of the kept columns (`index`) as for all of them:
+    # then a caller needs not work out which columns it wants
+    full_head = False
 
     def __init__(self, model):
         self.model = model
@@ -285,6 +288,7 @@ def bucket(ids, pad, num_clean: int):
 class CompiledRunner(EagerRunner):
     name = "compiled"
     prefill_chunk = STEADY_MAX  # prompts are committed in chunks a graph takes (the engine's cap)
+    full_head = True  # a graph runs the head on every kept column (one shape); `index` only slices its logits
 
     def __init__(self, model, replay: bool = True):
         super().__init__(model)

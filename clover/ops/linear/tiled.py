@@ -21,7 +21,8 @@ miss) and repacks when the weight's version counter moves (`copy_`, `load_state_
 optimizer step), so it never serves a stale weight; it costs one copy of each weight's bytes. A
 weight made under `torch.inference_mode` has no version counter: it runs unpacked (at::linear).
 
-The same extension holds ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below).
+The same extension holds ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below) and
+ops/greedy_pick/greedy_pick.cpp.
 The C++ source is compiled on first use by torch.utils.cpp_extension (`-O3 -march=native`, ~10 s,
 cached under torch's extensions dir, rebuilt when the source changes). Where that fails (no
 compiler) or the CPU is not x86-64, `available()` is False and graphs keep torch's linear.
@@ -38,7 +39,8 @@ import torch
 
 _SOURCE = Path(__file__).with_name("tiled.cpp")
 # the other CPU ops built into the same extension (one compile, one library): see each file's header
-_MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",)
+_MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",
+                 Path(__file__).parent.parent / "greedy_pick" / "greedy_pick.cpp")
 _state: dict = {}
 
 
@@ -73,6 +75,10 @@ def _load() -> bool:
     @torch.library.register_fake("clover_cpu::unit_lower_solve")
     def _(system, rhs):
         return rhs.new_empty(rhs.shape)
+
+    @torch.library.register_fake("clover_cpu::greedy_pick")
+    def _(logits, banned):
+        return logits.new_empty(logits.shape[:-1], dtype=torch.long), logits.new_empty(logits.shape[:-1])
 
     return True
 
