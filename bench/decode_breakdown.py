@@ -1,0 +1,102 @@
+"""Where a decode's time goes: model forwards vs everything else, ar against low_confidence.
+
+    python bench/update.py decode-breakdown -- python bench/decode_breakdown.py --threads 1
+
+The shipped default model decodes the held-out task prompts (as `clover tune` does: one at a time,
+greedy, to EOS or the task's budget) with ar and with low_confidence at --block / --threshold, the
+modes alternating round by round (medians). Every runner call is timed, so each mode's time splits
+into model forwards (prefill chunks included) and host work (engine set-up, bookkeeping, sampling,
+the fill policy). The last columns give the tokens/s each mode would reach with no host work at
+all, and lc's ratio to ar then: the ceiling that faster bookkeeping alone could reach. The second
+table lists each mode's forwards by shape (columns fed, of them draft columns), per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+from clover.api import encode, eos_ids, load
+from clover.data.tasks import plain_prompt
+from clover.engine import runner as runner_module
+from clover.engine import tuning
+from clover.eval import pareto
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--runner", default="compiled", choices=runner_module.RUNNERS)
+    p.add_argument("--block", type=int, default=8)
+    p.add_argument("--threshold", type=float, default=0.7)
+    p.add_argument("--per-task", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load(None, "cpu")
+    jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in pareto.examples(args.per_task)]
+    eos = eos_ids(model, tokenizer)
+    settings = {"ar": ("ar", 1, args.threshold), "low_confidence": ("low_confidence", args.block, args.threshold)}
+
+    calls: dict = collections.defaultdict(list)  # (mode, columns, draft columns) -> seconds of each call
+    spent = collections.defaultdict(float)  # this round's seconds inside runner calls
+    current = [""]
+    cls = runner_module.CompiledRunner if args.runner == "compiled" else runner_module.EagerRunner
+    real = cls.forward
+
+    def timed(self, ids, cache, **kw):
+        start = time.perf_counter()
+        out = real(self, ids, cache, **kw)
+        seconds = time.perf_counter() - start
+        spent[current[0]] += seconds
+        calls[(current[0], ids.shape[1], kw.get("draft_len", 0))].append(seconds)
+        return out
+
+    runs = {name: [] for name in settings}
+    with torch.inference_mode():
+        for setting in settings.values():  # compile (or load) every shape first: not decode time
+            tuning.decode_rate(model, jobs, eos, *setting, args.runner)
+        cls.forward = timed
+        try:
+            for _ in range(args.rounds):
+                for name, setting in settings.items():
+                    current[0], spent[name] = name, 0.0
+                    r = tuning.decode_rate(model, jobs, eos, *setting, args.runner)
+                    runs[name].append(dict(r, in_forwards=spent[name]))
+        finally:
+            cls.forward = real
+
+    print(f"Default model, {len(jobs)} held-out task prompts one at a time, greedy, {args.runner} runner, "
+          f"{args.threads} thread(s), median of {args.rounds} alternating rounds; ms per round (all prompts)\n")
+    print("| mode | B / threshold | tokens | forwards | TPF | ms | in forwards | host | tokens/s | vs ar "
+          "| tokens/s, forwards only | vs ar, forwards only |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = {}
+    for name, rs in runs.items():
+        total = statistics.median(r["seconds"] for r in rs)
+        fwd = statistics.median(r["in_forwards"] for r in rs)
+        rows[name] = (rs[-1]["tokens"], rs[-1]["forwards"], total, fwd)
+    ar_tokens, _, ar_total, ar_fwd = rows["ar"]
+    for name, (tokens, forwards, total, fwd) in rows.items():
+        b, t = settings[name][1:]
+        label = "-" if name == "ar" else f"{b} / {t}"
+        print(f"| {name} | {label} | {tokens} | {forwards} | {tokens / forwards:.2f} | {1e3 * total:.1f} | "
+              f"{1e3 * fwd:.1f} | {1e3 * (total - fwd):.1f} | {tokens / total:.0f} | "
+              f"{(tokens / total) / (ar_tokens / ar_total):.2f}x | {tokens / fwd:.0f} | "
+              f"{(tokens / fwd) / (ar_tokens / ar_fwd):.2f}x |")
+
+    print("\nForwards by shape, per round: columns fed (clean + draft; the runner may pad the clean part to a "
+          "power of two), median ms per call\n")
+    print("| mode | columns | of them draft | calls | ms each | ms per round |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for (name, width, draft), secs in sorted(calls.items()):
+        print(f"| {name} | {width} | {draft} | {len(secs) / args.rounds:g} | {1e3 * statistics.median(secs):.2f} | "
+              f"{1e3 * sum(secs) / args.rounds:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
