@@ -255,7 +255,7 @@ class DiffusionMode(Mode):
         if any(go_on):
             fresh = torch.full_like(batch.window, self.mask_id)
             fresh[:, 0] = st.targets[:, -1]
-            if all(go_on):  # (batch 1: always) every row starts a new block
+            if all(go_on):  # every row starts a new block (always, for one row that goes on)
                 batch.pending, batch.window = (batch.window, None), fresh
                 st.filled = torch.zeros_like(st.filled)
                 st.steps_done = torch.zeros_like(st.steps_done)
