@@ -29,7 +29,7 @@ import torch
 from ..ops.greedy_pick import greedy_pick
 from .batch import RowBatch
 from .policies import SCORES, make_policy
-from .sampling import sample
+from .sampling import banned_ids, sample
 from .sequence import Sequence
 
 Events = list[tuple[Sequence, list[int]]]
@@ -46,8 +46,7 @@ class Mode:
         self.cfg, self.block_size, self.mask_id, self.device = cfg, cfg.block_size, mask_id, device
         self.generator = generator
         self.eos = set(cfg.eos_token_ids)
-        # ids never chosen: the mask token and the suppressed ones (as `sample` bans them)
-        self.banned = torch.tensor(sorted({mask_id, *cfg.sampling.suppress}), dtype=torch.long, device=device)
+        self.banned = banned_ids(cfg.sampling, mask_id, device)  # never chosen, by `sample` or the greedy pick
 
     def sample(self, logits):
         return sample(logits, self.cfg.sampling, self.mask_id, self.generator)

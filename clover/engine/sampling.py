@@ -40,6 +40,12 @@ def make_generator(params: SamplingParams, device) -> torch.Generator | None:
     return gen
 
 
+def banned_ids(params: SamplingParams, mask_token_id: int, device) -> torch.Tensor:
+    """The token ids `sample` never chooses (the mask token and `params.suppress`), sorted, as a tensor
+    for ops/greedy_pick."""
+    return torch.tensor(sorted({mask_token_id, *params.suppress}), dtype=torch.long, device=device)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, mask_token_id: int,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] -> (tokens [...], probs [..., V] fp32). The mask token and `params.suppress` are
