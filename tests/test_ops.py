@@ -178,7 +178,7 @@ def test_tiled_linear_matches_naive(shape, out, with_bias, bf16_values):
     assert tiled.bf16_panels(w) == (bf16_values and AVX512)
 
 
-@pytest.mark.parametrize("rows", [5, 6, 7, 16, 17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 10, 11, 16, 17, 21, 24, 40, 64])
 @pytest.mark.parametrize("in_features,out", [(64, 777), (256, 16), (96, 5), (224, 40)])
 @pytest.mark.parametrize("amx", [True, False])
 def test_bf16_panels_on_amx_and_avx512_match_naive(rows, in_features, out, amx):

@@ -27,6 +27,7 @@ layout (make_fx) and calls the inductor graph directly: one call instead of per-
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -309,34 +310,49 @@ class CompiledRunner(EagerRunner):
 
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
                 index=None) -> torch.Tensor:
+        call = dict(block_size=block_size, draft_len=draft_len, clean_block_size=clean_block_size, pad=pad, keep=keep,
+                    index=index)
         num_clean = ids.shape[1] - draft_len
         steady = cache is not None and is_steady(num_clean, ids.shape[1])
+        eager_ids = ids
         if cache is not None and not steady and (padded := bucket(ids, pad, num_clean)) is not None:
             (ids, pad, num_clean), steady = padded, True
         if not steady:
             self.eager_calls += 1
-            return super().forward(ids, cache, block_size=block_size, draft_len=draft_len,
-                                   clean_block_size=clean_block_size, pad=pad, keep=keep, index=index)
-        self.compiled_calls += 1
+            return super().forward(eager_ids, cache, **call)
         m = self.model
         clean_bs, block = m.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
         key = _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block)
+        if m in _graphs_full and key not in self._replays:  # a shape no graph was compiled for
+            self.eager_calls += 1
+            return super().forward(eager_ids, cache, **call)
         replay = self._replays.get(key) if self.replay else None
         if replay is not None and not replay.current():
             replay = self._replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
         logits = replay(ids, pad, cache) if replay is not None else None
         if logits is None:
             del self._captures[:]
-            logits = self.step_fn(m, ids, pad, cache, keep, draft_len, clean_bs, block)
+            try:
+                logits = self.step_fn(m, ids, pad, cache, keep, draft_len, clean_bs, block)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                # dynamo refused a new graph before running anything (no cache write yet): this and every
+                # later new shape of the process run eagerly (same logits), the compiled ones still replay
+                warnings.warn(f"compiled runner: {RECOMPILE_LIMIT} graphs compiled, new shapes now run eagerly",
+                              stacklevel=2)
+                _graphs_full.add(m)
+                self.eager_calls += 1
+                return super().forward(eager_ids, cache, **call)
             if self._captures:  # this call compiled a graph: its replay serves the key from now on
                 self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, pad, cache)
         else:
             self.replayed_calls += 1
+        self.compiled_calls += 1
         m.commit_lens(cache, num_clean, pad)
         return logits if index is None else logits[:, index]
 
 
 _replays: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: Replay or None}
+_graphs_full: "weakref.WeakSet" = weakref.WeakSet()  # models whose step hit dynamo's recompile limit: new shapes run eagerly
 
 
 def _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block) -> tuple:
