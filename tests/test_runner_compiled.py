@@ -127,15 +127,17 @@ def test_new_shapes_run_eagerly_once_the_recompile_limit_is_hit(model):
     decode(model, "compiled", "ar", prompts)  # warm: these shapes have graphs (compiled here when run alone)
     three = prompts + [[40, 41, 42, 9, 9, 9, 1]]  # three rows: shapes never compiled
     ref_logits, ref, _ = decode(model, "eager", "ar", three, budgets=(10, 6, 5))
-    with torch._dynamo.config.patch(recompile_limit=1):
-        _, _, warm = decode(model, "compiled", "ar", prompts)
-        assert warm.replayed_calls == warm.compiled_calls > 0 and warm.eager_calls == 0
-        with pytest.warns(UserWarning, match="new shapes now run eagerly"):
-            got_logits, got, runner = decode(model, "compiled", "ar", three, budgets=(10, 6, 5))
-    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
-    assert_same_logits(got_logits, ref_logits)
-    assert runner.eager_calls > 0 and model in runner_module._graphs_full
-    runner_module._graphs_full.discard(model)  # the other tests compile new shapes of this model
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            _, _, warm = decode(model, "compiled", "ar", prompts)
+            assert warm.replayed_calls == warm.compiled_calls > 0 and warm.eager_calls == 0
+            with pytest.warns(UserWarning, match="new shapes now run eagerly"):
+                got_logits, got, runner = decode(model, "compiled", "ar", three, budgets=(10, 6, 5))
+        assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+        assert_same_logits(got_logits, ref_logits)
+        assert runner.eager_calls > 0 and model in runner_module._graphs_full
+    finally:
+        runner_module._graphs_full.discard(model)  # the other tests compile new shapes of this model
 
 
 def test_replay_follows_a_replaced_weight(model):

@@ -314,18 +314,16 @@ class CompiledRunner(EagerRunner):
                     index=index)
         num_clean = ids.shape[1] - draft_len
         steady = cache is not None and is_steady(num_clean, ids.shape[1])
-        eager_ids = ids
+        given = ids  # bucket pads `ids`; the eager fallbacks run the call as given
         if cache is not None and not steady and (padded := bucket(ids, pad, num_clean)) is not None:
             (ids, pad, num_clean), steady = padded, True
         if not steady:
-            self.eager_calls += 1
-            return super().forward(eager_ids, cache, **call)
+            return self._eager(given, cache, call)
         m = self.model
         clean_bs, block = m.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
         key = _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block)
         if m in _graphs_full and key not in self._replays:  # a shape no graph was compiled for
-            self.eager_calls += 1
-            return super().forward(eager_ids, cache, **call)
+            return self._eager(given, cache, call)
         replay = self._replays.get(key) if self.replay else None
         if replay is not None and not replay.current():
             replay = self._replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
@@ -336,12 +334,11 @@ class CompiledRunner(EagerRunner):
                 logits = self.step_fn(m, ids, pad, cache, keep, draft_len, clean_bs, block)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
                 # dynamo refused a new graph before running anything (no cache write yet): this and every
-                # later new shape of the process run eagerly (same logits), the compiled ones still replay
-                warnings.warn(f"compiled runner: {RECOMPILE_LIMIT} graphs compiled, new shapes now run eagerly",
-                              stacklevel=2)
+                # later new shape of this model run eagerly (same logits), the compiled ones still replay
+                warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
+                              "graphs) reached, new shapes now run eagerly", stacklevel=2)
                 _graphs_full.add(m)
-                self.eager_calls += 1
-                return super().forward(eager_ids, cache, **call)
+                return self._eager(given, cache, call)
             if self._captures:  # this call compiled a graph: its replay serves the key from now on
                 self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, pad, cache)
         else:
@@ -349,6 +346,10 @@ class CompiledRunner(EagerRunner):
         self.compiled_calls += 1
         m.commit_lens(cache, num_clean, pad)
         return logits if index is None else logits[:, index]
+
+    def _eager(self, ids, cache, call: dict) -> torch.Tensor:
+        self.eager_calls += 1
+        return super().forward(ids, cache, **call)
 
 
 _replays: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: Replay or None}
