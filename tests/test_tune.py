@@ -90,7 +90,10 @@ def test_compiled_tuning_warms_each_block_size_before_timing_it(monkeypatch):
     monkeypatch.setattr(tuning, "decode_rate", fake_rate)
     monkeypatch.setattr(tuning, "step_ms", lambda model, sizes, runner="eager": {n: 1.0 for n in sizes})
     score = lambda i, ids: True  # noqa: E731
-    tuning.tune(None, [], (), sizes=(8, 16), thresholds=(0.5, 0.9), runner="compiled", score=score)
+    ticks = []
+    tuning.tune(None, [], (), sizes=(8, 16), thresholds=(0.5, 0.9), runner="compiled", score=score,
+                progress=lambda done, total: ticks.append((done, total)))
+    assert ticks == [(i + 1, len(calls)) for i in range(len(calls))]  # one tick per decode of the set, warm-ups too
     measured = [c[:3] for c in calls if c[3]]
     warmups = [c[:2] for c in calls if not c[3]]
     assert warmups == [("ar", 1), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32)]

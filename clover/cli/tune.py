@@ -4,6 +4,8 @@ model and machine (clover/engine/tuning.py), which `--block-size auto` then uses
 
 from __future__ import annotations
 
+import sys
+
 from . import UserError, print_json
 from .options import RUNNER_CHOICES, add_model_args
 
@@ -15,7 +17,9 @@ def register(sub) -> None:
     p.add_argument("--thresholds", default="0.7,0.75,0.8,0.85,0.9,0.95",
                    help="low_confidence thresholds to try (default 0.7,0.75,0.8,0.85,0.9,0.95; a setting that loses "
                         "more than 2 points of accuracy against block 32 / 0.95 is not chosen)")
-    p.add_argument("--per-task", type=int, default=1, metavar="N", help="calibration prompts per task (default 1)")
+    p.add_argument("--per-task", type=int, default=None, metavar="N",
+                   help="calibration prompts per task (default: every held-out task prompt, 280; a 2-point accuracy "
+                        "check needs many: on a few, one prompt is several points)")
     p.add_argument("--runner", default="eager", choices=RUNNER_CHOICES, help="runner to tune for")
     p.add_argument("--rounds", type=int, default=3, metavar="N",
                    help="interleaved rounds over all settings; each keeps its median speed (default 3)")
@@ -41,10 +45,12 @@ def run(args) -> int:
         raise UserError("--sizes: block sizes must be in [2, 64]")
     if any(not 0 < t < 1 for t in thresholds):
         raise UserError("--thresholds: thresholds must be in (0, 1)")
-    if args.per_task < 1:
+    if args.per_task is not None and args.per_task < 1:
         raise UserError("--per-task must be >= 1")
     if args.rounds < 1:
         raise UserError("--rounds must be >= 1")
+
+    from tqdm import tqdm
 
     from ..api import DEFAULT_MODEL, encode, eos_ids, load
     from ..data.tasks import plain_prompt
@@ -52,14 +58,20 @@ def run(args) -> int:
     from ..eval import pareto
 
     model, tokenizer = load(args.model, args.device)
-    exs = pareto.examples(args.per_task)
+    exs = pareto.examples(args.per_task or 0)  # 0: all
     jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in exs]
 
     def score(i, ids):  # the task suite's exact match of the output's stripped first line
         text = tokenizer.decode(ids, skip_special_tokens=True)
         return text.strip().split("\n")[0].strip() == exs[i]["answer"]
 
-    entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner, score, args.rounds)
+    with tqdm(desc="tune", unit="decode", leave=False, file=sys.stderr, disable=None) as bar:  # on terminals only
+        def progress(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+
+        entry = tuning.tune(model, jobs, eos_ids(model, tokenizer), sizes, thresholds, args.runner, score, args.rounds,
+                            progress)
     keys = tuning.model_key(args.model or DEFAULT_MODEL), tuning.machine_key(str(model.device))
     path = None if args.dry_run else tuning.store(*keys, entry)
     if args.json:
@@ -76,6 +88,11 @@ def run(args) -> int:
     for r in entry["curve"]:
         print(f"| {r['block_size']} | {r['threshold']} | {r['tpf']:.2f} | {r['tokens_per_second']:.1f} | "
               f"{r['tokens_per_second'] / ar:.2f}x | {r['accuracy']:.3f} | {entry['step_ms'][str(r['block_size'])]:.2f} |")
+    eager = {(r["block_size"], r["threshold"]): r.get("eager_calls", 0) for r in [entry["ar"], *entry["curve"]]}
+    if any(eager.values()):  # a compiled runner past dynamo's recompile limit: those speeds are partly eager
+        print("warning: model calls ran eagerly (no compiled graph) in "
+              + ", ".join(f"{'ar' if b == 1 else f'{b} / {t}'} ({n})" for (b, t), n in eager.items() if n)
+              + ": those speeds are not the compiled runner's")
     print(f"best: block {entry['block_size']}, threshold {entry['threshold']}"
           + (f" (stored in {path})" if path else " (not stored: --dry-run)"))
     return 0

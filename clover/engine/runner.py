@@ -37,7 +37,9 @@ from ..ops.linear import bf16_panels, solve_fits, tiled, worth_routing
 
 RUNNERS = ("eager", "compiled")
 CAPACITY_BUCKET = 256  # compiled caches hold a multiple of this many tokens per row
-RECOMPILE_LIMIT = 64  # graphs per process for the step function (shape buckets x variants)
+# graphs per process for the step function (shape buckets x variants): `clover tune`'s default grid on all held-out
+# prompts needs ~80 (ar and 4 block sizes: prefill chunks, prompt tails and steady steps each); past it, eager
+RECOMPILE_LIMIT = 256
 CPP_WRAPPER = True  # inductor's C++ wrapper calls a graph's kernels (no Python between them: ~0.2 ms a step)
 PACK_LINEARS = True  # CPU graphs: fp32 linears run on packed weights (ops/linear/tiled.py)
 
@@ -87,7 +89,8 @@ def compiled_step(model):
     list its backend appends each newly compiled graph to (CPU: see `Replay`)."""
     entry = _compiled_steps.get(model)
     if entry is None:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        for limit in ("recompile_limit", "accumulated_recompile_limit"):  # per code object, and over all of them
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
         captures: list = []
         if model.device.type == "cuda":  # CUDA graphs replay there; dynamo's call stays in front of them
             fn = torch.compile(_step, dynamic=False, fullgraph=True, mode="reduce-overhead")

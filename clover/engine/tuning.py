@@ -123,20 +123,24 @@ def decode_rate(model, jobs, eos, mode: str, block_size: int, threshold: float, 
     `score(i, token_ids) -> bool` (is job i's output right?) the accuracy."""
     from . import DecodeConfig, Engine
 
-    tokens = forwards = 0
+    tokens = forwards = eager_calls = 0
     outputs = []
     start = time.perf_counter()
     for prompt, budget in jobs:
         cfg = DecodeConfig(mode=mode, block_size=block_size, threshold=threshold, max_new_tokens=budget,
                            eos_token_ids=tuple(eos), runner=runner)
-        seq = Engine(model, cfg).generate([prompt])[0]
+        engine = Engine(model, cfg)
+        seq = engine.generate([prompt])[0]
         tokens += len(seq.token_ids)
         forwards += seq.forward_passes
         outputs.append(list(seq.token_ids))
+        eager_calls += getattr(engine.runner, "eager_calls", 0) if runner != "eager" else 0
     seconds = time.perf_counter() - start  # scoring (detokenising) is not decode time
     accuracy = None if score is None else sum(bool(score(i, ids)) for i, ids in enumerate(outputs)) / max(len(jobs), 1)
+    # eager_calls: model calls a compiled runner ran eagerly (a shape it had no graph for): not its speed
     return dict(block_size=block_size, threshold=threshold, tokens=tokens, forwards=forwards, seconds=seconds,
-                tpf=tokens / max(forwards, 1), tokens_per_second=tokens / seconds, accuracy=accuracy)
+                tpf=tokens / max(forwards, 1), tokens_per_second=tokens / seconds, accuracy=accuracy,
+                eager_calls=eager_calls)
 
 
 ACCURACY_SLACK = 0.02  # a tuned setting may lose at most 2 points of accuracy against lc at the defaults
@@ -146,25 +150,36 @@ THRESHOLDS = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95)  # tried by default: lower ones f
 
 
 def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=THRESHOLDS, runner: str = "eager", score=None,
-         rounds: int = 3) -> dict:
+         rounds: int = 3, progress=None) -> dict:
     """Measure the step cost per window and low_confidence tokens/s per (block size, threshold) on
     `jobs`; the entry to store: the best setting, the curve, ar's rate and the step costs. With
     `score` (see decode_rate) the best is the fastest setting whose accuracy is within
     ACCURACY_SLACK of low_confidence at the announced defaults (measured too when not on the grid).
     Every setting (ar included) is decoded once per round, the rounds interleaved, so load from other
-    processes hits all alike; each keeps its median tokens/s (greedy: its tokens are the same each round)."""
+    processes hits all alike; each keeps its median tokens/s (greedy: its tokens are the same each round).
+    `progress(done, total)`, if given, is called after each decode of the whole set."""
     rounds = max(1, rounds)
     settings = [("ar", 1, DEFAULT_THRESHOLD)] + [("low_confidence", b, t) for b in sizes for t in thresholds]
     if score is not None and ("low_confidence", DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD) not in settings:
         settings.append(("low_confidence", DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD))  # the accuracy reference
+    # compile (or load) each block size's graphs first: compile seconds are not decode speed
+    warm = list(dict.fromkeys((m, b) for m, b, _ in settings)) if runner != "eager" else []
+    total, done = len(warm) + rounds * len(settings), 0
+
+    def decoded(result=None):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+        return result
+
     with torch.inference_mode():
-        if runner != "eager":  # compile (or load) each block size's graphs first: compile seconds are not decode speed
-            for mode, b in dict.fromkeys((m, b) for m, b, _ in settings):
-                decode_rate(model, jobs, eos, mode, b, DEFAULT_THRESHOLD, runner)
+        for mode, b in warm:
+            decoded(decode_rate(model, jobs, eos, mode, b, DEFAULT_THRESHOLD, runner))
         runs = {s: [] for s in settings}
         for _ in range(rounds):
             for s in settings:
-                runs[s].append(decode_rate(model, jobs, eos, *s, runner, score))
+                runs[s].append(decoded(decode_rate(model, jobs, eos, *s, runner, score)))
     measured = {s: dict(rs[-1], tokens_per_second=statistics.median(r["tokens_per_second"] for r in rs))
                 for s, rs in runs.items()}
     ar = measured[settings[0]]

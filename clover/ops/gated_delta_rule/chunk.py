@@ -17,14 +17,25 @@ import torch.nn.functional as F
 from ..utils import cast
 
 
-@lru_cache(maxsize=16)
 def _tri(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(strictly-upper mask, identity) of one chunk: built once, not twice per layer per decoding step.
-    Built outside inference mode even when first asked for while decoding: an inference tensor could
+    In a compiled graph they are built in the graph (constants inductor folds; dynamo would trace past
+    the cache anyway, with a warning)."""
+    if torch.compiler.is_compiling():
+        return _make_tri(chunk_size, device)
+    return _cached_tri(chunk_size, device)
+
+
+def _make_tri(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1), torch.eye(chunk_size, device=device)
+
+
+@lru_cache(maxsize=16)
+def _cached_tri(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Built outside inference mode even when first asked for while decoding: an inference tensor could
     never be saved for backward by a later training step in the same process."""
     with torch.inference_mode(False):
-        return (torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1),
-                torch.eye(chunk_size, device=device))
+        return _make_tri(chunk_size, device)
 
 
 def _chunked(q, k, v, g, beta, scale, chunk_size, with_state: bool = True):
