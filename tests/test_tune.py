@@ -123,3 +123,22 @@ def test_tuning_interleaves_rounds_and_keeps_each_settings_median(monkeypatch):
     assert calls == one_round * 3
     assert got["ar"]["tokens_per_second"] == 30.0 and got["rounds"] == 3
     assert [r["tokens_per_second"] for r in got["curve"]] == [240.0, 480.0]
+
+
+def test_tune_says_when_a_compiled_measurement_ran_eagerly(model_dir, capsys, monkeypatch):
+    """A compiled runner past dynamo's recompile limit runs new shapes eagerly: the table must not pass
+    those speeds off as the compiled runner's."""
+    def row(block, threshold, eager_calls):
+        return dict(block_size=block, threshold=threshold, tpf=2.0, tokens_per_second=100.0, accuracy=0.5,
+                    eager_calls=eager_calls)
+
+    entry = dict(block_size=8, threshold=0.9, runner="compiled", ar=row(1, 0.95, 0), rounds=1, prompts=2,
+                 curve=[row(8, 0.9, 0), row(16, 0.9, 3)], reference=row(32, 0.95, 0), step_ms={"1": 1.0, "8": 1.0, "16": 1.0})
+    monkeypatch.setattr(tuning, "tune", lambda *a, **k: entry)
+    monkeypatch.setattr("clover.eval.pareto.examples", lambda n: [{"prompt": "2+3=", "answer": "5", "task": "add", "budget": 8}])
+    assert main(["tune", "--model", model_dir, "--runner", "compiled", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "ran eagerly" in out and "16 / 0.9 (3)" in out and "8 / 0.9 (" not in out
+    entry["curve"][1]["eager_calls"] = 0
+    assert main(["tune", "--model", model_dir, "--runner", "compiled", "--dry-run"]) == 0
+    assert "ran eagerly" not in capsys.readouterr().out
