@@ -37,23 +37,23 @@ def test_engine_calls_the_model_only_through_its_runner(model, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["ar", "low_confidence", "self_spec"])
 def test_prompt_chunks_fit_the_runner_cap(model, monkeypatch, mode):
-    """A runner with a prefill cap (compiled: 64, what its graphs take) sees no forward committing more
-    clean columns than the cap, the prompt's last chunk fused with the first window included: an AR
-    step commits its window, so that chunk leaves it room (a 65-column AR forward ran eagerly)."""
+    """A runner with a prefill cap (compiled: 64, what its graphs take) sees no forward of more columns
+    than the cap, the prompt's last chunk fused with the first window included: that chunk leaves the
+    window room (a 65-column AR forward ran eagerly; a 64-token tail with a 4-column window fed 68)."""
     monkeypatch.setattr(EagerRunner, "prefill_chunk", 8)
-    clean = []
+    cols = []
     real = EagerRunner.forward
 
     def spy(self, ids, cache, **kw):
-        clean.append(ids.shape[1] - kw.get("draft_len", 0))
+        cols.append(ids.shape[1])
         return real(self, ids, cache, **kw)
 
     monkeypatch.setattr(EagerRunner, "forward", spy)
     cfg = DecodeConfig(mode=mode, block_size=4, max_new_tokens=6)
     ref = Engine(model, cfg.with_(prefill_chunk=512)).generate([list(range(3, 40))])[0]
-    clean.clear()
+    cols.clear()
     seq = Engine(model, cfg).generate([list(range(3, 40))])[0]
-    assert max(clean) <= 8 and len(clean) > 5
+    assert max(cols) <= 8 and len(cols) > 5
     assert seq.token_ids == ref.token_ids
 
 
@@ -149,6 +149,27 @@ def test_steady_shapes_and_bucketed_capacity(model):
     assert is_steady(0, 8) and is_steady(1, 1) and is_steady(8, 16) and is_steady(32, 32)
     assert not is_steady(7, 15) and not is_steady(128, 129) and not is_steady(0, 65)
     assert CompiledRunner(model).new_cache(2, 300).capacity == 512
+
+
+@pytest.mark.parametrize("clean, window, padded", [
+    (9, 4, 12),  # 13 columns -> 16, not a 16-column clean segment (20)
+    (15, 4, 16),  # 19 -> 24 would be 20 clean: the power of two is narrower (20 columns)
+    (17, 0, 24), (21, 4, 28), (35, 0, 40), (29, 4, 32),  # multiples of 8 past 16 columns, not 32 / 64
+    (60, 4, 60), (64, 4, 64),  # the clean segment stays within 64
+    (3, 1, 3),  # 4 columns: already a bucket
+])
+def test_bucket_pads_the_clean_segment_to_the_narrowest_graph(clean, window, padded):
+    from clover.engine.runner import bucket, bucket_width
+
+    ids = torch.arange(clean + window)[None].repeat(2, 1)
+    pad = torch.zeros_like(ids, dtype=torch.bool)
+    pad[1, :2] = True  # a shorter row keeps its padding; the new columns are padded for both rows
+    out_ids, out_pad, width = bucket(ids, pad, clean)
+    assert width == padded and out_ids.shape == (2, padded + window)
+    assert torch.equal(out_ids[:, padded - clean:], ids) and torch.equal(out_pad[:, padded - clean:], pad)
+    assert out_pad[:, :padded - clean].all()
+    assert [bucket_width(n) for n in (1, 3, 9, 16, 17, 33, 64)] == [1, 4, 16, 16, 24, 40, 64]
+    assert bucket(torch.zeros(1, 65 + 3, dtype=torch.long), None, 3) is None  # a window past 64 stays eager
 
 
 def test_unknown_runner_is_a_clear_error():

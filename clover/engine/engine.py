@@ -115,8 +115,8 @@ class Engine:
         self.eos = set(cfg.eos_token_ids)
         self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device))
         cap = self.runner.prefill_chunk  # a compiled runner takes prompts in chunks its graphs fit
-        if cap and self.mode.commits_window:  # the prompt's last chunk is committed with the window: both fit
-            cap -= self.mode.width
+        if cap:  # the prompt's last chunk rides with the first window: both fit, a 60-token tail + 4 columns is 64, not 68
+            cap = max(cap - self.mode.width, self.mode.clean_bs)
         self.batch = RowBatch(self.runner, self.mode.width, self.mode.clean_bs, self.mask_id, self.device,
                               min(cfg.prefill_chunk, cap) if cap else cfg.prefill_chunk)
         self.added = 0

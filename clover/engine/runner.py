@@ -15,7 +15,7 @@ another back end plugs in without touching them.
   forward substitution (`route_solves`). A graph is compiled once per shape (rows,
   window width, clean columns, capacity bucket) and replayed after: on a CPU by calling the
   captured graph directly (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step);
-  prefill runs in chunks of at most 64 tokens, each left-padded to a power of two (masked columns),
+  prefill runs in chunks of at most 64 tokens, each left-padded to a bucket (masked columns; `bucket_width`),
   so it replays graphs too. Logits equal the eager runner's within float rounding (fp32: 1e-5);
   tests/test_runner_compiled.py checks it in every mode.
 
@@ -271,19 +271,30 @@ STEADY_MAX = 64  # widest clean segment and window a compiled graph takes (also 
 def is_steady(num_clean: int, length: int) -> bool:
     """Shapes a steady decode repeats (compiled): no clean column or one (AR), or a clean block of a
     power-of-two size up to 64, with a window of at most 64. Other clean widths up to 64 (prefill
-    chunks, a prompt's tail fused with the first window) are left-padded to the next power of two
-    (`bucket`); wider ones run eagerly."""
+    chunks, a prompt's tail fused with the first window) are left-padded to a bucket (`bucket`);
+    wider ones run eagerly."""
     return num_clean <= STEADY_MAX and length - num_clean <= STEADY_MAX and num_clean & (num_clean - 1) == 0
 
 
+def bucket_width(n: int) -> int:
+    """The columns a compiled graph is made for, for a call of n: powers of two up to 16, then multiples
+    of 8. A step's cost grows with its rows in steps (a CPU's AMX tiles hold 16; from the task prompts'
+    decode, bench/decode_breakdown.py: 13-16 columns ~1.7 ms, 20 ~2.5, 32 ~2.7, 36 ~3.7), so padding
+    17-24 columns to 32 or 33-48 to 64, as powers of two did, paid for rows nobody asked for."""
+    return 1 << max(n - 1, 0).bit_length() if n <= 16 else -(-n // 8) * 8
+
+
 def bucket(ids, pad, num_clean: int):
-    """(ids, pad, num_clean) of a call that is not steady, with the clean segment left-padded to the
-    next power of two: padded columns are masked like a shorter row's in a batch (the model's
-    pad_mask), so the logits of the real columns are those of the unpadded call; None where even
-    the padded shape is not steady (it stays eager)."""
-    width = 1 << max(num_clean - 1, 0).bit_length()
-    if not is_steady(width, ids.shape[1] - num_clean + width):
+    """(ids, pad, num_clean) of a call that is not steady, with the clean segment left-padded so the
+    call's columns are a `bucket_width`, or to the next power of two (steady), whichever is narrower
+    (a clean segment of at most 64 columns): padded columns are masked like
+    a shorter row's in a batch (the model's pad_mask), so the logits of the real columns are those of
+    the unpadded call; None where even the padded shape is not steady (it stays eager)."""
+    window = ids.shape[1] - num_clean
+    widths = [w for w in (bucket_width(ids.shape[1]) - window, 1 << max(num_clean - 1, 0).bit_length()) if w <= STEADY_MAX]
+    if not widths or window > STEADY_MAX:
         return None
+    width = min(widths)
     extra = width - num_clean
     pad = pad if pad is not None else torch.zeros_like(ids, dtype=torch.bool)
     return (torch.nn.functional.pad(ids, (extra, 0)), torch.nn.functional.pad(pad, (extra, 0), value=True), width)
