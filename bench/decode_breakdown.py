@@ -31,9 +31,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runner", default="compiled", choices=runner_module.RUNNERS)
-    p.add_argument("--block", type=int, default=8)
-    p.add_argument("--threshold", type=float, default=0.7)
-    p.add_argument("--per-task", type=int, default=2)
+    p.add_argument("--block", type=int, default=4)  # what `clover tune --runner compiled` chose here (BENCHMARKS.md)
+    p.add_argument("--threshold", type=float, default=0.8)
+    p.add_argument("--per-task", type=int, default=0, help="prompts per task (default 0: all 280)")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,8 +89,8 @@ def main() -> None:
               f"{(tokens / total) / (ar_tokens / ar_total):.2f}x | {tokens / fwd:.0f} | "
               f"{(tokens / fwd) / (ar_tokens / ar_fwd):.2f}x |")
 
-    print("\nForwards by shape, per round: columns fed (clean + draft; the runner may pad the clean part to a "
-          "power of two), median ms per call\n")
+    print("\nForwards by shape, per round: columns fed (clean + draft; a compiled runner may left-pad the clean part "
+          "to a graph's width, engine/runner.bucket), median ms per call\n")
     print("| mode | columns | of them draft | calls | ms each | ms per round |")
     print("|---|---:|---:|---:|---:|---:|")
     for (name, width, draft), secs in sorted(calls.items()):
