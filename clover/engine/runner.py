@@ -15,7 +15,7 @@ another back end plugs in without touching them.
   forward substitution (`route_solves`). A graph is compiled once per shape (rows,
   window width, clean columns, capacity bucket) and replayed after: on a CPU by calling the
   captured graph directly (`Replay`: no dynamo guard evaluation, which cost ~0.4 ms a step);
-  prefill runs in chunks of at most 64 tokens, each left-padded to a bucket (masked columns; `bucket_width`),
+  prefill runs in chunks of at most 64 tokens less the window, each left-padded to a bucket (masked columns; `bucket`),
   so it replays graphs too. Logits equal the eager runner's within float rounding (fp32: 1e-5);
   tests/test_runner_compiled.py checks it in every mode.
 
@@ -281,7 +281,11 @@ def bucket_width(n: int) -> int:
     of 8. A step's cost grows with its rows in steps (a CPU's AMX tiles hold 16; from the task prompts'
     decode, bench/decode_breakdown.py: 13-16 columns ~1.7 ms, 20 ~2.5, 32 ~2.7, 36 ~3.7), so padding
     17-24 columns to 32 or 33-48 to 64, as powers of two did, paid for rows nobody asked for."""
-    return 1 << max(n - 1, 0).bit_length() if n <= 16 else -(-n // 8) * 8
+    return _next_pow2(n) if n <= 16 else -(-n // 8) * 8
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def bucket(ids, pad, num_clean: int):
@@ -291,7 +295,7 @@ def bucket(ids, pad, num_clean: int):
     a shorter row's in a batch (the model's pad_mask), so the logits of the real columns are those of
     the unpadded call; None where even the padded shape is not steady (it stays eager)."""
     window = ids.shape[1] - num_clean
-    widths = [w for w in (bucket_width(ids.shape[1]) - window, 1 << max(num_clean - 1, 0).bit_length()) if w <= STEADY_MAX]
+    widths = [w for w in (bucket_width(ids.shape[1]) - window, _next_pow2(num_clean)) if w <= STEADY_MAX]
     if not widths or window > STEADY_MAX:
         return None
     width = min(widths)

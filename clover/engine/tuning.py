@@ -134,7 +134,7 @@ def decode_rate(model, jobs, eos, mode: str, block_size: int, threshold: float, 
         tokens += len(seq.token_ids)
         forwards += seq.forward_passes
         outputs.append(list(seq.token_ids))
-        eager_calls += getattr(engine.runner, "eager_calls", 0) if runner != "eager" else 0
+        eager_calls += getattr(engine.runner, "eager_calls", 0)  # only a compiled runner falls back
     seconds = time.perf_counter() - start  # scoring (detokenising) is not decode time
     accuracy = None if score is None else sum(bool(score(i, ids)) for i, ids in enumerate(outputs)) / max(len(jobs), 1)
     # eager_calls: model calls a compiled runner ran eagerly (a shape it had no graph for): not its speed
@@ -166,7 +166,7 @@ def tune(model, jobs, eos, sizes=(4, 8, 16, 32), thresholds=THRESHOLDS, runner: 
     warm = list(dict.fromkeys((m, b) for m, b, _ in settings)) if runner != "eager" else []
     total, done = len(warm) + rounds * len(settings), 0
 
-    def decoded(result=None):
+    def decoded(result):
         nonlocal done
         done += 1
         if progress is not None:
