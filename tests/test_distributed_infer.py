@@ -51,10 +51,12 @@ def test_tp_without_torchrun_is_a_one_line_error(tiny, capsys):
     assert "torchrun --nproc-per-node 2" in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_generate_under_torchrun(tiny):
+@pytest.mark.parametrize("split", ["--tp", "--ep"])
+def test_cli_generate_under_torchrun(tiny, split):
     model, tok = clover.load(tiny, device="cpu")
     want = clover.generate(model, tok, PROMPTS, max_new_tokens=12, block_size=8, mode="low_confidence")
-    r = torchrun(2, ["generate", "--model", tiny, "--device", "cpu", "--tp", "2", "--block-size", "8",
+    # torchrun also checks that the process group ended with the command (tests/exit_probe)
+    r = torchrun(2, ["generate", "--model", tiny, "--device", "cpu", split, "2", "--block-size", "8",
                      "--max-new-tokens", "12", "--json", *sum((["--prompt", p] for p in PROMPTS), [])])
     got = json.loads(r.stdout)  # rank 0 alone prints: one JSON document
     assert [g["text"] for g in got] == [g.text for g in want]

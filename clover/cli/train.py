@@ -85,7 +85,7 @@ def run(args) -> int:
         summary = Trainer(cfg, resume=args.resume, dist=d).fit()
     finally:
         if d is not None:
-            runtime.shutdown()
+            runtime.shutdown(d)
     if d is None or d.main:
         print_json(summary)
     return 0

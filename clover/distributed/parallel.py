@@ -319,12 +319,15 @@ def load(args):
     dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
     model = attach(load_parallel(folder, tp, ep, d.rank, d.device, dtype), d)
     if model is None:  # a rank > 0, after rank 0 finished
-        runtime.shutdown()
+        runtime.shutdown(d)
         sys.exit(0)
+    held = [model.driver]
 
-    def finish():
-        model.driver.release()
-        runtime.shutdown()
+    def finish():  # at exit: the driver (and with it the model) is let go before the group ends
+        driver = held.pop()
+        driver.release()
+        driver.model.driver = driver.model = None
+        runtime.shutdown(driver.d)
 
     atexit.register(finish)
     return model, AutoTokenizer.from_pretrained(folder)
