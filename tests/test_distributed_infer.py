@@ -105,7 +105,8 @@ def test_serve_under_torchrun_answers_the_openai_client(tiny):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "clover",
            "serve", "--model", tiny, "--device", "cpu", "--tp", "2", "--port", "0", "--served-model-name", "tiny"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'exit_probe'}", "OMP_NUM_THREADS": "1",
+           "CLOVER_EXIT_PROBE": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -134,10 +135,14 @@ def test_serve_under_torchrun_answers_the_openai_client(tiny):
                 answers[name] = (chat.choices[0].message.content, [ch.text for ch in comp.choices], stream)
         assert answers["two"] == answers["one"]
         assert answers["one"][1][0] and len(answers["one"][1]) == 2
+        # Ctrl-C (SIGINT to every process): each rank ends its group, rank 0's exit hook no traceback
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+        for rank in (0, 1):
+            assert f"rank {rank}: gloo threads at exit: 0" in err, err[-3000:]
+        assert "Exception ignored in atexit" not in err, err[-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -317,7 +317,11 @@ def load(args):
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder}: no config.json (not a model folder)")
     dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
-    model = attach(load_parallel(folder, tp, ep, d.rank, d.device, dtype), d)
+    try:
+        model = attach(load_parallel(folder, tp, ep, d.rank, d.device, dtype), d)
+    except BaseException:  # Ctrl-C reaches every rank: an interrupted rank > 0 ends its group too
+        runtime.shutdown(d)
+        raise
     if model is None:  # a rank > 0, after rank 0 finished
         runtime.shutdown(d)
         sys.exit(0)
@@ -325,7 +329,10 @@ def load(args):
 
     def finish():  # at exit: the driver (and with it the model) is let go before the group ends
         driver = held.pop()
-        driver.release()
+        try:
+            driver.release()
+        except RuntimeError:  # the other ranks are gone already (interrupted): nobody to release
+            pass
         driver.model.driver = driver.model = None
         runtime.shutdown(driver.d)
 

@@ -114,5 +114,5 @@ def _clear_dtensor_caches() -> None:
         if clear is not None:
             clear()
     for obj in gc.get_objects():
-        if isinstance(obj, functools._lru_cache_wrapper) and getattr(obj, "__module__", "").startswith("torch.distributed"):
+        if type(obj) is functools._lru_cache_wrapper and getattr(obj, "__module__", "").startswith("torch.distributed"):
             obj.cache_clear()
