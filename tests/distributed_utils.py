@@ -17,17 +17,24 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"]}
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 240, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node nproc -m clover ARGS...`; every rank must have ended
-    its process group with the command: no gloo thread left at exit (tests/exit_probe), where one
+# workers report at exit how many gloo threads outlived clover's own exit hook (tests/exit_probe)
+EXIT_PROBE_ENV = {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'exit_probe'}", "CLOVER_EXIT_PROBE": "1"}
+
+
+def assert_groups_ended(stderr: str, nproc: int) -> None:
+    """Every rank ended its process group with the command: no gloo thread left at exit, where one
     left to interpreter finalisation aborted a rank about one run in a hundred after its work."""
+    if os.path.isdir("/proc/self/task"):  # the probe reads /proc
+        for rank in range(nproc):
+            assert f"rank {rank}: gloo threads at exit: 0" in stderr, stderr[-3000:]
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 240, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node nproc -m clover ARGS...`, every rank's group ended at exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "clover", *args]
-    probe = {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'exit_probe'}", "CLOVER_EXIT_PROBE": "1"}
-    r = run_bounded(cmd, timeout, cwd, {**probe, **(env or {})})
-    if os.path.isdir("/proc/self/task"):
-        for rank in range(nproc):
-            assert f"rank {rank}: gloo threads at exit: 0" in r.stderr, r.stderr[-3000:]
+    r = run_bounded(cmd, timeout, cwd, {**EXIT_PROBE_ENV, **(env or {})})
+    assert_groups_ended(r.stderr, nproc)
     return r
 
 

@@ -1,4 +1,4 @@
-"""Put on PYTHONPATH by tests/test_distributed_infer.py: with CLOVER_EXIT_PROBE set, a torchrun
+"""Put on PYTHONPATH by tests/distributed_utils.py (EXIT_PROBE_ENV): with CLOVER_EXIT_PROBE set, a torchrun
 worker reports at exit, after clover's own exit handler ran (handlers run last-registered first),
 how many of gloo's threads are still alive. Left alive, they end during interpreter finalisation,
 where a rank could abort with SIGABRT after its work was done."""
