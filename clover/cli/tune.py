@@ -11,7 +11,13 @@ from .options import RUNNER_CHOICES, add_model_args
 
 
 def register(sub) -> None:
-    p = sub.add_parser("tune", help="choose the block size and threshold for this model on this machine")
+    p = sub.add_parser("tune", help="choose the block size and threshold for this model on this machine",
+                       description="Decode the held-out task prompts with ar and with low_confidence at every --sizes x "
+                                   "--thresholds setting (plus block 32 / 0.95, the accuracy reference, when not on "
+                                   "the grid), --rounds times, interleaved. The defaults are 25 decodes x 3 rounds of "
+                                   "280 prompts: tens of minutes on a 2-core CPU, longer the first time with --runner "
+                                   "compiled (each shape compiles once); --sizes, --thresholds, --rounds and --per-task "
+                                   "narrow it.")
     add_model_args(p)  # --model, --device, --threads: the same checks as every model command
     p.add_argument("--sizes", default="4,8,16,32", help="block sizes to try (default 4,8,16,32)")
     p.add_argument("--thresholds", default="0.7,0.75,0.8,0.85,0.9,0.95",
