@@ -71,7 +71,7 @@ def main() -> None:
             cls.forward = real
 
     print(f"Default model, {len(jobs)} held-out task prompts one at a time, greedy, {args.runner} runner, "
-          f"{tuning.machine_key()}, median of {args.rounds} alternating rounds; ms per round (all prompts)\n")
+          f"{tuning.machine_key('cpu', args.threads)}, median of {args.rounds} alternating rounds; ms per round (all prompts)\n")
     print("| mode | B / threshold | tokens | forwards | TPF | ms | in forwards | host | tokens/s | vs ar "
           "| tokens/s, forwards only | vs ar, forwards only |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

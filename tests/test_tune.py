@@ -142,3 +142,16 @@ def test_tune_says_when_a_compiled_measurement_ran_eagerly(model_dir, capsys, mo
     entry["curve"][1]["eager_calls"] = 0
     assert main(["tune", "--model", model_dir, "--runner", "compiled", "--dry-run"]) == 0
     assert "ran eagerly" not in capsys.readouterr().out
+
+
+def test_cli_defaults_are_the_tuning_defaults():
+    """clover/cli/tune.py spells the grid as text (it keeps torch out of `--help`); it must be the grid
+    tuning.tune tries by default."""
+    import inspect
+
+    from clover.cli import tune as cli_tune
+
+    grid = inspect.signature(tuning.tune).parameters
+    assert tuple(int(b) for b in cli_tune.SIZES.split(",")) == grid["sizes"].default
+    assert tuple(float(t) for t in cli_tune.THRESHOLDS.split(",")) == grid["thresholds"].default == tuning.THRESHOLDS
+    assert cli_tune.ROUNDS == grid["rounds"].default

@@ -10,25 +10,31 @@ from . import UserError, print_json
 from .options import RUNNER_CHOICES, add_model_args
 
 
+SIZES = "4,8,16,32"  # the defaults (engine/tuning.py is imported only when a tune runs: torch stays out of --help)
+THRESHOLDS = "0.7,0.75,0.8,0.85,0.9,0.95"
+ROUNDS = 3
+
+
 def register(sub) -> None:
+    decodes = 1 + len(SIZES.split(",")) * len(THRESHOLDS.split(","))  # ar + the grid (block 32 / 0.95 is on it)
     p = sub.add_parser("tune", help="choose the block size and threshold for this model on this machine",
                        description="Decode the held-out task prompts with ar and with low_confidence at every --sizes x "
                                    "--thresholds setting (plus block 32 / 0.95, the accuracy reference, when not on "
-                                   "the grid), --rounds times, interleaved. The defaults are 25 decodes x 3 rounds of "
-                                   "280 prompts: tens of minutes on a 2-core CPU, longer the first time with --runner "
-                                   "compiled (each shape compiles once); --sizes, --thresholds, --rounds and --per-task "
-                                   "narrow it.")
+                                   f"the grid), --rounds times, interleaved. The defaults are {decodes} decodes x {ROUNDS} "
+                                   "rounds of 280 prompts: tens of minutes on a 2-core CPU, longer the first time with "
+                                   "--runner compiled (each shape compiles once); --sizes, --thresholds, --rounds and "
+                                   "--per-task narrow it.")
     add_model_args(p)  # --model, --device, --threads: the same checks as every model command
-    p.add_argument("--sizes", default="4,8,16,32", help="block sizes to try (default 4,8,16,32)")
-    p.add_argument("--thresholds", default="0.7,0.75,0.8,0.85,0.9,0.95",
-                   help="low_confidence thresholds to try (default 0.7,0.75,0.8,0.85,0.9,0.95; a setting that loses "
+    p.add_argument("--sizes", default=SIZES, help=f"block sizes to try (default {SIZES})")
+    p.add_argument("--thresholds", default=THRESHOLDS,
+                   help=f"low_confidence thresholds to try (default {THRESHOLDS}; a setting that loses "
                         "more than 2 points of accuracy against block 32 / 0.95 is not chosen)")
     p.add_argument("--per-task", type=int, default=None, metavar="N",
                    help="calibration prompts per task (default: every held-out task prompt, 280; a 2-point accuracy "
                         "check needs many: on a few, one prompt is several points)")
     p.add_argument("--runner", default="eager", choices=RUNNER_CHOICES, help="runner to tune for")
-    p.add_argument("--rounds", type=int, default=3, metavar="N",
-                   help="interleaved rounds over all settings; each keeps its median speed (default 3)")
+    p.add_argument("--rounds", type=int, default=ROUNDS, metavar="N",
+                   help=f"interleaved rounds over all settings; each keeps its median speed (default {ROUNDS})")
     p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
