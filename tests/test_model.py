@@ -159,6 +159,40 @@ def test_fused_commit_and_draft_equals_separate_calls():
     torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("last", ["full_attention", "linear_attention"])
+@pytest.mark.parametrize("clean,draft,keep,padded", [(7, 0, 1, False), (9, 4, 4, True), (3, 8, 5, False), (0, 5, 5, True),
+                                                     (12, 4, 1, True)])
+def test_kept_columns_equal_the_full_forward(last, clean, draft, keep, padded):
+    """The last layer computes outputs only for the kept columns (`logits_to_keep`): their logits, and
+    every cache entry the forward writes, equal those of the forward over every column sliced after."""
+    model = CloverForBlockDiffusion(preset_config("clover-tiny", layer_types=["linear_attention"] * 3 + [last])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or any(x in name for x in ("right_conv", "block_calibration")):
+                p.normal_(0, 0.3)
+    block = max(draft, 1)
+    prefix, ids = torch.randint(0, 120, (2, 10)), torch.randint(0, 120, (2, clean + draft))
+    pad = None
+    if padded and clean:
+        pad = torch.zeros_like(ids, dtype=torch.bool)
+        pad[0, : clean // 2] = True
+    outs = []
+    with torch.no_grad():
+        for k in (0, keep):
+            cache = model.new_cache(2)
+            model(prefix, cache=cache, clean_block_size=block)
+            logits = model(ids, cache=cache, block_size=block, draft_len=draft, clean_block_size=block, pad_mask=pad,
+                           logits_to_keep=k).logits
+            outs.append((logits[:, -keep:], cache))
+    (full, a), (kept, b) = outs
+    assert kept.shape == full.shape
+    torch.testing.assert_close(kept, full, atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.lens, b.lens)
+    for store in ("key", "value", "conv", "state"):
+        for i, t in getattr(a, store).items():
+            torch.testing.assert_close(getattr(b, store)[i], t, atol=1e-6, rtol=1e-6)
+
+
 def test_left_padded_rows_equal_unpadded_rows():
     model, block = tiny_model(), 4
     ids = torch.randint(0, 120, (2, 11))

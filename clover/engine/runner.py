@@ -78,7 +78,7 @@ def _step(model, ids, pad, cache, keep: int, draft_len: int, clean_bs: int, bloc
     cache's lengths (~0.4 ms a step when run eagerly on the host), fused into the graph here."""
     layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_bs, block, cache, pad,
                            ids.device, static=True)
-    return model.head(model.model(ids, layout, cache), keep)
+    return model.head(model.model(ids, layout, cache, keep), keep)
 
 
 _compiled_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (step fn, captures)

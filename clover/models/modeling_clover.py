@@ -208,7 +208,7 @@ class CloverAttention(nn.Module):
         self.q_norm = CloverRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = CloverRMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x, layout: Layout, cache: CloverCache | None):
+    def forward(self, x, layout: Layout, cache: CloverCache | None, keep: int = 0):
         batch, length, _ = x.shape
         q, gate, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = self.q_norm(q.view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
@@ -228,7 +228,10 @@ class CloverAttention(nn.Module):
                 keys = torch.cat([cache.key[self.layer_idx][:, :, :prefix].to(k.dtype), k], dim=2)
                 values = torch.cat([cache.value[self.layer_idx][:, :, :prefix].to(v.dtype), v], dim=2)
             self._commit(cache, k, v, layout)
-        out = masked_attention(q, keys, values, layout.attn_mask, self.head_dim**-0.5)
+        mask = layout.attn_mask
+        if keep and keep < length:  # only these columns' outputs are read (K/V above are every column's)
+            q, gate, mask, length = q[:, :, -keep:], gate[:, -keep:], mask[:, :, -keep:], keep
+        out = masked_attention(q, keys, values, mask, self.head_dim**-0.5)
         out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 
@@ -340,7 +343,7 @@ class CloverGatedDeltaNet(nn.Module):
         return self.conv1d.weight.squeeze(1)
 
     # ---- stream layout: [clean segment ; draft window] against the cache ----
-    def forward(self, x, layout: Layout, cache: CloverCache | None):
+    def forward(self, x, layout: Layout, cache: CloverCache | None, keep: int = 0):
         if layout.training:
             return self._forward_training(x, layout)
         batch, length, _ = x.shape
@@ -358,8 +361,8 @@ class CloverGatedDeltaNet(nn.Module):
         conv = block_short_conv(ext, self._conv_weight(), right, layout.wid)
         q, k, v, g, beta = self._qkv(conv, b, a)
         if pad is not None:
-            keep = (~pad).float()[..., None]
-            g, beta = g * keep, beta * keep
+            real = (~pad).float()[..., None]
+            g, beta = g * real, beta * real
         n = layout.num_clean
         state = cache.state[self.layer_idx] if cache is not None else None
         outs = []
@@ -378,7 +381,10 @@ class CloverGatedDeltaNet(nn.Module):
                                       output_final_state=False)
             outs.append(out)
         core = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self._finish(core, z, self._bidirectional(q, k, v, layout))
+        extra = self._bidirectional(q, k, v, layout)
+        if keep and keep < length:  # only these columns' outputs are read (the states above took every column)
+            core, z, extra = core[:, -keep:], z[:, -keep:], extra[:, -keep:] if extra is not None else None
+        return self._finish(core, z, extra)
 
     # ---- training layout: [x_t ; x_0] ----
     def _forward_training(self, x, layout: Layout):
@@ -517,9 +523,12 @@ class CloverDecoderLayer(nn.Module):
         self.input_layernorm = CloverRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = CloverRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, layout, cache):
+    def forward(self, x, layout, cache, keep: int = 0):
+        """`keep` > 0: only the last `keep` columns come out (the last layer of a forward that reads
+        no other column's output: the mixer still writes every column's K/V or state to the cache)."""
         mixer = self.self_attn if self.kind == "full_attention" else self.linear_attn
-        x = x + mixer(self.input_layernorm(x), layout, cache)
+        h = mixer(self.input_layernorm(x), layout, cache, keep)
+        x = (x[:, -keep:] if keep and keep < x.shape[1] else x) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -583,10 +592,14 @@ class CloverModel(CloverPreTrainedModel):
         self.norm = CloverRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
-    def forward(self, input_ids, layout: Layout, cache: CloverCache | None = None):
+    def forward(self, input_ids, layout: Layout, cache: CloverCache | None = None, keep: int = 0):
+        """Hidden states of every column, or with `keep` > 0 of the last `keep` only: the last layer
+        then computes its attention queries, output projection and MLP for those columns alone (what
+        llama.cpp does with its output ids): a prompt chunk's other columns only feed the cache."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, layout, cache)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, layout, cache, keep if i == last else 0)
         return self.norm(x)
 
 
@@ -674,7 +687,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             hidden = self.model(torch.cat([noisy_input_ids, input_ids], dim=1), layout)[:, :length]
         else:
             layout = self.prepare_stream(input_ids, cache, block_size, draft_len, clean_block_size, pad_mask)
-            hidden = self.model(input_ids, layout, cache)
+            hidden = self.model(input_ids, layout, cache, logits_to_keep)
             self.commit_lens(cache, length - draft_len, pad_mask)
         logits = self.head(hidden, logits_to_keep, logits_index)
         loss = None
