@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clover.ops.block_attention import masked_attention, naive_masked_attention
+from clover.models.modeling_clover import window_ids
+from clover.ops.block_attention import local_window_attention, masked_attention, naive_masked_attention
 from clover.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_from_states,
@@ -75,6 +76,26 @@ def test_masked_attention_matches_naive(lq, lk):
     mask = torch.rand(2, 1, lq, lk) < 0.6
     mask[..., 0] = True  # every query sees at least one key
     torch.testing.assert_close(masked_attention(q, k, v, mask, 0.3), naive_masked_attention(q, k, v, mask, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length,window,padded,compiled", [(1, 1, False, False), (9, 4, True, False), (13, 4, False, False),
+                                                            (8, 8, True, False), (11, 3, True, False), (13, 4, True, True),
+                                                            (21, 16, True, True)])
+def test_local_window_attention_matches_naive_same_window_mask(length, window, padded, compiled):
+    """Per-window attention equals the dense masked one (the stream layout's same-window mask: windows
+    anchored at the end, keys only real columns, a padded query on itself) on random inputs; compiled,
+    small windows take the product-sum form, wide ones the matmuls."""
+    q, k, v = torch.randn(2, length, 3, 8), torch.randn(2, length, 3, 8), torch.randn(2, length, 3, 5)
+    valid = torch.ones(2, length, dtype=torch.bool)
+    if padded:
+        valid[0, : length // 2 + 1] = False
+    wid = window_ids(length, window)
+    mask = (wid[None, :] == wid[:, None])[None] & valid[:, None, :]
+    mask = (mask | (torch.eye(length, dtype=torch.bool)[None] & ~valid[:, :, None]))[:, None]
+    ref = naive_masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, 1.0).transpose(1, 2)
+    fn = torch.compile(local_window_attention, fullgraph=True, dynamic=False) if compiled else local_window_attention
+    out = fn(q, k, v, valid if padded else None, window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 37])

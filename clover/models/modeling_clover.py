@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import ModelOutput
 
-from ..ops.block_attention import masked_attention
+from ..ops.block_attention import local_window_attention, masked_attention
 from ..ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_from_states,
@@ -68,6 +68,7 @@ class Layout:
     prefix: int = 0  # cache slots the attention layers read (the longest row's committed length)
     slots: torch.Tensor | None = None  # static: [B, L] the cache slot each column's K/V is written to
     rope: tuple | None = None  # (cos, sin), computed by the first attention layer, shared by the rest
+    window: int = 0  # every window has this many columns (anchored at the end): the GDN branch runs per window
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
         if self.rope is None:
@@ -120,8 +121,10 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
         else:
             new = torch.cat([old, new], dim=-1)
     calib = _calibration_rows(cfg, [(num_clean, clean_bs), (draft_len, draft_bs)], device)
-    return Layout(wid, positions, new[:, None], same[:, None] if calib is not None else None, calib,
-                  num_clean, pad, clean_block_size=clean_bs, prefix=prefix, slots=slots)
+    # one window size throughout (a prompt chunk; a window alone or with the block it commits)
+    window = draft_len if not num_clean else clean_bs if draft_len in (0, clean_bs) else 0
+    return Layout(wid, positions, new[:, None], same[:, None] if calib is not None and not window else None, calib,
+                  num_clean, pad, clean_block_size=clean_bs, prefix=prefix, slots=slots, window=window)
 
 
 def training_layout(cfg, batch, length, block, device) -> Layout:
@@ -327,6 +330,10 @@ class CloverGatedDeltaNet(nn.Module):
             return None
         coef = layout.calib.to(self.block_calibration.dtype) @ self.block_calibration  # [L, Hv]
         scale = self.bidir_log_scale.exp().float()
+        if layout.window:  # equal windows: each one's own scores, not a masked row over the whole length
+            valid = ~layout.pad if layout.pad is not None else None
+            out = local_window_attention(q * scale[None, None, :, None], k, v, valid, layout.window)
+            return out * coef.float()[None, :, :, None]
         qs = (q * scale[None, None, :, None]).transpose(1, 2)
         out = masked_attention(qs, k.transpose(1, 2), v.float().transpose(1, 2), layout.bidir_mask, 1.0)
         return out.transpose(1, 2) * coef.float()[None, :, :, None]
