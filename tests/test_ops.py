@@ -180,7 +180,9 @@ def _tiled():
 AVX512 = "AVX512" in torch.backends.cpu.get_cpu_capability()  # where the tiled kernels keep bf16 panels
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 256), (2, 9, 256), (3, 17, 128), (1, 33, 200), (2, 70, 7)])
+# one and two rows (an AR step's shapes) with K of 6, 13 and 30: odd k-pair counts and an unpaired last k
+@pytest.mark.parametrize("shape", [(1, 1, 256), (1, 1, 6), (2, 1, 13), (1, 1, 30), (2, 9, 256), (3, 17, 128),
+                                   (1, 33, 200), (2, 70, 7)])
 @pytest.mark.parametrize("out", [777, 16, 5])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("bf16_values", [False, True])
