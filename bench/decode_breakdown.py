@@ -9,6 +9,12 @@ into model forwards (prefill chunks included) and host work (engine set-up, book
 the fill policy). The last columns give the tokens/s each mode would reach with no host work at
 all, and lc's ratio to ar then: the ceiling that faster bookkeeping alone could reach. The second
 table lists each mode's forwards by shape (columns fed, of them draft columns), per round.
+
+    python bench/update.py decode-breakdown-bf16 -- python bench/decode_breakdown.py --threads 1 --linear-dtypes float32,bfloat16
+
+runs both modes with each dtype of the compiled runner's linears (`--linear-dtype`; bfloat16: bf16
+activations where the CPU multiplies bf16, ops/linear/tiled.py), all four decodes interleaved per
+round. Every row has its task accuracy (exact match, as `clover tune` scores it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from clover.data.tasks import plain_prompt
 from clover.engine import runner as runner_module
 from clover.engine import tuning
 from clover.eval import pareto
+from clover.ops.linear import tiled
 
 
 def main() -> None:
@@ -35,12 +42,21 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.8)
     p.add_argument("--per-task", type=int, default=0, help="prompts per task (default 0: all 280)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--linear-dtypes", default="float32", help="linear dtypes to interleave, e.g. float32,bfloat16")
     args = p.parse_args()
+    precisions = args.linear_dtypes.split(",")
+    if any(x not in tiled.LINEAR_DTYPES for x in precisions):
+        p.error(f"--linear-dtypes: each of {', '.join(tiled.LINEAR_DTYPES)}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load(None, "cpu")
-    jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in pareto.examples(args.per_task)]
+    exs = pareto.examples(args.per_task)
+    jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in exs]
     eos = eos_ids(model, tokenizer)
-    settings = {"ar": ("ar", 1, args.threshold), "low_confidence": ("low_confidence", args.block, args.threshold)}
+    modes = {"ar": ("ar", 1, args.threshold), "low_confidence": ("low_confidence", args.block, args.threshold)}
+    settings = {(f"{name} ({x})" if len(precisions) > 1 else name): (x, s) for x in precisions for name, s in modes.items()}
+
+    def score(i, ids):  # the task suite's exact match of the output's stripped first line (clover tune's)
+        return tokenizer.decode(ids, skip_special_tokens=True).strip().split("\n")[0].strip() == exs[i]["answer"]
 
     calls: dict = collections.defaultdict(list)  # (mode, columns, draft columns) -> seconds of each call
     spent = collections.defaultdict(float)  # this round's seconds inside runner calls
@@ -58,36 +74,43 @@ def main() -> None:
 
     runs = {name: [] for name in settings}
     with torch.inference_mode():
-        for setting in settings.values():  # compile (or load) every shape first: not decode time
+        for setting in modes.values():  # compile (or load) every shape first: not decode time
             tuning.decode_rate(model, jobs, eos, *setting, args.runner)
         cls.forward = timed
         try:
             for _ in range(args.rounds):
-                for name, setting in settings.items():
+                for name, (precision, setting) in settings.items():
+                    tiled.use_bf16_activations(precision == "bfloat16")  # read per call: no recompile
                     current[0], spent[name] = name, 0.0
-                    r = tuning.decode_rate(model, jobs, eos, *setting, args.runner)
+                    r = tuning.decode_rate(model, jobs, eos, *setting, args.runner, score)
                     runs[name].append(dict(r, in_forwards=spent[name]))
         finally:
             cls.forward = real
+            tiled.use_bf16_activations(False)
 
     print(f"Default model, {len(jobs)} held-out task prompts one at a time, greedy, {args.runner} runner, "
           f"{tuning.machine_key('cpu', args.threads)}, median of {args.rounds} alternating rounds; ms per round (all prompts)\n")
-    print("| mode | B / threshold | tokens | forwards | TPF | ms | in forwards | host | tokens/s | vs ar "
+    print("| mode | B / threshold | tokens | forwards | TPF | accuracy | ms | in forwards | host | tokens/s | vs ar "
           "| tokens/s, forwards only | vs ar, forwards only |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     for name, rs in runs.items():
         total = statistics.median(r["seconds"] for r in rs)
         fwd = statistics.median(r["in_forwards"] for r in rs)
-        rows[name] = (rs[-1]["tokens"], rs[-1]["forwards"], total, fwd)
-    ar_tokens, _, ar_total, ar_fwd = rows["ar"]
-    for name, (tokens, forwards, total, fwd) in rows.items():
-        b, t = settings[name][1:]
-        label = "-" if name == "ar" else f"{b} / {t}"
-        print(f"| {name} | {label} | {tokens} | {forwards} | {tokens / forwards:.2f} | {1e3 * total:.1f} | "
+        rows[name] = (rs[-1]["tokens"], rs[-1]["forwards"], total, fwd, rs[-1]["accuracy"])
+    first = next(iter(rows))  # ar at the first precision: every ratio is against it
+    ar_tokens, _, ar_total, ar_fwd, _ = rows[first]
+    for name, (tokens, forwards, total, fwd, accuracy) in rows.items():
+        b, t = settings[name][1][1:]
+        label = "-" if name.startswith("ar") else f"{b} / {t}"
+        print(f"| {name} | {label} | {tokens} | {forwards} | {tokens / forwards:.2f} | {accuracy:.3f} | {1e3 * total:.1f} | "
               f"{1e3 * fwd:.1f} | {1e3 * (total - fwd):.1f} | {tokens / total:.0f} | "
               f"{(tokens / total) / (ar_tokens / ar_total):.2f}x | {tokens / fwd:.0f} | "
               f"{(tokens / fwd) / (ar_tokens / ar_fwd):.2f}x |")
+    if len(precisions) > 1:
+        print(f"\nvs ar: against {first}. With one linear dtype, low_confidence / ar: " + ", ".join(
+            f"{x} {(rows[f'low_confidence ({x})'][0] / rows[f'low_confidence ({x})'][2]) / (rows[f'ar ({x})'][0] / rows[f'ar ({x})'][2]):.2f}x"
+            for x in precisions) + ".")
 
     print("\nForwards by shape, per round: columns fed (clean + draft; a compiled runner may left-pad the clean part "
           "to a graph's width, engine/runner.bucket), median ms per call\n")

@@ -9,6 +9,8 @@ clover.utils.timing), so load from other processes hits all alike; each cell is 
 the floor (fastest run) beside it. Block steps are all-logits decodes of B tokens after a cached
 prefix: for llama.cpp on a scratch sequence copied from the committed one (untimed), for Clover the
 draft-window forward (not committed). llama.cpp runs with its defaults (f16 K/V, flash attention auto).
+On a CPU with bf16 products the decode table also has the compiled runner with bf16 activations in
+its linears (`--linear-dtype bfloat16`): the precision of llama.cpp's own bf16 matmuls.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from clover.backends.llamacpp import LlamaCppModel, find_build, greedy_ar
 from clover.backends.llamacpp.runner import LlamaCppRunner
 from clover.engine.runner import make_runner
 from clover.models import CloverForBlockDiffusion, preset_config
+from clover.ops.linear import tiled
 from clover.utils.timing import time_alternately
 
 BLOCKS = (8, 16, 32)
@@ -141,6 +144,17 @@ def step_table(label, folder, tmp, args):
         print(f"| {name} | " + " | ".join(r[i + 1] for r in rows) + " |")
 
 
+def bf16_linears(fn):
+    """fn run with the tiled kernels' bf16 activations (`--linear-dtype bfloat16`), off again after."""
+    def go():
+        was = tiled.use_bf16_activations(True)
+        try:
+            return fn()
+        finally:
+            tiled.use_bf16_activations(was)
+    return go
+
+
 def decode_table(tmp, args):
     """Greedy tokens/s and tokens per forward on the held-out task prompts (one at a time, each to
     EOS or its task's answer budget): Clover's modes on PyTorch and on our llama.cpp runner, and
@@ -192,6 +206,10 @@ def decode_table(tmp, args):
         runs[key] = go = clover_run(model, m, b, "compiled", DecodeConfig.threshold if t is None else t)
         with torch.inference_mode():
             go()  # compiles (or loads inductor's cache) every shape these prompts need, before the timed rounds
+    if tiled.available() and tiled.bf16_dot():  # bf16 activations in the linears, as llama.cpp's bf16 matmuls
+        for m, b, t in [compiled[0]] + compiled[3:]:  # the same graphs: the kernels read the setting per call
+            key = ("PyTorch compiled, bf16 linears", m, b if t is None else f"{b} / {t}")
+            runs[key] = bf16_linears(clover_run(model, m, b, "compiled", DecodeConfig.threshold if t is None else t))
     for threads in args.threads:
         torch.set_num_threads(threads)
         cpp.set_threads(threads)

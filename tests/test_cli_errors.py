@@ -254,6 +254,40 @@ def test_threads_flag_and_passive_waits(fx, capsys, monkeypatch):
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "decide", "tune", "serve", "bench decode"])
+def test_model_commands_take_the_linear_dtype(command, capsys):
+    from clover.cli.options import LINEAR_DTYPES
+    from clover.ops.linear import tiled
+
+    assert LINEAR_DTYPES == tiled.LINEAR_DTYPES
+    with pytest.raises(SystemExit):
+        main([*command.split(), "--help"])
+    assert "--linear-dtype {float32,bfloat16}" in capsys.readouterr().out
+
+
+def test_linear_dtype_flag_turns_bf16_activations_on_and_keys_tuned_settings(fx, capsys, monkeypatch):
+    """--linear-dtype bfloat16 asks the tiled kernels for bf16 activations (ops/linear/tiled.py), for
+    this process and the ones it starts (CLOVER_LINEAR_DTYPE); a tuned setting is then keyed apart.
+    A bad value is argparse's one line, exit 2."""
+    from clover.engine.tuning import machine_key
+    from clover.ops.linear import tiled
+
+    monkeypatch.delenv("CLOVER_LINEAR_DTYPE", raising=False)  # restored after the test
+    plain = machine_key("cpu")
+    try:
+        code = main(["generate", "--model", str(fx / "good"), "--prompt", "ab", *GEN, "--linear-dtype", "bfloat16",
+                     "--json"])
+        assert code == 0 and tiled.bf16_activations() and os.environ["CLOVER_LINEAR_DTYPE"] == "bfloat16"
+        assert machine_key("cpu") == plain + "|linear=bfloat16"
+    finally:
+        tiled.use_bf16_activations(False)
+    assert machine_key("cpu") == plain
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "ab", "--linear-dtype", "int8"])
+    assert e.value.code == 2 and "--linear-dtype: invalid choice" in capsys.readouterr().err
+
+
 class _Terminal:
     def isatty(self):
         return True

@@ -1,5 +1,6 @@
 """Every fast op against its naive reference: random inputs, odd lengths, batch 2."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,71 @@ def test_bf16_panels_on_amx_and_avx512_match_naive(rows, in_features, out, amx):
     ref = x.double() @ w.double().T + b.double()
     assert ((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T + b.double().abs())).all()
     assert not was or "amx_bf16" in Path("/proc/cpuinfo").read_text()
+
+
+@contextlib.contextmanager
+def bf16_activations():
+    """The tiled kernels' bf16 activations (`--linear-dtype bfloat16`) for the block, off after."""
+    from clover.ops.linear import tiled
+
+    was = tiled.use_bf16_activations(True)
+    try:
+        yield
+    finally:
+        tiled.use_bf16_activations(was)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 11, 17, 40])
+@pytest.mark.parametrize("in_features,out", [(64, 777), (256, 16), (13, 40), (30, 5), (224, 40)])
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_activations_match_the_rounded_reference(rows, in_features, out, amx):
+    """bf16 activations: bf16 panels take x rounded to bf16 (AVX512-BF16, and one AMX term from 6 rows
+    where K is a multiple of 32): within fp32 roundings of an fp64 product of the rounded x, batch 2,
+    odd K. A CPU without bf16 products keeps the exact kernel. Exact again once turned off."""
+    from clover.ops.linear import naive_linear
+
+    tiled = _tiled()
+    torch.manual_seed(rows + in_features)
+    x = torch.randn(2, rows, in_features) * torch.logspace(-3, 3, in_features)
+    w = (torch.randn(out, in_features) / in_features**0.5).bfloat16().float()
+    b = torch.randn(out)
+    was = tiled.use_amx(amx)
+    try:
+        with bf16_activations():
+            y = tiled.tiled_linear(x, w, b)
+        exact = tiled.tiled_linear(x, w, b)
+    finally:
+        tiled.use_amx(True)
+    torch.testing.assert_close(exact, naive_linear(x, w, b), rtol=1e-5, atol=1e-5 * x.abs().max().item())
+    if not (tiled.bf16_dot() and tiled.bf16_panels(w)):
+        torch.testing.assert_close(y, exact, rtol=0, atol=0)
+        return
+    xr = x.bfloat16().double()
+    ref = xr @ w.double().T + b.double()
+    assert ((y.double() - ref).abs() <= 1e-6 * (xr.abs() @ w.double().abs().T + b.double().abs())).all()
+    assert (y - exact).abs().max() > 0  # x was rounded: the medium path ran
+
+
+def test_tiled_experts_with_bf16_activations():
+    """The experts op takes bf16 activations too: both projections on bf16-rounded inputs (bf16-level
+    agreement with the naive experts, and not the exact op's numbers)."""
+    from clover.ops.moe import naive_experts
+
+    tiled = _tiled()
+    torch.manual_seed(2)
+    tokens, experts, topk, hidden, inter = 9, 8, 2, 256, 128
+    x = torch.randn(tokens, hidden)
+    gate_up = (torch.randn(experts, 2 * inter, hidden) / hidden**0.5).bfloat16().float()
+    down = (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16().float()
+    top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
+    want = naive_experts(x, top_idx, top_w, gate_up, down)
+    exact = tiled.tiled_experts(x, top_idx, top_w, gate_up, down)
+    with bf16_activations():
+        got = tiled.tiled_experts(x, top_idx, top_w, gate_up, down)
+    torch.testing.assert_close(exact, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    if tiled.bf16_dot() and tiled.bf16_panels(down):
+        assert (got - exact).abs().max() > 0
 
 
 def test_tiled_linear_keeps_fp32_panels_unless_every_value_is_bf16():

@@ -107,8 +107,23 @@ def test_compiled_equals_eager_on_bf16_valued_weights(model):
     with torch.no_grad():
         for p in bf.parameters():
             p.copy_(p.bfloat16().float())
-    check_equal(bf, "ar", [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]])
+    prompts = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]]
+    check_equal(bf, "ar", prompts)
     assert all(m.tiled_pairs == 1 for m in bf.modules() if isinstance(m, CloverExperts))
+    # bf16 activations (`--linear-dtype bfloat16`, where the CPU has bf16 products): the same graphs
+    # follow them, read per call (no recompile), within bf16 rounding of the exact logits
+    ref_logits, ref, _ = decode(bf, "compiled", "ar", prompts, budgets=(1, 1))  # one token: no divergence
+    before, was = graphs(), tiled.use_bf16_activations(True)
+    try:
+        got_logits, got, _ = decode(bf, "compiled", "ar", prompts, budgets=(1, 1))
+    finally:
+        tiled.use_bf16_activations(was)
+    assert graphs() == before
+    assert len(got_logits) == len(ref_logits)
+    diffs = [(a - b).abs().max().item() for (a, _), (b, _) in zip(got_logits, ref_logits)]
+    scale = max(b.abs().max().item() for b, _ in ref_logits)
+    assert max(diffs) <= 2e-2 * scale
+    assert max(diffs) > 0 or not tiled.bf16_dot()
 
 
 @full_only

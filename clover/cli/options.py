@@ -52,11 +52,18 @@ def add_threads_arg(p) -> None:
                         "OMP_WAIT_POLICY says otherwise)")
 
 
+LINEAR_DTYPES = ("float32", "bfloat16")  # ops/linear/tiled.LINEAR_DTYPES (a test checks)
+
+
 def add_model_args(p, threads: bool = True, model_group=None) -> None:
-    """--model, --device and (with `threads`) --threads; `model_group` (a mutually exclusive group)
-    takes --model when it has rivals (e.g. `bench decode --preset`)."""
+    """--model, --device, --linear-dtype and (with `threads`) --threads; `model_group` (a mutually
+    exclusive group) takes --model when it has rivals (e.g. `bench decode --preset`)."""
     (model_group or p).add_argument("--model", help="model folder (default: the shipped default model)")
     p.add_argument("--device", type=device_type, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--linear-dtype", choices=LINEAR_DTYPES, help=(
+        "what the compiled CPU runner's weight linears multiply in. float32 (default): exact. bfloat16: "
+        "activations rounded to bf16 against bf16 weights, fp32 sums, as llama.cpp's bf16 matmuls (CPUs with "
+        "AVX512-BF16 or AMX; elsewhere float32); attention and the delta rule stay fp32"))
     if threads:
         add_threads_arg(p)
 
@@ -145,13 +152,18 @@ def utf8(data: bytes, name: str) -> str:
 def setup_process(args) -> None:
     """Before a subcommand runs (and before it imports torch): OpenMP threads that wait passively
     instead of spinning (a spinning thread on a busy core slows every small forward many times over;
-    an explicit OMP_WAIT_POLICY wins), and `--threads` where the command has it."""
+    an explicit OMP_WAIT_POLICY wins), `--threads` and `--linear-dtype` where the command has them."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = getattr(args, "threads", None)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch loads
         if "torch" in sys.modules:  # already loaded (the CLI called in-process, e.g. by tests)
             sys.modules["torch"].set_num_threads(threads)
+    linear_dtype = getattr(args, "linear_dtype", None)
+    if linear_dtype:
+        os.environ["CLOVER_LINEAR_DTYPE"] = linear_dtype  # read when the kernels' module loads
+        if "clover.ops.linear.tiled" in sys.modules:  # already loaded (in-process callers)
+            sys.modules["clover.ops.linear.tiled"].use_bf16_activations(linear_dtype == "bfloat16")
 
 
 def fill_decode_defaults(args, *names: str) -> None:

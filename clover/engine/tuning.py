@@ -45,10 +45,15 @@ def model_key(folder: str | Path) -> str:
 
 
 def machine_key(device: str | None = None, threads: int | None = None) -> str:
-    """CPU (or GPU) model, device kind and torch threads; device None = cuda when available."""
+    """CPU (or GPU) model, device kind and torch threads; device None = cuda when available. With bf16
+    activations in the CPU linears (`--linear-dtype bfloat16`) steps cost less: the key says so
+    (`|linear=bfloat16`), and a setting tuned without them stays apart."""
+    from ..ops.linear import tiled
+
     kind = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
     name = torch.cuda.get_device_name() if kind == "cuda" else _cpu_name()
-    return f"{name}|{kind}|threads={threads or torch.get_num_threads()}"
+    key = f"{name}|{kind}|threads={threads or torch.get_num_threads()}"
+    return f"{key}|linear=bfloat16" if kind == "cpu" and tiled.bf16_activations() else key
 
 
 def resolve_block_size(value, model_folder, device: str | None = None) -> tuple[int, float | None]:

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <cmath>
 #include <mutex>
 #include <vector>
@@ -123,6 +124,86 @@ void rows_tail(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t K,
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 activations (clover_cpu::use_bf16_activations, see bf16_activations below): x rounded
+// to bf16 once per call, each k pair of a row broadcast as one 32-bit lane and multiplied into the
+// weights' k pairs by vdpbf16ps (fp32 accumulators): 32 products an instruction where the exact
+// kernel above does 16, and no widening of the weights. Every product bf16(x) * w is exact in fp32;
+// the error is x's rounding (2^-9 relative), as in torch's and llama.cpp's bf16 matmuls. xb is
+// [rows, Kp] bf16 (Kp even, a zero past an odd K), ldx its row length in pairs.
+template <int R, int P>
+inline void tile_bf16(const uint32_t* xb, int64_t ldx, const uint16_t* w, int64_t Kp, float* y, int64_t ldy,
+                      int64_t n0, int64_t N, const float* bias) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < Kp / 2; ++q) {
+    __m512bh wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = (__m512bh)_mm512_loadu_si512(w + (p * Kp + 2 * q) * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * ldx + q]));
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * kPanel;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, _mm512_add_ps(acc[r][p], b));
+  }
+}
+
+template <int P>
+void rows_tail_bf16(int64_t rows, const uint32_t* xb, int64_t ldx, const uint16_t* w, int64_t Kp, float* y, int64_t ldy,
+                    int64_t n0, int64_t N, const float* bias) {
+  switch (rows) {
+    case 1: tile_bf16<1, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+    case 2: tile_bf16<2, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+    case 3: tile_bf16<3, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+    case 4: tile_bf16<4, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+    case 5: tile_bf16<5, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+    case 6: tile_bf16<6, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+    case 7: tile_bf16<7, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+    default: tile_bf16<8, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
+  }
+}
+
+// x [M, K] fp32 -> [M, Kp] bf16, rounded to nearest even (a zero past an odd K).
+void round_bf16(const float* x, int64_t M, int64_t K, int64_t Kp, std::vector<uint16_t>& out) {
+  out.resize(M * Kp);
+  for (int64_t r = 0; r < M; ++r) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + r * Kp + k),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * K + k))));
+    if (k < K) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + r * K + k)));
+      _mm256_mask_storeu_epi16(out.data() + r * Kp + k, m, h);
+    }
+    if (Kp > K) out[r * Kp + K] = 0;
+  }
+}
+#endif
+
+// Whether bf16 panels take bf16 activations: the user asked for them (clover_cpu::use_bf16_activations,
+// tiled.py: `--linear-dtype bfloat16`) and the CPU has a bf16 product (AVX512-BF16, AMX). Read once
+// per op call, not traced: a compiled graph follows it. Only these linears: torch's own matmuls
+// (attention, the delta rule) stay fp32.
+constexpr bool kBf16Dot =
+#if defined(__AVX512BF16__)
+    true;
+#else
+    false;
+#endif
+
+std::atomic<bool> bf16_requested{false};
+
+bool bf16_activations() { return kBf16Dot && bf16_requested.load(std::memory_order_relaxed); }
+
+
 // Rows of the packed weight's panels: K for fp32 panels, K padded to even for bf16 (k pairs).
 template <typename W>
 constexpr int64_t panel_k(int64_t K) { return std::is_same_v<W, uint16_t> ? K + (K & 1) : K; }
@@ -132,7 +213,8 @@ constexpr int64_t panel_k(int64_t K) { return std::is_same_v<W, uint16_t> ? K + 
 // exactly-enough into three bf16 terms, x = x1 + x2 + x3 + e with |e| <= 2^-27 |x| (below fp32's own
 // rounding), so every product x_i * w is exact in fp32 and only the summation order differs from the
 // fp32 kernel: the accuracy of an fp32 GEMM, at AMX's rate (bench/linear.py: 0.4-0.6x the AVX-512 time from 8 rows). Used from kAmxMinRows rows, K a multiple
-// of 32 (one tile row of bf16 pairs).
+// of 32 (one tile row of bf16 pairs). Under bf16 activations (bf16_activations above) x is one term,
+// its bf16 rounding: a third of the tile products, the numbers of the AVX512-BF16 tile above.
 constexpr int64_t kAmxMinRows = 6;
 bool amx_enabled = true;  // clover_cpu::use_amx: off for A/B benchmarks and tests of the AVX-512 path
 
@@ -150,15 +232,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// x [M, K] fp32 -> three bf16 terms [3][Mp][K] (rows past M zero), each the rounded residual of the last.
-void split3(const float* x, int64_t M, int64_t K, int64_t Mp, std::vector<uint16_t>& out) {
-  out.resize(3 * Mp * K);
-  for (int t = 0; t < 3; ++t)  // only the rows past M need zeros: every other element is written below
+// x [M, K] fp32 -> `terms` (1 or 3) bf16 terms [terms][Mp][K] (rows past M zero), each the rounded
+// residual of the last.
+void split_terms(const float* x, int64_t M, int64_t K, int64_t Mp, int terms, std::vector<uint16_t>& out) {
+  out.resize(terms * Mp * K);
+  for (int t = 0; t < terms; ++t)  // only the rows past M need zeros: every other element is written below
     std::fill(out.begin() + (t * Mp + M) * K, out.begin() + (t + 1) * Mp * K, uint16_t{0});
   for (int64_t r = 0; r < M; ++r)
     for (int64_t k = 0; k < K; k += 16) {
       __m512 rest = _mm512_loadu_ps(x + r * K + k);
-      for (int t = 0; t < 3; ++t) {
+      for (int t = 0; t < terms; ++t) {
         const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest));  // round to nearest even
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + (t * Mp + r) * K + k), h);
         rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
@@ -167,10 +250,11 @@ void split3(const float* x, int64_t M, int64_t K, int64_t Mp, std::vector<uint16
 }
 
 void amx_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, const float* bias,
-                int64_t p0, int64_t p1) {
+                int64_t p0, int64_t p1, int terms) {
   const int64_t Mp = (M + 15) / 16 * 16;
   thread_local std::vector<uint16_t> a;
-  split3(x, M, K, Mp, a);
+  split_terms(x, M, K, Mp, terms, a);
+  const bool three = terms == 3;
   TileConfig cfg;
   for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;  // 0-1 C, 2-4 the x terms, 5-6 panels
   _tile_loadconfig(&cfg);
@@ -186,17 +270,23 @@ void amx_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, float* 
       for (int64_t kc = 0; kc < chunks; ++kc) {
         const uint16_t* ak = a.data() + m * K + kc * 32;
         _tile_loadd(2, ak, stride);
-        _tile_loadd(3, ak + Mp * K, stride);
-        _tile_loadd(4, ak + 2 * Mp * K, stride);
+        if (three) {
+          _tile_loadd(3, ak + Mp * K, stride);
+          _tile_loadd(4, ak + 2 * Mp * K, stride);
+        }
         _tile_loadd(5, w0 + kc * 32 * kPanel, 64);
         _tile_dpbf16ps(0, 2, 5);
-        _tile_dpbf16ps(0, 3, 5);
-        _tile_dpbf16ps(0, 4, 5);
+        if (three) {
+          _tile_dpbf16ps(0, 3, 5);
+          _tile_dpbf16ps(0, 4, 5);
+        }
         if (two) {
           _tile_loadd(6, w1 + kc * 32 * kPanel, 64);
           _tile_dpbf16ps(1, 2, 6);
-          _tile_dpbf16ps(1, 3, 6);
-          _tile_dpbf16ps(1, 4, 6);
+          if (three) {
+            _tile_dpbf16ps(1, 3, 6);
+            _tile_dpbf16ps(1, 4, 6);
+          }
         }
       }
       _tile_stored(0, c[0], 64);
@@ -216,16 +306,36 @@ void amx_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, float* 
 #endif
 
 // Panels [p0, p1) for every row: the panel group (P panels) outermost, so it stays in L1 across row tiles.
+// bf16_x: bf16 panels take x rounded to bf16 (bf16_activations(), read once per op call).
 template <typename W>
 void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, const float* bias,
-            int64_t p0, int64_t p1) {
+            int64_t p0, int64_t p1, bool bf16_x) {
 #if defined(CLOVER_AMX)
   if constexpr (std::is_same_v<W, uint16_t>) {
-    if (M >= kAmxMinRows && K % 32 == 0 && amx_enabled && amx_ready()) return amx_panels(x, M, K, w, y, N, bias, p0, p1);
+    if (M >= kAmxMinRows && K % 32 == 0 && amx_enabled && amx_ready())
+      return amx_panels(x, M, K, w, y, N, bias, p0, p1, bf16_x ? 1 : 3);
   }
 #endif
   constexpr int P = 2;
   const int64_t Kp = panel_k<W>(K);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (bf16_x) {
+      thread_local std::vector<uint16_t> xb;
+      round_bf16(x, M, K, Kp, xb);
+      const uint32_t* xq = reinterpret_cast<const uint32_t*>(xb.data());
+      const int64_t ldx = Kp / 2;
+      int64_t p = p0;
+      for (; p + P <= p1; p += P)
+        for (int64_t m = 0; m < M; m += 8)
+          rows_tail_bf16<P>(std::min<int64_t>(8, M - m), xq + m * ldx, ldx, w + p * Kp * kPanel, Kp, y + m * N, N, p * kPanel, N, bias);
+      for (; p < p1; ++p)
+        for (int64_t m = 0; m < M; m += 8)
+          rows_tail_bf16<1>(std::min<int64_t>(8, M - m), xq + m * ldx, ldx, w + p * Kp * kPanel, Kp, y + m * N, N, p * kPanel, N, bias);
+      return;
+    }
+  }
+#endif
   int64_t p = p0;
   for (; p + P <= p1; p += P)
     for (int64_t m = 0; m < M; m += 8)
@@ -271,9 +381,10 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const std
     const float* xp = x2.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const int64_t np = packed.size(0);
+    const bool bf16_x = bf16_activations();  // the caller's setting: read here, not in the pool's threads
     with_panels(w, [&](auto wp) {
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        panels(xp, M, K, wp, yp, n, b, 2 * g0, std::min<int64_t>(2 * g1, np));
+        panels(xp, M, K, wp, yp, n, b, 2 * g0, std::min<int64_t>(2 * g1, np), bf16_x);
       });
     });
   }
@@ -366,6 +477,7 @@ at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at:
   const float* xp = xc.data_ptr<float>();
   const int64_t* ip = idx.data_ptr<int64_t>();
   const float* wp = wts.data_ptr<float>();
+  const bool bf16_x = bf16_activations();
   std::vector<std::vector<int64_t>> pairs(E);  // pair = token * k + slot, per expert
   for (int64_t p = 0; p < T * k; ++p) {
     TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "clover_cpu::experts: expert index out of range");
@@ -378,13 +490,13 @@ at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at:
     if (!n) continue;
     xs.resize(n * H), h.resize(n * I2), a.resize(n * I), o.resize(n * H);
     for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pairs[e][r] / k) * H, H, xs.data() + r * H);
-    panels(xs.data(), n, H, gup + e * gu_stride, h.data(), I2, nullptr, 0, gu.size(1));
+    panels(xs.data(), n, H, gup + e * gu_stride, h.data(), I2, nullptr, 0, gu.size(1), bf16_x);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t j = 0; j < I; ++j) {
         const float g = h[r * I2 + j], u = h[r * I2 + I + j];
         a[r * I + j] = g / (1.f + std::exp(-g)) * u;
       }
-    panels(a.data(), n, I, dnp + e * dn_stride, o.data(), H, nullptr, 0, dn.size(1));
+    panels(a.data(), n, I, dnp + e * dn_stride, o.data(), H, nullptr, 0, dn.size(1), bf16_x);
     for (int64_t r = 0; r < n; ++r) std::copy_n(o.data() + r * H, H, out.data() + pairs[e][r] * H);
   }
   auto y = at::empty({T, H}, x.options());
@@ -432,6 +544,11 @@ bool use_amx(bool on) {
 #endif
 }
 
+bool bf16_dot() { return kBf16Dot; }
+
+// Turns bf16 activations on or off (they run only where bf16_dot()); returns the previous request.
+bool use_bf16_activations(bool on) { return bf16_requested.exchange(on); }
+
 int64_t cached_weights() {
   std::lock_guard<std::mutex> lock(cache_mutex);
   int64_t live = 0;
@@ -447,6 +564,8 @@ TORCH_LIBRARY(clover_cpu, m) {
   m.def("cached_weights() -> int", &cached_weights);
   m.def("packed_bf16(Tensor weight) -> bool", &packed_bf16);
   m.def("use_amx(bool on) -> bool", &use_amx);
+  m.def("bf16_dot() -> bool", &bf16_dot);
+  m.def("use_bf16_activations(bool on) -> bool", &use_bf16_activations);
 }
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
