@@ -44,8 +44,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--linear-dtypes", default="float32", help="linear dtypes to interleave, e.g. float32,bfloat16")
     args = p.parse_args()
-    precisions = args.linear_dtypes.split(",")
-    if any(x not in tiled.LINEAR_DTYPES for x in precisions):
+    dtypes = args.linear_dtypes.split(",")
+    if any(x not in tiled.LINEAR_DTYPES for x in dtypes):
         p.error(f"--linear-dtypes: each of {', '.join(tiled.LINEAR_DTYPES)}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load(None, "cpu")
@@ -53,7 +53,7 @@ def main() -> None:
     jobs = [(encode(tokenizer, plain_prompt(ex)), ex["budget"]) for ex in exs]
     eos = eos_ids(model, tokenizer)
     modes = {"ar": ("ar", 1, args.threshold), "low_confidence": ("low_confidence", args.block, args.threshold)}
-    settings = {(f"{name} ({x})" if len(precisions) > 1 else name): (x, s) for x in precisions for name, s in modes.items()}
+    settings = {(f"{name} ({x})" if len(dtypes) > 1 else name): (x, s) for x in dtypes for name, s in modes.items()}
 
     def score(i, ids):  # the task suite's exact match of the output's stripped first line (clover tune's)
         return tokenizer.decode(ids, skip_special_tokens=True).strip().split("\n")[0].strip() == exs[i]["answer"]
@@ -79,8 +79,8 @@ def main() -> None:
         cls.forward = timed
         try:
             for _ in range(args.rounds):
-                for name, (precision, setting) in settings.items():
-                    tiled.use_bf16_activations(precision == "bfloat16")  # read per call: no recompile
+                for name, (dtype, setting) in settings.items():
+                    tiled.use_bf16_activations(dtype == "bfloat16")  # read per call: no recompile
                     current[0], spent[name] = name, 0.0
                     r = tuning.decode_rate(model, jobs, eos, *setting, args.runner, score)
                     runs[name].append(dict(r, in_forwards=spent[name]))
@@ -98,7 +98,7 @@ def main() -> None:
         total = statistics.median(r["seconds"] for r in rs)
         fwd = statistics.median(r["in_forwards"] for r in rs)
         rows[name] = (rs[-1]["tokens"], rs[-1]["forwards"], total, fwd, rs[-1]["accuracy"])
-    first = next(iter(rows))  # ar at the first precision: every ratio is against it
+    first = next(iter(rows))  # ar with the first dtype: every ratio is against it
     ar_tokens, _, ar_total, ar_fwd, _ = rows[first]
     for name, (tokens, forwards, total, fwd, accuracy) in rows.items():
         b, t = settings[name][1][1:]
@@ -107,10 +107,10 @@ def main() -> None:
               f"{1e3 * fwd:.1f} | {1e3 * (total - fwd):.1f} | {tokens / total:.0f} | "
               f"{(tokens / total) / (ar_tokens / ar_total):.2f}x | {tokens / fwd:.0f} | "
               f"{(tokens / fwd) / (ar_tokens / ar_fwd):.2f}x |")
-    if len(precisions) > 1:
+    if len(dtypes) > 1:
         print(f"\nvs ar: against {first}. With one linear dtype, low_confidence / ar: " + ", ".join(
             f"{x} {(rows[f'low_confidence ({x})'][0] / rows[f'low_confidence ({x})'][2]) / (rows[f'ar ({x})'][0] / rows[f'ar ({x})'][2]):.2f}x"
-            for x in precisions) + ".")
+            for x in dtypes) + ".")
 
     print("\nForwards by shape, per round: columns fed (clean + draft; a compiled runner may left-pad the clean part "
           "to a graph's width, engine/runner.bucket), median ms per call\n")

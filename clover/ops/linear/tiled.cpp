@@ -44,6 +44,19 @@ constexpr int64_t kPanel = 16;
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
+// A tile's R x P accumulators (+ bias) into y's columns n0 ... (masked past N): every kernel's epilogue.
+template <int R, int P>
+inline void store_tile(const __m512 (&acc)[R][P], float* y, int64_t ldy, int64_t n0, int64_t N, const float* bias) {
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * kPanel;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, _mm512_add_ps(acc[r][p], b));
+  }
+}
+
 template <int R, int P, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
                  int64_t n0, int64_t N, const float* bias) {
@@ -80,14 +93,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
       }
     }
   }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = n0 + p * kPanel;
-    if (n >= N) break;
-    const int64_t left = N - n;
-    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, _mm512_add_ps(acc[r][p], b));
-  }
+  store_tile<R, P>(acc, y, ldy, n0, N, bias);
 }
 #else
 template <int R, int P, typename W>
@@ -109,19 +115,31 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
 }
 #endif
 
-template <int P, typename W>
-void rows_tail(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
-               int64_t n0, int64_t N, const float* bias) {
-  switch (rows) {
-    case 1: tile<1, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 2: tile<2, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 3: tile<3, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 4: tile<4, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 5: tile<5, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 6: tile<6, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    case 7: tile<7, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-    default: tile<8, P, W>(x, ldx, w, K, y, ldy, n0, N, bias); break;
-  }
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Every kernel's walk over panels [p0, p1) and M rows: groups of P panels outermost (a group stays in
+// L1 while every row tile passes over it), then single panels; row tiles of up to 8. Calls
+// fn(Int<R>, Int<panels>, m, p) with the tile's row and panel counts as compile-time constants.
+template <int P, typename Fn>
+inline void walk_tiles(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
+  const auto rows = [&](auto np, int64_t m, int64_t p) {
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: fn(Int<1>{}, np, m, p); break;
+      case 2: fn(Int<2>{}, np, m, p); break;
+      case 3: fn(Int<3>{}, np, m, p); break;
+      case 4: fn(Int<4>{}, np, m, p); break;
+      case 5: fn(Int<5>{}, np, m, p); break;
+      case 6: fn(Int<6>{}, np, m, p); break;
+      case 7: fn(Int<7>{}, np, m, p); break;
+      default: fn(Int<8>{}, np, m, p); break;
+    }
+  };
+  int64_t p = p0;
+  for (; p + P <= p1; p += P)
+    for (int64_t m = 0; m < M; m += 8) rows(Int<P>{}, m, p);
+  for (; p < p1; ++p)
+    for (int64_t m = 0; m < M; m += 8) rows(Int<1>{}, m, p);
 }
 
 #if defined(__AVX512BF16__)
@@ -145,29 +163,7 @@ inline void tile_bf16(const uint32_t* xb, int64_t ldx, const uint16_t* w, int64_
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
     }
   }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = n0 + p * kPanel;
-    if (n >= N) break;
-    const int64_t left = N - n;
-    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, _mm512_add_ps(acc[r][p], b));
-  }
-}
-
-template <int P>
-void rows_tail_bf16(int64_t rows, const uint32_t* xb, int64_t ldx, const uint16_t* w, int64_t Kp, float* y, int64_t ldy,
-                    int64_t n0, int64_t N, const float* bias) {
-  switch (rows) {
-    case 1: tile_bf16<1, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-    case 2: tile_bf16<2, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-    case 3: tile_bf16<3, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-    case 4: tile_bf16<4, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-    case 5: tile_bf16<5, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-    case 6: tile_bf16<6, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-    case 7: tile_bf16<7, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-    default: tile_bf16<8, P>(xb, ldx, w, Kp, y, ldy, n0, N, bias); break;
-  }
+  store_tile<R, P>(acc, y, ldy, n0, N, bias);
 }
 
 // x [M, K] fp32 -> [M, Kp] bf16, rounded to nearest even (a zero past an odd K).
@@ -305,8 +301,8 @@ void amx_panels(const float* x, int64_t M, int64_t K, const uint16_t* w, float* 
 }
 #endif
 
-// Panels [p0, p1) for every row: the panel group (P panels) outermost, so it stays in L1 across row tiles.
-// bf16_x: bf16 panels take x rounded to bf16 (bf16_activations(), read once per op call).
+// Panels [p0, p1) for every row (walk_tiles). bf16_x: bf16 panels take x rounded to bf16
+// (bf16_activations(), read once per op call).
 template <typename W>
 void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N, const float* bias,
             int64_t p0, int64_t p1, bool bf16_x) {
@@ -325,24 +321,16 @@ void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t 
       round_bf16(x, M, K, Kp, xb);
       const uint32_t* xq = reinterpret_cast<const uint32_t*>(xb.data());
       const int64_t ldx = Kp / 2;
-      int64_t p = p0;
-      for (; p + P <= p1; p += P)
-        for (int64_t m = 0; m < M; m += 8)
-          rows_tail_bf16<P>(std::min<int64_t>(8, M - m), xq + m * ldx, ldx, w + p * Kp * kPanel, Kp, y + m * N, N, p * kPanel, N, bias);
-      for (; p < p1; ++p)
-        for (int64_t m = 0; m < M; m += 8)
-          rows_tail_bf16<1>(std::min<int64_t>(8, M - m), xq + m * ldx, ldx, w + p * Kp * kPanel, Kp, y + m * N, N, p * kPanel, N, bias);
+      walk_tiles<P>(M, p0, p1, [&](auto r, auto np, int64_t m, int64_t p) {
+        tile_bf16<decltype(r)::value, decltype(np)::value>(xq + m * ldx, ldx, w + p * Kp * kPanel, Kp, y + m * N, N, p * kPanel, N, bias);
+      });
       return;
     }
   }
 #endif
-  int64_t p = p0;
-  for (; p + P <= p1; p += P)
-    for (int64_t m = 0; m < M; m += 8)
-      rows_tail<P, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * Kp * kPanel, K, y + m * N, N, p * kPanel, N, bias);
-  for (; p < p1; ++p)
-    for (int64_t m = 0; m < M; m += 8)
-      rows_tail<1, W>(std::min<int64_t>(8, M - m), x + m * K, K, w + p * Kp * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+  walk_tiles<P>(M, p0, p1, [&](auto r, auto np, int64_t m, int64_t p) {
+    tile<decltype(r)::value, decltype(np)::value, W>(x + m * K, K, w + p * Kp * kPanel, K, y + m * N, N, p * kPanel, N, bias);
+  });
 }
 
 // Calls fn with the panels' data as const float* or, for bf16 panels, their raw const uint16_t*.

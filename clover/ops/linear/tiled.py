@@ -153,8 +153,8 @@ def unit_lower_solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_dot() -> bool:
-    """Whether the kernels have a bf16 product (AVX512-BF16, built for this CPU): only then does
-    the fp32 matmul precision "medium" change what `clover_cpu::linear` computes."""
+    """Whether the kernels have a bf16 product (AVX512-BF16, built for this CPU): only then do bf16
+    activations (`use_bf16_activations`) change what `clover_cpu::linear` computes."""
     return bool(torch.ops.clover_cpu.bf16_dot()) if available() else False
 
 
