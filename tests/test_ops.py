@@ -178,7 +178,8 @@ def _tiled():
     return tiled
 
 
-AVX512 = "AVX512" in torch.backends.cpu.get_cpu_capability()  # where the tiled kernels keep bf16 panels
+# where the tiled kernels keep bf16 panels: their AVX-512 and AVX2 tiles widen them (the plain C++ does not)
+BF16_PANELS = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 # one and two rows (an AR step's shapes) with K of 6, 13 and 30: odd k-pair counts and an unpaired last k
@@ -199,7 +200,7 @@ def test_tiled_linear_matches_naive(shape, out, with_bias, bf16_values):
         w = w.bfloat16().float()
     b = torch.randn(out) if with_bias else None
     torch.testing.assert_close(tiled.tiled_linear(x, w, b), naive_linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert tiled.bf16_panels(w) == (bf16_values and AVX512)
+    assert tiled.bf16_panels(w) == (bf16_values and BF16_PANELS)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 10, 11, 16, 17, 21, 24, 40, 64])
@@ -207,7 +208,7 @@ def test_tiled_linear_matches_naive(shape, out, with_bias, bf16_values):
 @pytest.mark.parametrize("amx", [True, False])
 def test_bf16_panels_on_amx_and_avx512_match_naive(rows, in_features, out, amx):
     """bf16-valued weights from 6 rows run on AMX tiles where the CPU has them (x split into three
-    bf16 terms: fp32 accuracy), else on the AVX-512 tiles; both against the naive linear, batch 2."""
+    bf16 terms: fp32 accuracy), else on the AVX-512 or AVX2 tiles; both against the naive linear, batch 2."""
     from clover.ops.linear import naive_linear
 
     tiled = _tiled()
@@ -402,7 +403,7 @@ def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter, bf16_va
         down = down.bfloat16().float()
         if tokens > 32:  # and both in bf16
             gate_up = gate_up.bfloat16().float()
-        assert tiled.bf16_panels(down) == AVX512 and tiled.bf16_panels(gate_up) == (AVX512 and tokens > 32)
+        assert tiled.bf16_panels(down) == BF16_PANELS and tiled.bf16_panels(gate_up) == (BF16_PANELS and tokens > 32)
     top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(topk, dim=-1)
     want = naive_experts(x, top_idx, top_w, gate_up, down)
     torch.testing.assert_close(tiled.tiled_experts(x, top_idx, top_w, gate_up, down), want, atol=1e-5, rtol=1e-5)
@@ -444,3 +445,61 @@ def test_greedy_pick_matches_naive(shape, kernel):
         torch.testing.assert_close(probs, ref_probs, rtol=1e-6, atol=1e-7)
     everything = torch.arange(vocab)  # all ids banned: no distribution (NaN), as torch's softmax
     assert pick(logits, everything)[1].isnan().all()
+
+
+_OTHER_BUILD = r'''
+import sys, tempfile, torch
+from torch.utils.cpp_extension import load
+from clover.ops.linear import naive_linear
+from clover.ops.linear.tiled import _SOURCE
+from clover.ops.moe import naive_experts
+
+march, want = sys.argv[1], sys.argv[2]
+load(name="clover_cpu_ops_" + march.replace("-", "_"), sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=" + march],
+     build_directory=tempfile.mkdtemp(), is_python_module=False, verbose=False)
+assert torch.ops.clover_cpu.simd() == want, torch.ops.clover_cpu.simd()
+torch.manual_seed(0)
+with torch.no_grad():
+    for rows in (1, 2, 3, 4, 5, 7, 9, 17):
+        for k, n in ((6, 5), (13, 777), (30, 16), (256, 40), (129, 33)):
+            for bf16_values in (False, True):
+                x, w, b = torch.randn(2, rows, k), torch.randn(n, k) / k**0.5, torch.randn(n)
+                if bf16_values:
+                    w = w.bfloat16().float()
+                got = torch.ops.clover_cpu.linear(x, w, b if rows % 2 else None)
+                torch.testing.assert_close(got, naive_linear(x, w, b if rows % 2 else None), rtol=1e-5, atol=1e-5)
+                assert bool(torch.ops.clover_cpu.packed_bf16(w)) == (bf16_values and want != "none")
+    x, gate_up, down = torch.randn(11, 24), torch.randn(6, 2 * 20, 24) / 5, torch.randn(6, 24, 20).bfloat16().float() / 5
+    top_w, top_idx = torch.softmax(torch.randn(11, 6), -1).topk(2, dim=-1)
+    torch.testing.assert_close(torch.ops.clover_cpu.experts(x, top_idx, top_w, gate_up, down),
+                               naive_experts(x, top_idx, top_w, gate_up, down), rtol=1e-5, atol=1e-5)
+print("ok")
+'''
+
+
+@pytest.mark.parametrize("march,want", [("x86-64-v3", "avx2"), ("x86-64-v2", "none")])
+def test_tiled_kernels_built_for_other_cpus_match_naive(march, want, tmp_path):
+    """The kernels as a CPU without AVX-512 builds them (-march=native there): AVX2 + FMA tiles
+    (x86-64-v3: 4 rows x 1 panel of two 8-float halves, bf16 panels widened) and the plain C++ of an
+    older CPU (x86-64-v2: fp32 panels). Built in a child process (the op library has one home per
+    process) and checked against the naive linear and experts: odd K, rows of 1-17, batch 2."""
+    import subprocess
+    import sys
+
+    tiled = _tiled()
+    if want == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU cannot run AVX2 code")
+    script = tmp_path / "other_build.py"
+    script.write_text(_OTHER_BUILD)
+    out = subprocess.run([sys.executable, str(script), march, want], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    assert tiled.simd() in ("avx512", "avx2", "none")
+
+
+def test_tiled_linears_are_routed_only_with_vector_tiles():
+    tiled = _tiled()
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):  # -march=native: the build follows this CPU
+        assert tiled.simd() == cap.lower()
+    assert tiled.worth_routing(torch.randn(8, 8)) == (tiled.simd() != "none")
+    assert not tiled.worth_routing(torch.randn(8, 8, dtype=torch.float64))

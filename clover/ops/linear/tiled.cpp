@@ -13,8 +13,10 @@
 // Each tile is R rows x P panels held in R*P vector accumulators; for every k it loads P panel
 // vectors and FMAs each with the broadcast x[r, k]. A panel pair (2 x K x 16 floats, 32 KB at
 // K = 256) stays in L1 while every row tile passes over it, so the weight is read from memory once
-// per call whatever the row count. AVX-512 where the compiler targets it, else plain C++ that the
-// compiler may vectorise.
+// per call whatever the row count. AVX-512 where the compiler targets it; AVX2 + FMA (16 registers
+// of 8 floats: a panel is two halves, tiles of up to 4 rows x 1 panel so no accumulator spills);
+// else plain C++ that the compiler may vectorise (fp32 panels only). The plain C++ was 5-8x slower
+// than torch's linear on an AVX2-only AMD EPYC (Zen 3): routing there needs the AVX2 tiles.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <mutex>
+#include <string>
 #include <vector>
 #include <unordered_map>
 
@@ -30,6 +33,14 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define CLOVER_BF16_PANELS 1  // the tiles can widen bf16 panels
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CLOVER_AVX2 1
+#ifndef CLOVER_TILE_R
+#define CLOVER_TILE_R 4
+#endif
+#define CLOVER_BF16_PANELS 1
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define CLOVER_AMX 1
@@ -95,6 +106,70 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
   }
   store_tile<R, P>(acc, y, ldy, n0, N, bias);
 }
+#elif defined(CLOVER_AVX2)
+// A tile's R x P x 2 half-panel accumulators (+ bias) into y's columns n0 ... (masked past N).
+template <int R, int P>
+inline void store_tile(const __m256 (&acc)[R][P][2], float* y, int64_t ldy, int64_t n0, int64_t N, const float* bias) {
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + p * kPanel + 8 * h;
+      if (n >= N) return;
+      const int64_t left = N - n;
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 b = bias ? _mm256_maskload_ps(bias + n, m) : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * ldy + n, m, _mm256_add_ps(acc[r][p][h], b));
+    }
+}
+
+template <int R, int P, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
+                 int64_t n0, int64_t N, const float* bias) {
+  __m256 acc[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  if constexpr (std::is_same_v<W, uint16_t>) {  // k pairs: 8 columns' (k, k + 1) per load, both widened exactly
+    // k's products, then k + 1's: one broadcast live at a time, so the R*P*2 accumulators, the P*2
+    // loaded pairs and the mask fit in the 16 registers (broadcasting all of a pair's x first spilled)
+    const int64_t Kp = K + (K & 1);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const auto pair = [&](int64_t k, auto odd) {  // odd: k + 1 < K (else the pad row, zero: skipped)
+      __m256i v[P][2];
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < 2; ++h)
+          v[p][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p * Kp + k) * kPanel + 16 * h));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < 2; ++h)
+            acc[r][p][h] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_slli_epi32(v[p][h], 16)), acc[r][p][h]);
+      }
+      if constexpr (decltype(odd)::value) {
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k + 1);
+          for (int p = 0; p < P; ++p)
+            for (int h = 0; h < 2; ++h)
+              acc[r][p][h] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_and_si256(v[p][h], high)), acc[r][p][h]);
+        }
+      }
+    };
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) pair(k, std::true_type{});
+    if (k < K) pair(k, std::false_type{});
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 wv[P][2];
+      for (int p = 0; p < P; ++p)
+        for (int h = 0; h < 2; ++h) wv[p][h] = _mm256_loadu_ps(w + (p * K + k) * kPanel + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < 2; ++h) acc[r][p][h] = _mm256_fmadd_ps(xv, wv[p][h], acc[r][p][h]);
+      }
+    }
+  }
+  store_tile<R, P>(acc, y, ldy, n0, N, bias);
+}
 #else
 template <int R, int P, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
@@ -119,27 +194,31 @@ template <int V>
 using Int = std::integral_constant<int, V>;
 
 // Every kernel's walk over panels [p0, p1) and M rows: groups of P panels outermost (a group stays in
-// L1 while every row tile passes over it), then single panels; row tiles of up to 8. Calls
+// L1 while every row tile passes over it), then single panels; row tiles of up to MaxR (8 or 4). Calls
 // fn(Int<R>, Int<panels>, m, p) with the tile's row and panel counts as compile-time constants.
-template <int P, typename Fn>
+template <int P, int MaxR = 8, typename Fn>
 inline void walk_tiles(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
+  static_assert(MaxR >= 1 && MaxR <= 8);
   const auto rows = [&](auto np, int64_t m, int64_t p) {
-    switch (std::min<int64_t>(8, M - m)) {
-      case 1: fn(Int<1>{}, np, m, p); break;
-      case 2: fn(Int<2>{}, np, m, p); break;
-      case 3: fn(Int<3>{}, np, m, p); break;
-      case 4: fn(Int<4>{}, np, m, p); break;
-      case 5: fn(Int<5>{}, np, m, p); break;
-      case 6: fn(Int<6>{}, np, m, p); break;
-      case 7: fn(Int<7>{}, np, m, p); break;
-      default: fn(Int<8>{}, np, m, p); break;
+    const auto one = [&](auto r) {
+      if constexpr (decltype(r)::value <= MaxR) fn(r, np, m, p);
+    };
+    switch (std::min<int64_t>(MaxR, M - m)) {
+      case 1: one(Int<1>{}); break;
+      case 2: one(Int<2>{}); break;
+      case 3: one(Int<3>{}); break;
+      case 4: one(Int<4>{}); break;
+      case 5: one(Int<5>{}); break;
+      case 6: one(Int<6>{}); break;
+      case 7: one(Int<7>{}); break;
+      default: one(Int<8>{}); break;
     }
   };
   int64_t p = p0;
   for (; p + P <= p1; p += P)
-    for (int64_t m = 0; m < M; m += 8) rows(Int<P>{}, m, p);
+    for (int64_t m = 0; m < M; m += MaxR) rows(Int<P>{}, m, p);
   for (; p < p1; ++p)
-    for (int64_t m = 0; m < M; m += 8) rows(Int<1>{}, m, p);
+    for (int64_t m = 0; m < M; m += MaxR) rows(Int<1>{}, m, p);
 }
 
 #if defined(__AVX512BF16__)
@@ -328,7 +407,12 @@ void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t 
     }
   }
 #endif
-  walk_tiles<P>(M, p0, p1, [&](auto r, auto np, int64_t m, int64_t p) {
+#if defined(CLOVER_AVX2)
+  constexpr int kTileP = 1, kTileR = CLOVER_TILE_R;  // 8 accumulators of 16 registers
+#else
+  constexpr int kTileP = P, kTileR = 8;
+#endif
+  walk_tiles<kTileP, kTileR>(M, p0, p1, [&](auto r, auto np, int64_t m, int64_t p) {
     tile<decltype(r)::value, decltype(np)::value, W>(x + m * K, K, w + p * Kp * kPanel, K, y + m * N, N, p * kPanel, N, bias);
   });
 }
@@ -392,7 +476,7 @@ at::Tensor pack(const at::Tensor& w) {
   auto view_sizes = lead;
   for (int64_t d : {np, kPanel, K}) view_sizes.push_back(d);
   auto packed = padded.view(view_sizes).transpose(-2, -1).contiguous();
-#if defined(__AVX512F__)
+#if defined(CLOVER_BF16_PANELS)
   // Weights that are bf16 values held in fp32 (a bf16 checkpoint loaded as fp32, as the shipped
   // models are) keep their panels in bf16: half the bytes a call reads, widened exactly on load, so
   // the products and their order are those of the fp32 panels. Laid out in k pairs (see the top).
@@ -534,6 +618,18 @@ bool use_amx(bool on) {
 
 bool bf16_dot() { return kBf16Dot; }
 
+// The vector tiles this build runs: "avx512", "avx2" (+ FMA) or "none" (the plain C++, which only
+// a compiler's auto-vectorisation speeds up: not worth routing a linear to, tiled.worth_routing).
+std::string simd() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(CLOVER_AVX2)
+  return "avx2";
+#else
+  return "none";
+#endif
+}
+
 // Turns bf16 activations on or off (they run only where bf16_dot()); returns the previous request.
 bool use_bf16_activations(bool on) { return bf16_requested.exchange(on); }
 
@@ -553,6 +649,7 @@ TORCH_LIBRARY(clover_cpu, m) {
   m.def("packed_bf16(Tensor weight) -> bool", &packed_bf16);
   m.def("use_amx(bool on) -> bool", &use_amx);
   m.def("bf16_dot() -> bool", &bf16_dot);
+  m.def("simd() -> str", &simd);
   m.def("use_bf16_activations(bool on) -> bool", &use_bf16_activations);
 }
 

@@ -16,6 +16,14 @@ accuracy (tests: within 1e-6 of the summed |products| of an fp64 reference) at 0
 time from 8 rows (bench/linear.py); `use_amx(False)` turns it off. The compiled CPU runner routes its graphs' fp32 linears here
 (engine/runner.route_linears); eager never does.
 
+CPUs without AVX-512 (AMD Zen 3, Intel before Ice Lake) build AVX2 + FMA tiles: 16 registers of 8
+floats, so a panel is two halves and a tile is at most 4 rows x 1 panel (8 accumulators; 6 rows
+spill and ran 1.6x slower); bf16 panels are widened by a shift and a mask. On an AVX2-only AMD
+EPYC at the default model's dims that is 0.5-0.85x MKL's time at 1-8 rows, about even at 16 and
+1.15x at 32 (bench/linear.py). Before these tiles such a CPU ran the plain C++ loops (what a CPU
+with neither still builds), 5-8x MKL's time: `worth_routing` now routes only where `simd()` names
+vector tiles.
+
 bf16 activations (opt-in: `use_bf16_activations(True)`, `CLOVER_LINEAR_DTYPE=bfloat16`, `--linear-dtype
 bfloat16` on the CLI): bf16 panels take x rounded to bf16, as llama.cpp's bf16 matmuls do, on
 AVX512-BF16's vdpbf16ps (32 products an instruction where the exact tile does 16, no widening) and,
@@ -77,6 +85,7 @@ def _load() -> bool:
         return False
 
     torch.ops.clover_cpu.use_bf16_activations(_state["bf16_x"])
+    _state["simd"] = str(torch.ops.clover_cpu.simd())
 
     @torch.library.register_fake("clover_cpu::linear")
     def _(x, weight, bias=None):
@@ -102,8 +111,15 @@ def _fp32_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def worth_routing(weight: torch.Tensor) -> bool:
-    """A 2-D fp32 CPU weight, the op built: every row count runs at least as fast tiled (bench/linear.py)."""
-    return weight.dim() == 2 and _fp32_cpu(weight) and available()
+    """A 2-D fp32 CPU weight, the op built with vector tiles (`simd()`): every row count of a decode step
+    runs at least as fast tiled (bench/linear.py); the plain C++ build would not (5-8x torch's time)."""
+    return weight.dim() == 2 and _fp32_cpu(weight) and simd() != "none"
+
+
+def simd() -> str:
+    """The vector tiles the op was built with for this CPU: "avx512", "avx2" (with FMA), or "none" (plain
+    C++, or the op not built)."""
+    return _state["simd"] if available() else "none"  # read once when built: dynamo traces through callers
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,8 +130,9 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def experts_fit(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """Whether `tiled_experts` takes these: fp32 CPU activations and experts, the op built."""
-    return _fp32_cpu(x, gate_up) and available()
+    """Whether `tiled_experts` takes these and is worth it: fp32 CPU activations and experts, the op
+    built with vector tiles (`simd()`)."""
+    return _fp32_cpu(x, gate_up) and simd() != "none"
 
 
 def solve_fits(system, rhs) -> bool:
@@ -135,7 +152,8 @@ def tiled_experts(x, top_idx, top_w, gate_up, down) -> torch.Tensor:
 
 def bf16_panels(weight: torch.Tensor) -> bool:
     """Whether the op keeps `weight` (a linear's, or a stack of experts') in bf16 panels: its values
-    are all bf16 numbers (a bf16 checkpoint loaded as fp32) and the kernels are AVX-512; packs it now."""
+    are all bf16 numbers (a bf16 checkpoint loaded as fp32) and the kernels have vector tiles (AVX-512 or
+    AVX2, `simd()`); packs it now."""
     return _fp32_cpu(weight) and available() and bool(torch.ops.clover_cpu.packed_bf16(weight))
 
 
