@@ -3,8 +3,8 @@
 // token's softmax probability over the same ids, 1 / sum_v exp(l_v - max). naive.py is the spec
 // (softmax with the banned ids at -inf, argmax, gather); the fill policies scored by probability
 // (low_confidence, topk) need nothing else. Three passes over a row held in L1 (max, first index of
-// the max, sum of exponentials) on 16-float vectors (GCC/Clang vector extensions: AVX-512, or AVX2
-// halves), with Cephes' expf polynomial (~1 ulp): ~20 us for 8 x 4096 (1 thread) where inductor's softmax +
+// the max, sum of exponentials) on vector-register values (GCC/Clang vector extensions: 16 floats on AVX-512, 8 on
+// AVX2), with Cephes' expf polynomial (~1 ulp): ~20 us for 8 x 4096 (1 thread) where inductor's softmax +
 // argmax + gather took ~90 us, torch's eager softmax + argmax + gather ~85 us and its max + exp-sum ~45 us.
 // Rows run in parallel (at::parallel_for).
 // Bound into the extension ops/linear/tiled.py builds (clover_cpu_ops).
@@ -22,10 +22,16 @@
 
 namespace {
 
-// 16 floats as one value (GCC/Clang vector extension): AVX-512 registers, or two AVX2 ones
-typedef float f16v __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
+// One vector register of floats as one value (GCC/Clang vector extension): 16 lanes on AVX-512, else
+// 8 (AVX2). 16-float values on an AVX2 build were split into halves through memory: 4 x 4096 took
+// ~86 us on an AVX2-only AMD EPYC, ~4x the time of 8-lane values.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float f16v __attribute__((vector_size(4 * kLanes)));
+typedef int32_t i16v __attribute__((vector_size(4 * kLanes)));
 
 inline f16v load(const float* p) {
   f16v v;
