@@ -89,6 +89,17 @@ def check_equal(model, mode, prompts, late=()):
             assert warm.replayed_calls == warm.compiled_calls
 
 
+def test_prompt_chunks_cut_from_longer_prompts_replay(model):
+    """A prompt chunk is a slice of its prompt's row, so a longer prompt hands the same chunk shapes
+    with another row stride: they must still replay the graphs made for the shorter one (no dynamo
+    call, no new graph)."""
+    decode(model, "compiled", "ar", [[5, 9, 2, 7, 7, 1, 3, 11, 4, 6]], budgets=(3,))
+    before = graphs()
+    _, _, warm = decode(model, "compiled", "ar", [[8, 3, 30, 2, 6, 1, 1, 4, 9, 12, 5, 2, 7, 3]], budgets=(3,))
+    assert graphs() == before
+    assert warm.replayed_calls == warm.compiled_calls > 0
+
+
 def test_compiled_ar_equals_eager_batch(model):
     check_equal(model, "ar", [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]])
 

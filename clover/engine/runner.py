@@ -331,6 +331,7 @@ class CompiledRunner(EagerRunner):
         call = dict(block_size=block_size, draft_len=draft_len, clean_block_size=clean_block_size, pad=pad, keep=keep,
                     index=index)
         num_clean = ids.shape[1] - draft_len
+        ids, pad = _dense(ids), _dense(pad)
         steady = cache is not None and is_steady(num_clean, ids.shape[1])
         given = ids  # bucket pads `ids`; the eager fallbacks run the call as given
         if cache is not None and not steady and (padded := bucket(ids, pad, num_clean)) is not None:
@@ -372,6 +373,24 @@ class CompiledRunner(EagerRunner):
 
 _replays: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: Replay or None}
 _graphs_full: "weakref.WeakSet" = weakref.WeakSet()  # models whose step hit dynamo's recompile limit: new shapes run eagerly
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` with the strides of a new tensor of its shape. A graph and its Replay are made for the
+    strides they were called with, and a slice of a wider tensor (a prompt chunk) keeps its row
+    stride even at one row, so the same shape came with other strides and went through dynamo's
+    guards instead of its Replay (~60 AR calls in the task prompts' decode)."""
+    if t is None or t.stride() == _contiguous_strides(t.shape):
+        return t
+    return t.new_empty(t.shape).copy_(t)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block) -> tuple:
