@@ -2,7 +2,7 @@
 oneDNN on a weight packed once (torch.ops.mkldnn, the other library kernel torch ships) and
 `clover_cpu::linear` (clover/ops/linear/tiled.py, what compiled graphs route to where
 `worth_routing` says so), on fp32 weights and on weights whose values are all bf16 (a bf16
-checkpoint loaded as fp32, as the shipped models: bf16 panels, AVX-512 tiles or, from 6 rows on
+checkpoint loaded as fp32, as the shipped models: bf16 panels, AVX-512 or AVX2 tiles or, from 6 rows on
 CPUs with AMX, AMX tiles on x split into three bf16 terms). Outputs are checked against the naive
 reference first. Thread CPU time, all timed alternately (each call finds its weight in the caches:
 the hot case); the two bf16-panel columns each switch AMX on or off before their call (`use_amx`).
@@ -45,9 +45,9 @@ def main() -> None:
     print(f"`python bench/linear.py --threads {args.threads} --rows {args.rows}` (torch {torch.__version__}, "
           f"{args.threads} thread(s); microseconds per call, thread CPU time, median)\n")
     amx = tiled.use_amx(True)
-    print(f"AMX tiles {'in use' if amx else 'not available'} for bf16 panels\n")
+    print(f"Vector tiles: {tiled.simd()}; AMX tiles {'in use' if amx else 'not available'} for bf16 panels\n")
     print("| projection | out x in | rows | F.linear (MKL) | oneDNN packed | tiled | tiled / F.linear | tiled / oneDNN "
-          "| bf16 panels, AVX-512 | bf16 panels, AMX | AMX / AVX-512 | routed when compiled | max abs diff vs naive |")
+          f"| bf16 panels, {tiled.simd()} | bf16 panels, AMX | AMX / {tiled.simd()} | routed when compiled | max abs diff vs naive |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     torch.manual_seed(0)
 
