@@ -37,9 +37,6 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define CLOVER_AVX2 1
-#ifndef CLOVER_TILE_R
-#define CLOVER_TILE_R 4
-#endif
 #define CLOVER_BF16_PANELS 1
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -408,7 +405,7 @@ void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t 
   }
 #endif
 #if defined(CLOVER_AVX2)
-  constexpr int kTileP = 1, kTileR = CLOVER_TILE_R;  // 8 accumulators of 16 registers
+  constexpr int kTileP = 1, kTileR = 4;  // 8 accumulators of the 16 registers (6 rows spilled)
 #else
   constexpr int kTileP = P, kTileR = 8;
 #endif
