@@ -460,15 +460,20 @@ load(name="clover_cpu_ops_" + march.replace("-", "_"), sources=[str(_SOURCE)], e
 assert torch.ops.clover_cpu.simd() == want, torch.ops.clover_cpu.simd()
 torch.manual_seed(0)
 with torch.no_grad():
-    for rows in (1, 2, 3, 4, 5, 7, 9, 17):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17):
         for k, n in ((6, 5), (13, 777), (30, 16), (256, 40), (129, 33)):
             for bf16_values in (False, True):
                 x, w, b = torch.randn(2, rows, k), torch.randn(n, k) / k**0.5, torch.randn(n)
                 if bf16_values:
                     w = w.bfloat16().float()
-                got = torch.ops.clover_cpu.linear(x, w, b if rows % 2 else None)
-                torch.testing.assert_close(got, naive_linear(x, w, b if rows % 2 else None), rtol=1e-5, atol=1e-5)
+                bias = b if rows % 2 else None
+                got = torch.ops.clover_cpu.linear(x, w, bias)
+                torch.testing.assert_close(got, naive_linear(x, w, bias), rtol=1e-5, atol=1e-5)
                 assert bool(torch.ops.clover_cpu.packed_bf16(w)) == (bf16_values and want != "none")
+                # a row's result is the same bits whatever rows share its call (tile shapes differ)
+                for r in {0, rows - 1, 2 * rows - 1}:
+                    alone = torch.ops.clover_cpu.linear(x.reshape(-1, k)[r:r + 1], w, bias)
+                    assert torch.equal(alone[0], got.reshape(-1, n)[r]), (rows, k, n, bf16_values, r)
     x, gate_up, down = torch.randn(11, 24), torch.randn(6, 2 * 20, 24) / 5, torch.randn(6, 24, 20).bfloat16().float() / 5
     top_w, top_idx = torch.softmax(torch.randn(11, 6), -1).topk(2, dim=-1)
     torch.testing.assert_close(torch.ops.clover_cpu.experts(x, top_idx, top_w, gate_up, down),
@@ -480,9 +485,10 @@ print("ok")
 @pytest.mark.parametrize("march,want", [("x86-64-v3", "avx2"), ("x86-64-v2", "none")])
 def test_tiled_kernels_built_for_other_cpus_match_naive(march, want, tmp_path):
     """The kernels as a CPU without AVX-512 builds them (-march=native there): AVX2 + FMA tiles
-    (x86-64-v3: 4 rows x 1 panel of two 8-float halves, bf16 panels widened) and the plain C++ of an
-    older CPU (x86-64-v2: fp32 panels). Built in a child process (the op library has one home per
-    process) and checked against the naive linear and experts: odd K, rows of 1-17, batch 2."""
+    (x86-64-v3: 1 row x 4 panels, 2 x 2, up to 4 rows x 1 panel of two 8-float halves, bf16 panels
+    widened) and the plain C++ of an older CPU (x86-64-v2: fp32 panels). Built in a child process (the
+    op library has one home per process) and checked against the naive linear and experts: odd K,
+    partial panels, rows of 1-17, batch 2; and a row alone gives the bits it gives among others."""
     import subprocess
     import sys
 

@@ -112,52 +112,101 @@ inline void store_tile(const __m256 (&acc)[R][P][2], float* y, int64_t ldy, int6
       const int64_t n = n0 + p * kPanel + 8 * h;
       if (n >= N) return;
       const int64_t left = N - n;
-      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      const __m256 b = bias ? _mm256_maskload_ps(bias + n, m) : _mm256_setzero_ps();
-      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * ldy + n, m, _mm256_add_ps(acc[r][p][h], b));
+      if (left >= 8) {
+        const __m256 b = bias ? _mm256_loadu_ps(bias + n) : _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + n, _mm256_add_ps(acc[r][p][h], b));
+      } else {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 b = bias ? _mm256_maskload_ps(bias + n, m) : _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * ldy + n, m, _mm256_add_ps(acc[r][p][h], b));
+      }
     }
 }
 
+// Keeps a loaded panel half in a register: without it GCC folds the load into every row's FMA (a
+// 256-bit load per FMA), and the fp32 tiles ran at half the FMA rate (load-bound). One row reuses
+// nothing, so there the folded loads are the right code.
+template <int R>
+inline void in_register(__m256& v) {
+  if constexpr (R > 1) asm("" : "+x"(v));
+}
+
+// R rows x P panels, R*P*2 <= 8 accumulators (walk_avx2 picks the shape). Every output is the same
+// chain of FMAs in k order whatever the tile's shape, so a row's result does not depend on the rows
+// or panels it shares a call with. GCC's register allocation decides the speed here, and small changes
+// upset it (bench/linear.py, 4+ rows, bf16 panels: 88 GFLOP/s as written, 44 with any of these: the
+// tile inlined into the walk, lambdas over the accumulators, an odd-K tail after the pair loop; each
+// kept the accumulators on the stack, stored on every k). Hence noinline and the plain loops.
 template <int R, int P, typename W>
-inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy,
+__attribute__((noinline)) void tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t K, float* y, int64_t ldy,
                  int64_t n0, int64_t N, const float* bias) {
   __m256 acc[R][P][2];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
-  if constexpr (std::is_same_v<W, uint16_t>) {  // k pairs: 8 columns' (k, k + 1) per load, both widened exactly
-    // k's products, then k + 1's: one broadcast live at a time, so the R*P*2 accumulators, the P*2
-    // loaded pairs and the mask fit in the 16 registers (broadcasting all of a pair's x first spilled)
+  if constexpr (std::is_same_v<W, uint16_t> && R > 2) {  // k pairs: 8 columns' (k, k + 1) per load, both widened exactly
     const int64_t Kp = K + (K & 1);
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    const auto pair = [&](int64_t k, auto odd) {  // odd: k + 1 < K (else the pad row, zero: skipped)
-      __m256i v[P][2];
-      for (int p = 0; p < P; ++p)
-        for (int h = 0; h < 2; ++h)
-          v[p][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p * Kp + k) * kPanel + 16 * h));
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+    const auto half = [&](int p, int h, int64_t k) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p * Kp + k) * kPanel + 16 * h));
+    };
+    for (int64_t k = 0; k < K; k += 2) {
+      {  // k's weights: the low halves shifted up
+        __m256 wv[P][2];
         for (int p = 0; p < P; ++p)
-          for (int h = 0; h < 2; ++h)
-            acc[r][p][h] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_slli_epi32(v[p][h], 16)), acc[r][p][h]);
+          for (int h = 0; h < 2; ++h) wv[p][h] = _mm256_castsi256_ps(_mm256_slli_epi32(half(p, h, k), 16));
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+          for (int p = 0; p < P; ++p)
+            for (int h = 0; h < 2; ++h) acc[r][p][h] = _mm256_fmadd_ps(xv, wv[p][h], acc[r][p][h]);
+        }
       }
-      if constexpr (decltype(odd)::value) {
+      // k + 1's: the high halves, loaded again (from L1) rather than held, so nothing spills. An odd
+      // K's last pair holds a zero pad row: skipped. (The test is in the loop: a tail after it made
+      // GCC store every accumulator to the stack on every pair, at half the speed.)
+      if (k + 1 < K) {
+        const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+        __m256 wv[P][2];
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < 2; ++h) wv[p][h] = _mm256_and_ps(_mm256_castsi256_ps(half(p, h, k)), high);
         for (int r = 0; r < R; ++r) {
           const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k + 1);
           for (int p = 0; p < P; ++p)
-            for (int h = 0; h < 2; ++h)
-              acc[r][p][h] = _mm256_fmadd_ps(xv, _mm256_castsi256_ps(_mm256_and_si256(v[p][h], high)), acc[r][p][h]);
+            for (int h = 0; h < 2; ++h) acc[r][p][h] = _mm256_fmadd_ps(xv, wv[p][h], acc[r][p][h]);
         }
       }
-    };
-    int64_t k = 0;
-    for (; k + 1 < K; k += 2) pair(k, std::true_type{});
-    if (k < K) pair(k, std::false_type{});
+    }
+  } else if constexpr (R <= 2) {  // 1 row x 4 panels, 2 rows x 2: each half in turn (holding every
+    // panel's halves at once, as below, spilled: GCC merged a bf16 half's two loads and kept both forms)
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      const int64_t Kp = K + (K & 1);
+      const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+      for (int64_t k = 0; k < K; k += 2) {
+        const bool odd = k + 1 < K;  // else the pad row: skipped
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p * Kp + k) * kPanel + 16 * h));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            for (int r = 0; r < R; ++r) {
+              acc[r][p][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + k), we, acc[r][p][h]);
+              if (odd) acc[r][p][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + k + 1), wo, acc[r][p][h]);
+            }
+          }
+      }
+    } else {
+      for (int64_t k = 0; k < K; ++k)
+        for (int p = 0; p < P; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256 wv = _mm256_loadu_ps(w + (p * K + k) * kPanel + 8 * h);
+            for (int r = 0; r < R; ++r) acc[r][p][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + k), wv, acc[r][p][h]);
+          }
+    }
   } else {
     for (int64_t k = 0; k < K; ++k) {
       __m256 wv[P][2];
       for (int p = 0; p < P; ++p)
-        for (int h = 0; h < 2; ++h) wv[p][h] = _mm256_loadu_ps(w + (p * K + k) * kPanel + 8 * h);
+        for (int h = 0; h < 2; ++h) {
+          wv[p][h] = _mm256_loadu_ps(w + (p * K + k) * kPanel + 8 * h);
+          in_register<R>(wv[p][h]);
+        }
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
         for (int p = 0; p < P; ++p)
@@ -217,6 +266,40 @@ inline void walk_tiles(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
   for (; p < p1; ++p)
     for (int64_t m = 0; m < M; m += MaxR) rows(Int<1>{}, m, p);
 }
+
+#if defined(CLOVER_AVX2)
+// The AVX2 tiles' walk: 8 accumulators of the 16 registers in every shape (12 spilled: 1.5x slower),
+// enough independent FMA chains to keep both FMA pipes busy (a chain waits 4 cycles per FMA). One
+// row: 4 panels a tile; two rows: 2 panels; more: single panels under row tiles of up to 4 rows,
+// split evenly (6 rows as 3 + 3, not 4 + 2). On an AMD EPYC (Zen 3), K = 256: 40-95 GFLOP/s from 1
+// to 64 rows, where 4-row tiles alone ran 11 (1 row) to 45 (bench/linear.py).
+template <typename W, typename Fn>
+inline void walk_avx2(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
+  const auto by_panels = [&](auto np, auto&& rows) {
+    int64_t p = p0;
+    for (; p + decltype(np)::value <= p1; p += decltype(np)::value) rows(np, p);
+    for (; p < p1; ++p) rows(Int<1>{}, p);
+  };
+  if (M == 1) return by_panels(Int<4>{}, [&](auto np, int64_t p) { fn(Int<1>{}, np, 0, p); });
+  if (M == 2) {  // fp32 panels: 1 panel (2 x 2 ran 0.7x as fast)
+    constexpr int kP = std::is_same_v<W, uint16_t> ? 2 : 1;
+    return by_panels(Int<kP>{}, [&](auto np, int64_t p) { fn(Int<2>{}, np, 0, p); });
+  }
+  const int64_t tiles = (M + 3) / 4;
+  by_panels(Int<1>{}, [&](auto np, int64_t p) {
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+      const int64_t r = (M - m + tiles - t - 1) / (tiles - t);  // the rows left, shared evenly
+      switch (r) {
+        case 1: fn(Int<1>{}, np, m, p); break;
+        case 2: fn(Int<2>{}, np, m, p); break;
+        case 3: fn(Int<3>{}, np, m, p); break;
+        default: fn(Int<4>{}, np, m, p); break;
+      }
+      m += r;
+    }
+  });
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // bf16 activations (clover_cpu::use_bf16_activations, see bf16_activations below): x rounded
@@ -404,14 +487,14 @@ void panels(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t 
     }
   }
 #endif
-#if defined(CLOVER_AVX2)
-  constexpr int kTileP = 1, kTileR = 4;  // 8 accumulators of the 16 registers (6 rows spilled)
-#else
-  constexpr int kTileP = P, kTileR = 8;
-#endif
-  walk_tiles<kTileP, kTileR>(M, p0, p1, [&](auto r, auto np, int64_t m, int64_t p) {
+  const auto run = [&](auto r, auto np, int64_t m, int64_t p) {
     tile<decltype(r)::value, decltype(np)::value, W>(x + m * K, K, w + p * Kp * kPanel, K, y + m * N, N, p * kPanel, N, bias);
-  });
+  };
+#if defined(CLOVER_AVX2)
+  walk_avx2<W>(M, p0, p1, run);
+#else
+  walk_tiles<P>(M, p0, p1, run);
+#endif
 }
 
 // Calls fn with the panels' data as const float* or, for bf16 panels, their raw const uint16_t*.
