@@ -17,12 +17,15 @@ time from 8 rows (bench/linear.py); `use_amx(False)` turns it off. The compiled 
 (engine/runner.route_linears); eager never does.
 
 CPUs without AVX-512 (AMD Zen 3, Intel before Ice Lake) build AVX2 + FMA tiles: 16 registers of 8
-floats, so a panel is two halves and a tile is at most 4 rows x 1 panel (8 accumulators; 6 rows
-spill and ran 1.6x slower); bf16 panels are widened by a shift and a mask. On an AVX2-only AMD
-EPYC at the default model's dims that is 0.5-0.85x MKL's time at 1-8 rows, about even at 16 and
-1.15x at 32 (bench/linear.py). Before these tiles such a CPU ran the plain C++ loops (what a CPU
-with neither still builds), 5-8x MKL's time: `worth_routing` now routes only where `simd()` names
-vector tiles.
+floats, so a panel is two halves and every tile holds 8 accumulators, enough independent FMA chains
+for both FMA pipes (12 spilled): 1 row x 4 panels, 2 rows x 2, or up to 4 rows x 1 panel, row tiles
+split evenly; bf16 panels are widened by a shift and a mask. Standalone, K = 256, an AMD EPYC (Zen
+3): 40-95 GFLOP/s from 1 to 64 rows (fp32 GEMM peak ~93), where 4 x 1 tiles for every row count ran
+11 (1 row) to 45; per call at the default model's dims, 0.4-0.9x MKL's time from 2 to 32 rows,
+about even at 1 and 64 (bench/linear.py, fp32 panels; bf16 panels a little faster). Every output is one FMA chain
+in k order whatever the tile, so a row's result does not depend on the rows it shares a call with.
+Before these tiles such a CPU ran the plain C++ loops (what a CPU with neither still builds), 5-8x
+MKL's time: `worth_routing` routes only where `simd()` names vector tiles.
 
 bf16 activations (opt-in: `use_bf16_activations(True)`, `CLOVER_LINEAR_DTYPE=bfloat16`, `--linear-dtype
 bfloat16` on the CLI): bf16 panels take x rounded to bf16, as llama.cpp's bf16 matmuls do, on
