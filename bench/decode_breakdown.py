@@ -17,10 +17,9 @@ activations where the CPU multiplies bf16, ops/linear/tiled.py), all four decode
 round. Every row has its task accuracy (exact match, as `clover tune` scores it).
 
 The last table puts each mode at the hardware's floor: every forward costs max(weight bytes it reads /
-measured copy bandwidth, weight FLOPs / measured fp32 GEMM rate) (bench/step.py's floor, counted per
-forward: every column runs the layers, the last layer's output projection, MLP and the head run only
-for the columns whose logits are kept; experts read in the share their tokens can route to), with no
-host work. Block diffusion wins where a forward's cost hardly grows with its columns; the floor says
+measured copy bandwidth, weight FLOPs / measured fp32 GEMM rate) (bench/step.py's forward_floor:
+every column runs the layers, the last layer's output projection, MLP and the head run only for the
+columns whose logits are kept; experts read in the share their tokens can route to), with no host work. Block diffusion wins where a forward's cost hardly grows with its columns; the floor says
 how much it can win on this machine at the measured tokens per forward, whatever the code.
 """
 
@@ -39,35 +38,7 @@ from clover.engine import runner as runner_module
 from clover.engine import tuning
 from clover.eval import pareto
 from clover.ops.linear import tiled
-from step import bandwidth, gemm_rate, weight_itemsize  # bench/step.py: the floor's measured rates
-
-
-def forward_floor(model, itemsize: int, bw: float, rate: float):
-    """seconds(columns, kept) of one forward at the floor (see the module docstring): weight
-    products only (attention scores and the delta rule's state work are left out: a lower bound)."""
-    c = model.config
-    last = f"model.layers.{c.num_hidden_layers - 1}."
-    share = c.num_experts_per_tok / c.num_experts
-    every, kept_only, experts, last_experts = 0, 0, 0, 0  # weights per column, per kept column; routed stacks
-    for name, p in model.named_parameters():
-        if p.dim() < 2 or "embed_tokens" in name or "conv" in name:
-            continue
-        if ".experts." in name:
-            if name.startswith(last):
-                last_experts += p.numel()
-            else:
-                experts += p.numel()
-        elif name.startswith(last) and not any(k in name for k in ("qkv_proj", "in_proj")) or name.startswith("lm_head"):
-            kept_only += p.numel()  # the last layer's K/V (or GDN state) inputs take every column
-        else:
-            every += p.numel()
-
-    def seconds(columns: int, kept: int) -> float:
-        flops = 2 * (columns * (every + experts * share) + kept * (kept_only + last_experts * share))
-        nbytes = itemsize * (every + kept_only + experts * min(1.0, columns * share) + last_experts * min(1.0, kept * share))
-        return max(nbytes / bw, flops / rate)
-
-    return seconds
+from step import bandwidth, forward_floor, gemm_rate, weight_itemsize  # bench/step.py: the floor
 
 
 def main() -> None:
@@ -153,8 +124,8 @@ def main() -> None:
           "the floor of that forward\n")
     print("| mode | columns | of them draft | logits | calls | ms each | floor ms | ms per round |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    bw, rate = bandwidth(), gemm_rate()
-    floor = forward_floor(model, weight_itemsize(model), bw, rate)
+    bw, rate, itemsize = bandwidth(), gemm_rate(), weight_itemsize(model)
+    floor = forward_floor(model, itemsize, bw, rate)
     at_floor = collections.defaultdict(float)  # mode -> seconds per round at the floor
     for (name, width, draft, kept), secs in sorted(calls.items()):
         at_floor[name] += len(secs) / args.rounds * floor(width, kept)
@@ -162,7 +133,7 @@ def main() -> None:
               f"{1e3 * floor(width, kept):.2f} | {1e3 * sum(secs) / args.rounds:.1f} |")
 
     print(f"\nAt the floor (copy bandwidth {bw / 1e9:.1f} GB/s, fp32 GEMM {rate / 1e9:.1f} GFLOP/s, "
-          f"{weight_itemsize(model)} bytes a weight; every forward above at its floor, no host work)\n")
+          f"{itemsize} bytes a weight; every forward above at its floor, no host work)\n")
     print("| mode | tokens | floor ms per round | tokens/s at the floor | vs ar | measured / floor |")
     print("|---|---:|---:|---:|---:|---:|")
     ar_floor = ar_tokens / at_floor[first]

@@ -89,14 +89,36 @@ def weight_itemsize(model) -> int:
     return 2 if bf16_valued else model.dtype.itemsize
 
 
-def step_weights(model, tokens: int, itemsize: int) -> tuple[float, float]:
-    """(bytes read, weights used per token) by a step of `tokens` tokens, `itemsize` bytes a weight."""
+def forward_floor(model, itemsize: int, bw: float, rate: float):
+    """seconds(columns, kept) of one forward at the floor: max(weight bytes it reads / `bw`, weight
+    FLOPs / `rate`), `itemsize` bytes a weight. Every column runs the layers; the last layer's output
+    projection and MLP and the head run only for the `kept` columns whose logits come out; the
+    experts are read in the share their tokens can route to (all of them once T * top_k >= experts)
+    and multiplied at top_k / experts of their weights per token. Weight products only (attention
+    scores and the delta rule's state work are left out: a lower bound)."""
     c = model.config
-    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) - c.vocab_size * c.hidden_size
-    used = min(1.0, tokens * c.num_experts_per_tok / c.num_experts)  # embedding rows: negligible
-    per_token = dense + expert * c.num_experts_per_tok / c.num_experts
-    return itemsize * (dense + expert * used), per_token
+    last = f"model.layers.{c.num_hidden_layers - 1}."
+    share = c.num_experts_per_tok / c.num_experts
+    every, kept_only, experts, last_experts = 0, 0, 0, 0  # weights per column, per kept column; routed stacks
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name or "conv" in name:
+            continue
+        if ".experts." in name:
+            if name.startswith(last):
+                last_experts += p.numel()
+            else:
+                experts += p.numel()
+        elif name.startswith(last) and not any(k in name for k in ("qkv_proj", "in_proj")) or name.startswith("lm_head"):
+            kept_only += p.numel()  # the last layer's K/V (or GDN state) inputs take every column
+        else:
+            every += p.numel()
+
+    def seconds(columns: int, kept: int) -> float:
+        flops = 2 * (columns * (every + experts * share) + kept * (kept_only + last_experts * share))
+        nbytes = itemsize * (every + kept_only + experts * min(1.0, columns * share) + last_experts * min(1.0, kept * share))
+        return max(nbytes / bw, flops / rate)
+
+    return seconds
 
 
 def load_model(args):
@@ -229,10 +251,8 @@ def main() -> None:
         print(f"| {kind} | " + " | ".join(f"{times[f'{kind} {n}'] * 1e3:.2f}" for n in sizes) + " |")
     for kind in runners:
         print(f"| {kind} ({'thread CPU time' if device.type == 'cpu' else 'synced wall, 2nd half'}) | " + " | ".join(f"{cpu[f'{kind} {n}'] * 1e3:.2f}" for n in sizes) + " |")
-    floors, itemsize = [], weight_itemsize(model)
-    for n in sizes:
-        nbytes, per_token = step_weights(model, n, itemsize)
-        floors.append(max(nbytes / bw, 2 * per_token * n / rate))
+    floor = forward_floor(model, weight_itemsize(model), bw, rate)
+    floors = [floor(n, n) for n in sizes]  # every column's logits: an AR step's one, a draft's all
     print("| floor | " + " | ".join(f"{f * 1e3:.2f}" for f in floors) + " |")
     comp = [k for k in runners if k.startswith("compiled")] or list(runners)
     label = "best compiled" if comp[0].startswith("compiled") else comp[0]

@@ -14,8 +14,8 @@
 // vectors and FMAs each with the broadcast x[r, k]. A panel pair (2 x K x 16 floats, 32 KB at
 // K = 256) stays in L1 while every row tile passes over it, so the weight is read from memory once
 // per call whatever the row count. AVX-512 where the compiler targets it; AVX2 + FMA (16 registers
-// of 8 floats: a panel is two halves, tiles of up to 4 rows x 1 panel so no accumulator spills);
-// else plain C++ that the compiler may vectorise (fp32 panels only). The plain C++ was 5-8x slower
+// of 8 floats: a panel is two halves, every tile 8 accumulators: 1 row x 4 panels, 2 x 2, up to 4 x 1,
+// walk_avx2); else plain C++ that the compiler may vectorise (fp32 panels only). The plain C++ was 5-8x slower
 // than torch's linear on an AVX2-only AMD EPYC (Zen 3): routing there needs the AVX2 tiles.
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -239,32 +239,29 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
 template <int V>
 using Int = std::integral_constant<int, V>;
 
-// Every kernel's walk over panels [p0, p1) and M rows: groups of P panels outermost (a group stays in
-// L1 while every row tile passes over it), then single panels; row tiles of up to MaxR (8 or 4). Calls
-// fn(Int<R>, Int<panels>, m, p) with the tile's row and panel counts as compile-time constants.
-template <int P, int MaxR = 8, typename Fn>
+// Every kernel's walk over panels [p0, p1) and M rows (but the AVX2 tiles', walk_avx2): groups of P
+// panels outermost (a group stays in L1 while every row tile passes over it), then single panels; row
+// tiles of up to 8. Calls fn(Int<R>, Int<panels>, m, p) with the tile's row and panel counts as
+// compile-time constants.
+template <int P, typename Fn>
 inline void walk_tiles(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
-  static_assert(MaxR >= 1 && MaxR <= 8);
   const auto rows = [&](auto np, int64_t m, int64_t p) {
-    const auto one = [&](auto r) {
-      if constexpr (decltype(r)::value <= MaxR) fn(r, np, m, p);
-    };
-    switch (std::min<int64_t>(MaxR, M - m)) {
-      case 1: one(Int<1>{}); break;
-      case 2: one(Int<2>{}); break;
-      case 3: one(Int<3>{}); break;
-      case 4: one(Int<4>{}); break;
-      case 5: one(Int<5>{}); break;
-      case 6: one(Int<6>{}); break;
-      case 7: one(Int<7>{}); break;
-      default: one(Int<8>{}); break;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: fn(Int<1>{}, np, m, p); break;
+      case 2: fn(Int<2>{}, np, m, p); break;
+      case 3: fn(Int<3>{}, np, m, p); break;
+      case 4: fn(Int<4>{}, np, m, p); break;
+      case 5: fn(Int<5>{}, np, m, p); break;
+      case 6: fn(Int<6>{}, np, m, p); break;
+      case 7: fn(Int<7>{}, np, m, p); break;
+      default: fn(Int<8>{}, np, m, p); break;
     }
   };
   int64_t p = p0;
   for (; p + P <= p1; p += P)
-    for (int64_t m = 0; m < M; m += MaxR) rows(Int<P>{}, m, p);
+    for (int64_t m = 0; m < M; m += 8) rows(Int<P>{}, m, p);
   for (; p < p1; ++p)
-    for (int64_t m = 0; m < M; m += MaxR) rows(Int<1>{}, m, p);
+    for (int64_t m = 0; m < M; m += 8) rows(Int<1>{}, m, p);
 }
 
 #if defined(CLOVER_AVX2)
