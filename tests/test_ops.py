@@ -388,6 +388,60 @@ def test_compiled_graphs_route_unit_lower_solves():
     assert counts == [1]
 
 
+def test_compiled_graphs_call_the_ops_c_entry_points():
+    """A graph compiled as the runner compiles it (inductor's C++ wrapper, runner._c_shim_config) calls
+    the ops' C entry points (aoti_torch_cpu_<op>) instead of the dispatcher, with the ops' values; the
+    entry points' declarations pickle (inductor's FX graph cache keys on its config)."""
+    import io
+    import logging
+    import pickle
+
+    from torch._inductor.codecache import output_code_log
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from clover.engine import runner
+    from clover.ops.linear import naive_linear
+
+    tiled = _tiled()
+    shims = runner._c_shim_config()["aot_inductor.custom_ops_to_c_shims"]
+    assert set(pickle.loads(pickle.dumps(shims))) == set(shims) == {
+        torch.ops.clover_cpu.linear.default, torch.ops.clover_cpu.experts.default,
+        torch.ops.clover_cpu.unit_lower_solve.default}
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    gate_up, down = torch.randn(4, 2 * 8, 40, generator=g) * 0.2, torch.randn(4, 40, 8, generator=g) * 0.2
+    top_idx, top_w = torch.tensor([[0, 3], [1, 3], [2, 0]]), torch.rand(3, 2, generator=g)
+    system, rhs = torch.randn(2, 5, 5, generator=g).tril(-1) * 0.3 + torch.eye(5), torch.randn(2, 5, 7, generator=g)
+
+    def fn(x, w, b, top_idx, top_w, gate_up, down, system, rhs):
+        ops = torch.ops.clover_cpu
+        y = ops.linear(x, w, b) + ops.linear(x, w).relu()
+        return y, ops.experts(x, top_idx, top_w, gate_up, down) * 2, ops.unit_lower_solve(system, rhs) + 1
+
+    args = (x, w, b, top_idx, top_w, gate_up, down, system, rhs)
+    code = io.StringIO()
+    handler = logging.StreamHandler(code)
+    output_code_log.addHandler(handler)
+    level = output_code_log.level
+    output_code_log.setLevel(logging.DEBUG)
+    try:
+        with torch.no_grad(), torch._inductor.config.patch(cpp_wrapper=True, debug=True, fx_graph_cache=False,
+                                                             **runner._c_shim_config()):
+            got = compile_fx(make_fx(fn, tracing_mode="fake")(*args), list(args))(*args)
+    finally:
+        output_code_log.setLevel(level)
+        output_code_log.removeHandler(handler)
+    want = (naive_linear(x, w, b) + naive_linear(x, w).relu(), tiled.tiled_experts(x, top_idx, top_w, gate_up, down) * 2,
+            torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True) + 1)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    src = code.getvalue()
+    for op in ("linear", "experts", "unit_lower_solve"):
+        assert f"aoti_torch_cpu_{op}(" in src
+    assert "aoti_torch_call_dispatcher" not in src
+
+
 @pytest.mark.parametrize("tokens,experts,topk,hidden,inter", [(1, 8, 2, 256, 128), (9, 8, 2, 256, 128),
                                                               (33, 5, 3, 40, 24), (64, 8, 2, 17, 9),
                                                               (61, 4, 2, 64, 96)])  # ~30 rows an expert: AMX

@@ -113,7 +113,7 @@ def _capturing_backend(captures: list):
 
         if PACK_LINEARS:
             route_ops(gm)
-        with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER):
+        with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER, **_c_shim_config()):
             compiled = compile_fx(gm, example_inputs)
         record = {"fn": compiled, "inputs": list(example_inputs)}
         captures.append(record)
@@ -127,6 +127,15 @@ def _capturing_backend(captures: list):
         return run
 
     return backend
+
+
+C_SHIMS = True  # with the C++ wrapper, a graph calls the clover_cpu ops' C entry points directly (tiled.c_shims)
+
+
+def _c_shim_config() -> dict:
+    if not (CPP_WRAPPER and C_SHIMS):
+        return {}
+    return {"aot_inductor.custom_ops_to_c_shims": tiled.c_shims()}
 
 
 def route_linears(gm) -> int:

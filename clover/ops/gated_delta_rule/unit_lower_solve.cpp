@@ -8,6 +8,7 @@
 // lower-triangular solves here (engine/runner.route_ops); eager keeps torch's.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 
 namespace {
 
@@ -51,4 +52,13 @@ TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
   m.impl("unit_lower_solve", &unit_lower_solve);
+}
+
+// The C entry point a compiled graph calls directly (see tiled.cpp's C entry points).
+extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_unit_lower_solve(
+    AtenTensorHandle system, AtenTensorHandle rhs, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using namespace torch::aot_inductor;
+    *ret0 = new_tensor_handle(unit_lower_solve(*tensor_handle_to_tensor_pointer(system), *tensor_handle_to_tensor_pointer(rhs)));
+  });
 }

@@ -52,6 +52,7 @@ compiler) or the CPU is not x86-64, `available()` is False and graphs keep torch
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import warnings
@@ -87,6 +88,9 @@ def _load() -> bool:
                       "compiled CPU graphs keep torch's linear", stacklevel=2)
         return False
 
+    for path in torch.ops.loaded_libraries:  # its C entry points (`c_shims`) then resolve in a graph's library
+        if Path(path).name.startswith("clover_cpu_ops"):
+            ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     torch.ops.clover_cpu.use_bf16_activations(_state["bf16_x"])
     _state["simd"] = str(torch.ops.clover_cpu.simd())
 
@@ -197,3 +201,35 @@ def use_amx(on: bool) -> bool:
     """Turn the AMX path of bf16 panels (4+ rows) on or off; returns whether it was in use (False
     where the CPU, the compiler or the OS offers no AMX tiles)."""
     return bool(torch.ops.clover_cpu.use_amx(on)) if available() else False
+
+
+# The C entry points of the ops a compiled graph calls (each .cpp's `aoti_torch_cpu_<op>`), declared as
+# inductor's C++ wrapper declares them: with these, a graph calls the op directly instead of through
+# the dispatcher (a by-name lookup and boxed arguments every call).
+_C_SHIMS = {
+    "linear": "AOTITorchError aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle weight, "
+              "AtenTensorHandle* bias, AtenTensorHandle* ret0)",
+    "experts": "AOTITorchError aoti_torch_cpu_experts(AtenTensorHandle x, AtenTensorHandle top_idx, "
+               "AtenTensorHandle top_w, AtenTensorHandle gate_up, AtenTensorHandle down, AtenTensorHandle* ret0)",
+    "unit_lower_solve": "AOTITorchError aoti_torch_cpu_unit_lower_solve(AtenTensorHandle system, AtenTensorHandle rhs, "
+                        "AtenTensorHandle* ret0)",
+}
+
+
+class _Shims(dict):
+    """{op overload: [its C declaration]}, pickled by op name: inductor's FX graph cache pickles its config
+    into the cache key, and an op overload itself does not pickle (the graph would bypass the cache)."""
+
+    def __reduce__(self):
+        return _shims, (tuple(sorted(op.name() for op in self)),)
+
+
+def _shims(names: tuple = tuple(f"clover_cpu::{n}" for n in _C_SHIMS)) -> _Shims:
+    ops = {f"clover_cpu::{n}": n for n in _C_SHIMS}
+    return _Shims({getattr(torch.ops.clover_cpu, ops[name]).default: [_C_SHIMS[ops[name]]] for name in names})
+
+
+def c_shims() -> dict:
+    """{op overload: [its C declaration]} for inductor's `aot_inductor.custom_ops_to_c_shims` (empty where
+    the ops are not built)."""
+    return _shims() if available() else {}
