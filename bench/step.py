@@ -16,6 +16,11 @@ steps follow AR steps, an AR step commits its token, so the cache grows by K); w
 K = 1 every call follows another candidate's, whose weights and buffers evicted this one's from
 the caches (pessimistic for a model that fits in the last-level cache).
 
+    python bench/update.py step-c-shims -- python bench/step.py --threads 1 --repeats 10 --burst 8 --runners compiled,compiled-dispatcher
+
+sets the compiled graphs beside a second copy of the model whose graphs call the clover_cpu ops through
+the dispatcher instead of their C entry points (engine/runner.C_SHIMS).
+
     python bench/step.py --profile [--sizes 1,32]
 
 prints, instead, a torch.profiler summary per runner and step size: aten ops per step, wall time,
@@ -33,6 +38,7 @@ import time
 import torch
 
 from clover.api import DEFAULT_MODEL
+from clover.engine import runner as runner_module
 from clover.engine.runner import CompiledRunner, make_runner
 from clover.models import CloverForBlockDiffusion
 from clover.utils.timing import time_alternately
@@ -175,6 +181,21 @@ def _extra(args) -> str:
                    if v not in (None, "cpu", "float32", 1)) + ("" if args.runners.count(",") == 2 else f" --runners {args.runners}")
 
 
+def make(kind: str, model, args):
+    """The runner of a --runners kind: eager, compiled, compiled-dynamo (the compiled graphs called
+    through dynamo's guards), compiled-dispatcher (a second copy of the model whose graphs call the
+    clover_cpu ops through the dispatcher, not their C entry points: runner.C_SHIMS)."""
+    if kind == "compiled-dynamo":
+        return CompiledRunner(model, replay=False)  # shares the graphs
+    if kind == "compiled-dispatcher":
+        runner_module.C_SHIMS = False  # read as the copy's step is made: its graphs are its own
+        try:
+            return CompiledRunner(load_model(args))
+        finally:
+            runner_module.C_SHIMS = True
+    return make_runner(kind, model)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model folder (default: the shipped default model)")
@@ -186,7 +207,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--preset", help="random weights at a built-in preset's dims instead of a model folder")
-    ap.add_argument("--runners", default="eager,compiled,compiled-dynamo")
+    ap.add_argument("--runners", default="eager,compiled,compiled-dynamo",
+                    help="of eager, compiled, compiled-dynamo, compiled-dispatcher (see `make`)")
     ap.add_argument("--burst", type=int, default=1, help="consecutive calls per timed sample (see above)")
     args = ap.parse_args()
     if args.profile and args.burst != 1:
@@ -198,8 +220,7 @@ def main() -> None:
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size - 1, (1, args.context), device=device)
     kinds = args.runners.split(",")
-    runners = {kind: (CompiledRunner(model, replay=False) if kind == "compiled-dynamo"  # shares the graphs
-                      else make_runner(kind, model)) for kind in kinds}
+    runners = {kind: make(kind, model, args) for kind in kinds}
     caches = {}
     with torch.inference_mode():
         for kind, r in runners.items():

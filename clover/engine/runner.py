@@ -99,21 +99,22 @@ def compiled_step(model):
             for m in model.modules():  # bf16 panels (half the bytes): tiled beats gathered from an AR step's 2 pairs
                 if isinstance(m, CloverExperts) and bf16_panels(m.gate_up_proj) and bf16_panels(m.down_proj):
                     m.tiled_pairs = 1
-            fn = torch.compile(_step, dynamic=False, fullgraph=True, backend=_capturing_backend(captures))
+            fn = torch.compile(_step, dynamic=False, fullgraph=True, backend=_capturing_backend(captures, C_SHIMS))
         entry = _compiled_steps[model] = (fn, captures)
     return entry
 
 
-def _capturing_backend(captures: list):
+def _capturing_backend(captures: list, c_shims: bool = True):
     """Inductor (what backend="inductor" runs at the default mode), remembering each graph it compiles
-    with the real inputs of the call that compiled it and that call's outputs."""
+    with the real inputs of the call that compiled it and that call's outputs; `c_shims`: the graphs
+    call the clover_cpu ops' C entry points (C_SHIMS as the model's step was first made)."""
 
     def backend(gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
         if PACK_LINEARS:
             route_ops(gm)
-        with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER, **_c_shim_config()):
+        with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER, **(_c_shim_config() if c_shims else {})):
             compiled = compile_fx(gm, example_inputs)
         record = {"fn": compiled, "inputs": list(example_inputs)}
         captures.append(record)
@@ -129,13 +130,14 @@ def _capturing_backend(captures: list):
     return backend
 
 
-C_SHIMS = True  # with the C++ wrapper, a graph calls the clover_cpu ops' C entry points directly (tiled.c_shims)
+# with the C++ wrapper, a graph calls the clover_cpu ops' C entry points directly (tiled.c_shims), not
+# through the dispatcher; read when a model's compiled step is made (bench/step.py's compiled-dispatcher: False)
+C_SHIMS = True
 
 
 def _c_shim_config() -> dict:
-    if not (CPP_WRAPPER and C_SHIMS):
-        return {}
-    return {"aot_inductor.custom_ops_to_c_shims": tiled.c_shims()}
+    """The inductor config that makes a C++-wrapper graph call the ops' C entry points."""
+    return {"aot_inductor.custom_ops_to_c_shims": tiled.c_shims()} if CPP_WRAPPER else {}
 
 
 def route_linears(gm) -> int:
