@@ -90,7 +90,8 @@ def _load() -> bool:
 
     for path in torch.ops.loaded_libraries:  # its C entry points (`c_shims`) then resolve in a graph's library
         if Path(path).name.startswith("clover_cpu_ops"):
-            ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+            lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+            _state["c_shims"] = all(hasattr(lib, f"aoti_torch_cpu_{name}") for name in _C_SHIMS)
     torch.ops.clover_cpu.use_bf16_activations(_state["bf16_x"])
     _state["simd"] = str(torch.ops.clover_cpu.simd())
 
@@ -231,5 +232,6 @@ def _shims(names: tuple = tuple(f"clover_cpu::{n}" for n in _C_SHIMS)) -> _Shims
 
 def c_shims() -> dict:
     """{op overload: [its C declaration]} for inductor's `aot_inductor.custom_ops_to_c_shims` (empty where
-    the ops are not built)."""
-    return _shims() if available() else {}
+    the ops are not built or their library does not export the entry points globally: then graphs call the
+    ops through the dispatcher)."""
+    return _shims() if available() and _state.get("c_shims") else {}
