@@ -742,7 +742,7 @@ TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
 
 // C entry points for inductor's C++ wrapper (runner.C_SHIMS): a compiled graph calls these directly
 // instead of looking each op up in the dispatcher by name and boxing its arguments on each of the 29
-// calls of an AR step (steps 1-5% faster: BENCHMARKS step-c-shims). Names: aoti_torch_<device>_<op
+// calls of an AR step (a few percent of a step at most: BENCHMARKS step-c-shims). Names: aoti_torch_<device>_<op
 // name>, the convention the wrapper calls by.
 extern "C" {
 __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_linear(AtenTensorHandle x, AtenTensorHandle weight,
