@@ -104,7 +104,7 @@ def compiled_step(model):
     return entry
 
 
-def _capturing_backend(captures: list, c_shims: bool = True):
+def _capturing_backend(captures: list, c_shims: bool):
     """Inductor (what backend="inductor" runs at the default mode), remembering each graph it compiles
     with the real inputs of the call that compiled it and that call's outputs; `c_shims`: the graphs
     call the clover_cpu ops' C entry points (C_SHIMS as the model's step was first made)."""

@@ -222,12 +222,11 @@ class _Shims(dict):
     into the cache key, and an op overload itself does not pickle (the graph would bypass the cache)."""
 
     def __reduce__(self):
-        return _shims, (tuple(sorted(op.name() for op in self)),)
+        return _shims, (tuple(sorted(op.name().removeprefix("clover_cpu::") for op in self)),)
 
 
-def _shims(names: tuple = tuple(f"clover_cpu::{n}" for n in _C_SHIMS)) -> _Shims:
-    ops = {f"clover_cpu::{n}": n for n in _C_SHIMS}
-    return _Shims({getattr(torch.ops.clover_cpu, ops[name]).default: [_C_SHIMS[ops[name]]] for name in names})
+def _shims(names: tuple = tuple(_C_SHIMS)) -> _Shims:
+    return _Shims({getattr(torch.ops.clover_cpu, name).default: [_C_SHIMS[name]] for name in names})
 
 
 def c_shims() -> dict:
