@@ -265,6 +265,33 @@ def test_rollback_rewinds_each_row_to_its_accepted_point():
     assert cache.lens.tolist() == [7, 10]
 
 
+@pytest.mark.parametrize("keep", [[1, 4], [3, 2], [0, 6]])
+def test_rollback_after_a_left_padded_recorded_forward(keep):
+    """A recorded segment with padding on its left (a batch's shorter row; the compiled runner pads
+    a self_spec verify of an odd block to its graph's width): `keep` counts each row's real tokens,
+    so the GDN states and conv windows rewind past the padding (they once counted it as tokens)."""
+    model = tiny_model()
+    prefix, verify = torch.randint(0, 120, (2, 5)), torch.randint(0, 120, (2, 7))
+    pads = [2, 1]
+    pad = torch.arange(7)[None, :] < torch.tensor(pads)[:, None]
+    keep = torch.tensor(keep)
+    probe = torch.randint(0, 120, (2, 3))
+    with torch.no_grad():
+        cache = model.new_cache(2)
+        model(prefix, cache=cache)
+        cache.start_recording()
+        model(verify.masked_fill(pad, 0), cache=cache, pad_mask=pad)
+        cache.rollback(keep)
+        after = model(probe, cache=cache, block_size=4, draft_len=3).logits
+        for row in range(2):
+            real = verify[row : row + 1, pads[row] :]
+            ref_cache = model.new_cache(1)
+            model(torch.cat([prefix[row : row + 1], real[:, : keep[row]]], 1), cache=ref_cache)
+            ref = model(probe[row : row + 1], cache=ref_cache, block_size=4, draft_len=3).logits
+            torch.testing.assert_close(after[row], ref[0], atol=1e-5, rtol=1e-5)
+    assert cache.lens.tolist() == [5 + keep[0], 5 + keep[1]]
+
+
 def test_snapshot_restore_and_row_selection():
     model = tiny_model()
     ids = torch.randint(0, 120, (3, 6))

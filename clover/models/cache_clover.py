@@ -107,19 +107,25 @@ class CloverCache:
         self._record_lens = self.lens.clone()
 
     def rollback(self, keep: torch.Tensor) -> None:
-        """After a recorded forward that committed n tokens per row, keep only the first `keep[b]`."""
+        """After a recorded forward that committed n tokens per row, keep only the first `keep[b]`.
+        The recorded segment may be left-padded (a batch's shorter rows; a compiled runner's bucket,
+        engine/runner.bucket): `keep` counts real tokens, after each row's padding."""
         if not self.recording:
             raise RuntimeError("rollback() needs a forward recorded after start_recording()")
         keep = keep.to(self.device)
         self.lens = self._record_lens + keep
         kernel = self.config.linear_conv_kernel_dim
-        for i, (conv_before, state_before, stream, q, k, v, g, beta) in self.recorded.items():
+        for i, (conv_before, state_before, stream, q, k, v, g, beta, pad) in self.recorded.items():
             n = k.shape[1]
-            live = (torch.arange(n, device=self.device)[None, :] < keep[:, None]).to(g.dtype)
+            npad = pad.sum(1) if pad is not None else torch.zeros_like(keep)
+            cols = torch.arange(n, device=self.device)[None, :]
+            live = ((cols >= npad[:, None]) & (cols < (npad + keep)[:, None])).to(g.dtype)
             _, state = fused_recurrent_gated_delta_rule(q, k, v, g * live[..., None], beta * live[..., None], 1.0, state_before)
             self.state[i].copy_(state)  # in place, as the forward writes them
             full = torch.cat([cast(conv_before, stream.dtype), stream], dim=-1)  # [B, C, K-1+n]
-            idx = keep[:, None] + torch.arange(kernel - 1, device=self.device)[None, :]  # last K-1 kept inputs
+            # the last K-1 inputs of [conv state ; kept tokens], the tokens found after their row's padding
+            at = keep[:, None] + torch.arange(kernel - 1, device=self.device)[None, :]
+            idx = torch.where(at >= kernel - 1, at + npad[:, None], at)
             self.conv[i].copy_(full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1)))
         self.recording = False
         self.recorded = {}

@@ -379,7 +379,8 @@ class CloverGatedDeltaNet(nn.Module):
             if cache is not None:
                 if cache.recording:
                     cache.recorded[self.layer_idx] = (cache.conv[self.layer_idx].clone(), cache.state[self.layer_idx].clone(),
-                                                      stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n])
+                                                      stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
+                                                      pad[:, :n] if pad is not None else None)
                 # written in place: the cache tensors keep their storage and strides (static shapes)
                 cache.state[self.layer_idx].copy_(state)
                 cache.conv[self.layer_idx].copy_(ext[..., n : n + self.kernel - 1])
