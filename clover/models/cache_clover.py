@@ -115,17 +115,18 @@ class CloverCache:
         keep = keep.to(self.device)
         self.lens = self._record_lens + keep
         kernel = self.config.linear_conv_kernel_dim
-        for i, (conv_before, state_before, stream, q, k, v, g, beta, pad) in self.recorded.items():
-            n = k.shape[1]
+        if self.recorded:  # every GDN layer recorded the same columns and padding: one mask and one index for all
+            _, _, _, _, k, _, g, _, pad = next(iter(self.recorded.values()))
             npad = pad.sum(1) if pad is not None else torch.zeros_like(keep)
-            cols = torch.arange(n, device=self.device)[None, :]
-            live = ((cols >= npad[:, None]) & (cols < (npad + keep)[:, None])).to(g.dtype)
-            _, state = fused_recurrent_gated_delta_rule(q, k, v, g * live[..., None], beta * live[..., None], 1.0, state_before)
-            self.state[i].copy_(state)  # in place, as the forward writes them
-            full = torch.cat([cast(conv_before, stream.dtype), stream], dim=-1)  # [B, C, K-1+n]
+            cols = torch.arange(k.shape[1], device=self.device)[None, :]
+            live = ((cols >= npad[:, None]) & (cols < (npad + keep)[:, None])).to(g.dtype)[..., None]
             # the last K-1 inputs of [conv state ; kept tokens], the tokens found after their row's padding
             at = keep[:, None] + torch.arange(kernel - 1, device=self.device)[None, :]
             idx = torch.where(at >= kernel - 1, at + npad[:, None], at)
+        for i, (conv_before, state_before, stream, q, k, v, g, beta, _) in self.recorded.items():
+            _, state = fused_recurrent_gated_delta_rule(q, k, v, g * live, beta * live, 1.0, state_before)
+            self.state[i].copy_(state)  # in place, as the forward writes them
+            full = torch.cat([cast(conv_before, stream.dtype), stream], dim=-1)  # [B, C, K-1+n]
             self.conv[i].copy_(full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1)))
         self.recording = False
         self.recorded = {}
