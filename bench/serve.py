@@ -1,12 +1,18 @@
 """Serving benchmark: `clover serve` in a subprocess, 1 / 4 / 16 concurrent streaming clients.
 
     python bench/serve.py [--model DIR] [--clients 1,4,16] [--requests 4] [--max-tokens 64] [--block-size 8] [--threads 1]
+                          [--runners eager,compiled] [--rounds 3]
 
 Each client is a closed loop (the official async `openai` client, streaming): it sends its next
 request when the last one ends. Every request generates exactly --max-tokens (`ignore_eos`), so
 levels do the same work per request. Prints a markdown table: aggregate generated tokens/s,
 per-request latency p50 / p99 and time to first block p50, and the 16-vs-1 throughput ratio
 (target: >= 4x, from continuous batching). --model defaults to the shipped default model.
+
+`--runners eager,compiled`: one server per runner (`clover serve --runner`), both up at once; every
+level runs once on each to warm up (the compiled server compiles its shapes then), then --rounds
+times on each, the runners interleaved level by level; the table gives each runner's medians and
+the compiled / eager ratio of aggregate tokens/s.
 
     python bench/serve.py --structured [--model DIR] [--max-tokens 48]
 
@@ -109,10 +115,10 @@ async def structured_case(url: str, model: str, schema: dict, max_tokens: int) -
                 valid=sum(info["valid"] for _, info in concurrent))
 
 
-def served(args, max_batch: int, work):
+def served(args, max_batch: int, work, runner: str = "eager"):
     """`work(url)` against `clover serve` in a subprocess (after a warm-up request); None when the
     server did not start."""
-    proc, url = start_server(args, max_batch)
+    proc, url = start_server(args, max_batch, runner)
     try:
         if url is None:
             print("bench/serve.py: the server did not start", file=sys.stderr)
@@ -124,11 +130,11 @@ def served(args, max_batch: int, work):
         proc.wait(timeout=30)
 
 
-def start_server(args, max_batch: int):
+def start_server(args, max_batch: int, runner: str = "eager"):
     """`clover serve` in a subprocess: (process, url or None)."""
     cmd = [sys.executable, "-m", "clover", "serve", "--port", "0", "--threads", str(args.threads),
            "--block-size", str(args.block_size), "--threshold", str(args.threshold),
-           "--max-batch", str(max_batch), "--served-model-name", "bench"]
+           "--max-batch", str(max_batch), "--served-model-name", "bench", "--runner", runner]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
@@ -161,6 +167,45 @@ def structured_main(args) -> int:
     return 0
 
 
+def compare_runners(args, runners: list[str]) -> int:
+    """One server per runner, up together; each level warmed once on each, then --rounds timed runs
+    per runner, interleaved level by level (the machine's noise hits both alike); medians."""
+    import statistics
+
+    levels = [int(x) for x in args.clients.split(",")]
+    servers = [start_server(args, max(levels), r) for r in runners]
+    try:
+        if any(url is None for _, url in servers):
+            print("bench/serve.py: a server did not start", file=sys.stderr)
+            return 1
+        runs = {(r, n): [] for r in runners for n in levels}
+        for n in levels:
+            for _, url in servers:  # warm-up: the compiled server compiles this level's shapes here
+                asyncio.run(level(url, "bench", n, args.requests, args.max_tokens))
+            for _ in range(args.rounds):
+                for r, (_, url) in zip(runners, servers):
+                    runs[r, n].append(asyncio.run(level(url, "bench", n, args.requests, args.max_tokens)))
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(timeout=30)
+    med = {k: {f: statistics.median(run[f] for run in v) for f in ("tps", "p50", "p99", "ttfb", "wall")}
+           for k, v in runs.items()}
+    model = args.model or "the shipped default model (clover/assets/default)"
+    print(f"`clover serve --runner R` on {model}, {os.cpu_count()} CPU cores (each server: {args.threads} torch "
+          f"thread; {' and '.join(runners)} up together), {args.requests} streamed requests per client, "
+          f"{args.max_tokens} tokens each (ignore_eos), block size {args.block_size}, threshold {args.threshold}, "
+          f"greedy; each level warmed once per server, then medians of {args.rounds} rounds, runners interleaved.\n")
+    print(f"| clients | runner | aggregate tokens/s | latency p50 s | latency p99 s | first block p50 s | vs {runners[0]} |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for n in levels:
+        for r in runners:
+            m = med[r, n]
+            vs = f"{m['tps'] / med[runners[0], n]['tps']:.2f}x" if r != runners[0] else "1.00x"
+            print(f"| {n} | {r} | {m['tps']:.1f} | {m['p50']:.2f} | {m['p99']:.2f} | {m['ttfb']:.2f} | {vs} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model folder (default: the shipped default model)")
@@ -173,9 +218,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="server torch threads")
     ap.add_argument("--structured", action="store_true",
                     help="structured-output requests: sequential vs concurrent beside free streams")
+    ap.add_argument("--runners", default="eager", help="eager, compiled, or both (eager,compiled): side by side")
+    ap.add_argument("--rounds", type=int, default=3, help="with several --runners: timed rounds per level (medians)")
     args = ap.parse_args()
     if args.structured:
         return structured_main(args)
+    runners = args.runners.split(",")
+    if len(runners) > 1:
+        return compare_runners(args, runners)
     levels = [int(x) for x in args.clients.split(",")]
     rows = served(args, max(levels), lambda url: [asyncio.run(level(url, "bench", n, args.requests, args.max_tokens))
                                                   for n in levels])

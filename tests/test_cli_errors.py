@@ -228,6 +228,20 @@ def test_runner_choices_are_the_engine_runners():
     assert tuple(RUNNER_CHOICES) == tuple(RUNNERS)
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--prompt", "x", "--runner", "compiled", "--backend", "llamacpp"], "needs --backend torch"),
+    (["serve", "--runner", "compiled", "--backend", "llamacpp"], "needs --backend torch"),
+    (["serve", "--runner", "compiled", "--tp", "2"], "not with --tp / --ep"),
+    (["generate", "--prompt", "x", "--runner", "compiled", "--ep", "2"], "not with --tp / --ep"),
+])
+def test_compiled_runner_with_another_back_end_is_one_line(capsys, argv, needle):
+    """The compiled runner compiles the PyTorch model's steps in one process: with the llama.cpp back end
+    it was a traceback, and under --tp / --ep it would bypass the ranks' shards."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
 # ---- threads, wait policy, progress bar --------------------------------------------------------------
 @pytest.mark.parametrize("command", ["generate", "chat", "decide", "quantize", "convert", "info", "eval", "tune", "serve"])
 def test_every_model_command_takes_threads(command, capsys):

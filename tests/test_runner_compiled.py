@@ -89,6 +89,30 @@ def check_equal(model, mode, prompts, late=(), block=4):
             assert warm.replayed_calls == warm.compiled_calls
 
 
+@pytest.mark.parametrize("mode", ["ar", "low_confidence"])
+def test_a_batch_between_buckets_replays_the_bucket_graphs(model, mode):
+    """Rows come in buckets (runner.bucket_width): 3 rows run the graphs of 4 with a spare row (the
+    model's steps and the mode's fused step), so a server's batch of any size between two buckets
+    compiles nothing new; rows leaving (3 -> 2 -> 1) re-home the cache, and every call equals eager."""
+    four = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6, 9, 9, 1, 2], [40, 41, 42, 9, 9, 9, 1, 7, 7],
+            [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+    decode(model, "compiled", mode, four, budgets=(10, 8, 6, 4))  # rows 4, 3, 2 and 1 (compiled here when run alone)
+    three = [[6, 2, 8, 3, 1, 8, 5, 3, 0], [2, 7, 1, 8, 2, 8, 1, 8, 2], [9, 9, 8, 7, 6, 5, 4, 3, 2]]
+    before = graphs()
+    ref_logits, ref, _ = decode(model, "eager", mode, three, budgets=(10, 8, 6))
+    got_logits, got, runner = decode(model, "compiled", mode, three, budgets=(10, 8, 6))
+    # every graph is made for 1, 2 or 4 rows; ar's steps are the same shapes whatever the tokens, so
+    # it compiles nothing (a diffusion decode's window widths depend on when its rows finish blocks)
+    assert {key[0][0] for key in runner._replays} <= {1, 2, 4}
+    assert {layouts[0][0][0] for _, layouts, *_ in runner_module._fused_graphs} <= {1, 2, 4}
+    if mode == "ar":
+        assert graphs() == before, "compiled a graph for 3 rows"
+        assert runner.replayed_calls == runner.compiled_calls > 0
+    assert runner.eager_calls == 0
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+    assert_same_logits(got_logits, ref_logits)
+
+
 def test_prompt_chunks_cut_from_longer_prompts_replay(model):
     """A prompt chunk is a slice of its prompt's row, so a longer prompt hands the same chunk shapes
     with another row stride: they must still replay the graphs made for the shorter one (no dynamo
@@ -212,11 +236,11 @@ def test_fused_diffusion_step_equals_eager(mode):
 
     policy, sampling = make_policy(mode, 5, 0.3, 2), SamplingParams(suppress=(2,))
     step = functools.partial(advance, policy)
-    fused_step = runner_module.Fused(step, ("test-advance", policy))
+    fused_step = runner_module.Fused(step, ("test-advance", policy), shared=(8,))  # 3 rows: run as 4 (a bucket)
     score = functools.partial(sample_and_score, policy, sampling, 1)
     fused_score = runner_module.Fused(score, ("test-score", policy, sampling, 1)) if not policy.by_probability else None
     pick = functools.partial(pick_and_advance, policy)  # probability-scored: the greedy pick and `advance` in one
-    fused_pick = runner_module.Fused(pick, ("test-pick", policy)) if policy.by_probability else None
+    fused_pick = runner_module.Fused(pick, ("test-pick", policy), shared=(1, 8)) if policy.by_probability else None
     g = torch.Generator().manual_seed(0)
     rows, block, vocab = 3, 5, 37
     before = runner_module.fused_compiles[0]
@@ -242,3 +266,62 @@ def test_fused_diffusion_step_equals_eager(mode):
             assert len(got) == len(ref) == 7 and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref))
         # compiled at the first call, replayed after
         assert runner_module.fused_compiles[0] == before + 2
+
+
+def test_server_settings_choose_the_runner(model):
+    """`clover serve --runner compiled` reaches every engine the scheduler builds (not slot jobs)."""
+    from clover.server.scheduler import EngineKey, Scheduler
+
+    for name, cls in (("eager", EagerRunner), ("compiled", CompiledRunner)):
+        engine = Engine(model, Scheduler(model, (), runner=name).config(EngineKey(block_size=4)))
+        assert type(engine.runner) is cls
+
+
+@full_only
+@pytest.mark.timeout(1200)
+def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
+    """`clover serve --runner compiled`: concurrent streams of different lengths (rows join, share
+    steps in row buckets and leave) give the single-request eager replies, and the steps ran compiled."""
+    import asyncio
+
+    import openai
+
+    import clover
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+    from helpers import save_tiny_model
+    from server_utils import RunningServer
+
+    model, tokenizer = clover.load(save_tiny_model(tmp_path / "m"))
+    prompts = ["the cat", "a dog ran far", "one two three four five", "x", "hello there"]
+    budgets = [9, 5, 12, 7, 3]
+    refs = [clover.generate(model, tokenizer, p, max_new_tokens=n, block_size=4, threshold=0.5, mode="ar").text
+            for p, n in zip(prompts, budgets)]
+    calls = []
+    real = CompiledRunner.forward
+
+    def counted(self, *a, **kw):
+        calls.append(self.eager_calls)
+        return real(self, *a, **kw)
+
+    async def one(c, prompt, n):
+        text = ""
+        async for ch in await c.completions.create(model="tiny", prompt=prompt, max_tokens=n, stream=True):
+            text += ch.choices[0].text
+        return text
+
+    async def go(url):
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        out = await asyncio.gather(*(one(c, p, n) for p, n in zip(prompts, budgets)))
+        await c.close()
+        return out
+
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, mode="ar", runner="compiled")
+    CompiledRunner.forward = counted
+    try:
+        with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as server:
+            got = asyncio.run(go(server.url))
+    finally:
+        CompiledRunner.forward = real
+    assert got == refs
+    assert len(calls) > sum(budgets) / len(budgets)  # every step went through the compiled runner

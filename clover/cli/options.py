@@ -134,9 +134,15 @@ def decode_config(args, **settings):
     resolve_auto_block_size(args)
     given = {name: getattr(args, name) for name in _DECODE_FLAGS if hasattr(args, name)}
     try:
-        return DecodeConfig.from_settings(**given, **settings)
+        cfg = DecodeConfig.from_settings(**given, **settings)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if cfg.runner == "compiled":  # it compiles the PyTorch model's own steps, in one process
+        if getattr(args, "backend", "torch") != "torch":
+            raise UserError(f"--runner compiled needs --backend torch (got --backend {args.backend})")
+        if max(getattr(args, "tp", 1), getattr(args, "ep", 1)) > 1:
+            raise UserError("--runner compiled runs in one process: not with --tp / --ep")
+    return cfg
 
 
 def utf8(data: bytes, name: str) -> str:

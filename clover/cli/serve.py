@@ -28,9 +28,13 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="rows waiting for a slot before requests get 503 (default 256)")
-    add_decode_args(p, "block_size", "threshold", "mode", help=dict(  # per-request defaults (a request may override)
+    add_decode_args(p, "block_size", "threshold", "mode", "runner", help=dict(  # per-request defaults (a request may override)
         block_size="default block size (default: the model's; auto: the one `clover tune` stored)",
-        threshold="default low_confidence threshold"))
+        threshold="default low_confidence threshold",
+        runner="eager (default) or compiled: every request's decode steps as torch.compile'd graphs, one per shape "
+               "(rows in buckets 1, 2, 4, 8, 16, 24, ...); the first request of a new shape waits for its compile "
+               "(seconds on a GPU, up to a minute on a CPU; inductor's on-disk cache makes restarts faster). "
+               "Structured-output and tool-call planning (slot jobs) run eagerly"))
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
                    help="chat completion budget when a request gives none (default 512, capped by the context)")
     p.add_argument("--max-tool-calls", type=int, default=8, metavar="N",
@@ -110,6 +114,7 @@ def run(args) -> int:
     key = api_key(args)
     settings = Settings(model_id=name, aliases=tuple(aliases), api_key=key, max_batch=args.max_batch,
                         max_queue=args.max_queue, block_size=block_size, threshold=cfg.threshold, mode=cfg.mode,
+                        runner=cfg.runner,
                         default_max_tokens=args.default_max_tokens, max_tool_calls=args.max_tool_calls)
     if args.max_body_bytes is not None:
         settings.max_body_bytes = args.max_body_bytes

@@ -206,12 +206,13 @@ class DiffusionMode(Mode):
         if cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
             if self._pick_advance is None:  # the greedy pick and `advance` as one call
                 self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy),
-                                                 ("pick_advance", self.policy))
+                                                 ("pick_advance", self.policy), shared=(1, 8))  # banned, eos_t
             *fields, batch.window, done = self._pick_advance(logits, self.banned, *st.fields(), batch.window, self.eos_t)
         else:
             tokens, score = self._score(runner, logits, cols)
             if self._advance is None:
-                self._advance = runner.fuse(functools.partial(advance, self.policy), ("advance", self.policy))
+                self._advance = runner.fuse(functools.partial(advance, self.policy), ("advance", self.policy),
+                                            shared=(8,))  # eos_t
             *fields, batch.window, done = self._advance(tokens, score, *st.fields(), batch.window, self.eos_t)
         self.state = BlockState(*fields)
         return self._finish_blocks(batch, done) if bool(done.any()) else []

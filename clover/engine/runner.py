@@ -27,6 +27,7 @@ layout (make_fx) and calls the inductor graph directly: one call instead of per-
 
 from __future__ import annotations
 
+import copy
 import warnings
 import weakref
 
@@ -59,9 +60,11 @@ class EagerRunner:
     def new_cache(self, rows: int, capacity: int):
         return self.model.new_cache(rows, capacity=capacity)
 
-    def fuse(self, fn, key):
+    def fuse(self, fn, key, shared=()):
         """`fn(*tensors) -> tuple of tensors`, pure (no side effect, no host sync, output shapes
-        fixed by the input shapes), as this runner calls it: eagerly, op by op."""
+        fixed by the input shapes), row by row: every input but those at the positions `shared` (the
+        banned ids, ...) and every output have the rows as their first dimension and no row's outputs
+        depend on another row's inputs. As this runner calls it: eagerly, op by op."""
         return fn
 
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
@@ -315,6 +318,36 @@ def bucket(ids, pad, num_clean: int):
     return (torch.nn.functional.pad(ids, (extra, 0)), torch.nn.functional.pad(pad, (extra, 0), value=True), width)
 
 
+def pad_rows(ids, pad, cache, rows: int):
+    """(ids, pad, cache) of a call of fewer rows than its graph's (`rows`, a `bucket_width`: a server's
+    batch of 3, 5, 6 or 7 rows replays the graph of 4 or 8 instead of compiling its own), with spare
+    rows after the real ones: token 0, no padding, a cache row of their own. The cache's tensors are
+    re-homed once (after rows joined, left or the capacity grew) as the first rows of tensors of `rows`
+    rows, so the real rows are views the graph writes in place; the spare rows start each call from
+    length 0 and whatever they hold is never read by a real row (rows never mix), and their logits and
+    lengths are dropped. Unchanged when the call has `rows` rows already."""
+    real = ids.shape[0]
+    if real == rows:
+        return ids, pad, cache
+    spare = rows - real
+    ids = torch.nn.functional.pad(ids, (0, 0, 0, spare))
+    pad = torch.nn.functional.pad(pad, (0, 0, 0, spare)) if pad is not None else None
+    out = copy.copy(cache)  # shares `recorded` (a recording forward's records land in the real cache's dict)
+    for name in ("key", "value", "conv", "state"):
+        store, full = getattr(cache, name), {}
+        for i, t in store.items():
+            base = t._base
+            if base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:] or base.data_ptr() != t.data_ptr():
+                base = t.new_zeros((rows, *t.shape[1:]))
+                base[:real].copy_(t)
+                store[i] = base[:real]
+            full[i] = base
+        setattr(out, name, full)
+    out.lens = torch.nn.functional.pad(cache.lens, (0, spare))
+    out.batch_size = rows
+    return ids, pad, out
+
+
 class CompiledRunner(EagerRunner):
     name = "compiled"
     prefill_chunk = STEADY_MAX  # prompts are committed in chunks a graph takes (the engine's cap)
@@ -332,10 +365,11 @@ class CompiledRunner(EagerRunner):
     def new_cache(self, rows: int, capacity: int):
         return super().new_cache(rows, -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET)
 
-    def fuse(self, fn, key):
+    def fuse(self, fn, key, shared=()):
         """`fn` compiled once per input layout, graphs shared by every runner in the process under
-        `key` (hashable: it must name everything `fn` computes with besides its tensor inputs)."""
-        return Fused(fn, key)
+        `key` (hashable: it must name everything `fn` computes with besides its tensor inputs); rows in
+        buckets, as the model's steps (`Fused`)."""
+        return Fused(fn, key, shared)
 
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
                 index=None) -> torch.Tensor:
@@ -351,17 +385,19 @@ class CompiledRunner(EagerRunner):
             return self._eager(given, cache, call)
         m = self.model
         clean_bs, block = m.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
-        key = _shape_key(ids, pad, cache, keep, draft_len, clean_bs, block)
+        rows = ids.shape[0]
+        run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
+        key = _shape_key(run_ids, run_pad, run_cache, keep, draft_len, clean_bs, block)
         if m in _graphs_full and key not in self._replays:  # a shape no graph was compiled for
             return self._eager(given, cache, call)
         replay = self._replays.get(key) if self.replay else None
         if replay is not None and not replay.current():
             replay = self._replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
-        logits = replay(ids, pad, cache) if replay is not None else None
+        logits = replay(run_ids, run_pad, run_cache) if replay is not None else None
         if logits is None:
             del self._captures[:]
             try:
-                logits = self.step_fn(m, ids, pad, cache, keep, draft_len, clean_bs, block)
+                logits = self.step_fn(m, run_ids, run_pad, run_cache, keep, draft_len, clean_bs, block)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
                 # dynamo refused a new graph before running anything (no cache write yet): this and every
                 # later new shape of this model run eagerly (same logits), the compiled ones still replay
@@ -370,10 +406,15 @@ class CompiledRunner(EagerRunner):
                 _graphs_full.add(m)
                 return self._eager(given, cache, call)
             if self._captures:  # this call compiled a graph: its replay serves the key from now on
-                self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, pad, cache)
+                self._replays[key] = Replay.build(self._captures.pop(), m, logits, run_ids, run_pad, run_cache)
         else:
             self.replayed_calls += 1
         self.compiled_calls += 1
+        if run_cache is not cache:
+            logits = logits[:rows]
+            if cache.recording:  # the spare rows' records go: rollback rewinds the real rows
+                cache.recorded = {i: tuple(t[:rows] if t is not None else None for t in rec)
+                                  for i, rec in cache.recorded.items()}
         m.commit_lens(cache, num_clean, pad)
         return logits if index is None else logits[:, index]
 
@@ -417,12 +458,27 @@ fused_compiles = [0]  # graphs `Fused` compiled in this process (tests count rec
 class Fused:
     """A pure tensor function traced (make_fx, fake tensors) and compiled (inductor) once per input
     layout, then called directly: no dynamo frame, no guards. Its inputs are all tensors, so the
-    layouts are the whole key; its Python constants are the caller's `key`."""
+    layouts are the whole key; its Python constants are the caller's `key`. Its per-row inputs (all
+    but the positions `shared`) come with spare zero rows up to a `bucket_width`, as the model's
+    steps do (`pad_rows`), and the outputs' spare rows are dropped."""
 
-    def __init__(self, fn, key):
+    def __init__(self, fn, key, shared=()):
         self.fn, self.key = fn, key
+        self.shared = frozenset(shared)
 
     def __call__(self, *args):
+        rows = next(a.shape[0] for i, a in enumerate(args) if i not in self.shared)
+        if any(a.dim() == 0 or a.shape[0] != rows for i, a in enumerate(args) if i not in self.shared):
+            raise ValueError(f"Fused {self.key!r}: the inputs not in shared={sorted(self.shared)} must all have "
+                             f"{rows} rows, got shapes {[tuple(a.shape) for a in args]}")
+        spare = bucket_width(rows) - rows
+        if spare:
+            args = [a if i in self.shared else a.new_zeros((rows + spare, *a.shape[1:])).index_copy_(
+                0, torch.arange(rows, device=a.device), a) for i, a in enumerate(args)]
+            return tuple(t[:rows] for t in self._call(*args))
+        return self._call(*args)
+
+    def _call(self, *args):
         k = (self.key, tuple(_layout_of(a) for a in args), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         graph = _fused_graphs.get(k)
         if graph is None:

@@ -40,6 +40,7 @@ class Settings:
     block_size: int = DEFAULTS.block_size
     threshold: float = DEFAULTS.threshold
     mode: str = DEFAULTS.mode
+    runner: str = DEFAULTS.runner  # how every request's decode calls the model (engine/runner.py); slot jobs: eager
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
     max_tool_calls: int = MAX_TOOL_CALLS  # calls in one reply under tool_choice "required" + parallel_tool_calls
@@ -124,7 +125,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     from contextlib import asynccontextmanager
 
     metrics = Metrics()
-    scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics)
+    scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics, settings.runner)
     routes = Routes(model, tokenizer, settings, scheduler, metrics)
 
     @asynccontextmanager

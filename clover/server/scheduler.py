@@ -140,8 +140,8 @@ class Job:
 
 class Scheduler:
     def __init__(self, model, eos_token_ids: tuple[int, ...], max_batch: int = 32, max_queue: int = 256,
-                 metrics: Metrics | None = None):
-        self.model, self.eos = model, tuple(eos_token_ids)
+                 metrics: Metrics | None = None, runner: str = DEFAULTS.runner):
+        self.model, self.eos, self.runner = model, tuple(eos_token_ids), runner
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
         self.cv = threading.Condition()
@@ -163,6 +163,7 @@ class Scheduler:
         """The engine config for a key; raises ValueError (-> 400) for settings the model can't run."""
         cfg = DecodeConfig(mode=key.mode, block_size=key.block_size, threshold=key.threshold, steps=key.steps,
                            max_new_tokens=max_new_tokens, eos_token_ids=() if key.ignore_eos else self.eos,
+                           runner=self.runner,
                            sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed,
                                                   suppress=key.suppress))
         if key.block_size > self.model.config.max_block_size:
