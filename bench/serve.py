@@ -167,6 +167,16 @@ def structured_main(args) -> int:
     return 0
 
 
+async def all_at_once(url: str, max_tokens: int) -> list[str]:
+    """Every prompt at once (one batch, rows of different prompt lengths), greedy: the replies."""
+    import openai
+
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    out = await asyncio.gather(*(free_stream(c, "bench", p, max_tokens) for p in PROMPTS))
+    await c.close()
+    return list(out)
+
+
 def compare_runners(args, runners: list[str]) -> int:
     """One server per runner, up together; each level warmed once on each, then --rounds timed runs
     per runner, interleaved level by level (the machine's noise hits both alike); medians."""
@@ -178,6 +188,7 @@ def compare_runners(args, runners: list[str]) -> int:
         if any(url is None for _, url in servers):
             print("bench/serve.py: a server did not start", file=sys.stderr)
             return 1
+        replies = [asyncio.run(all_at_once(url, args.max_tokens)) for _, url in servers]
         runs = {(r, n): [] for r in runners for n in levels}
         for n in levels:
             for _, url in servers:  # warm-up: the compiled server compiles this level's shapes here
@@ -203,7 +214,10 @@ def compare_runners(args, runners: list[str]) -> int:
             m = med[r, n]
             vs = f"{m['tps'] / med[runners[0], n]['tps']:.2f}x" if r != runners[0] else "1.00x"
             print(f"| {n} | {r} | {m['tps']:.1f} | {m['p50']:.2f} | {m['p99']:.2f} | {m['ttfb']:.2f} | {vs} |")
-    return 0
+    same = all(r == replies[0] for r in replies[1:])
+    print(f"\nReplies to the {len(PROMPTS)} prompts sent at once (greedy, {args.max_tokens} tokens each): "
+          f"{'equal' if same else 'NOT equal'} across runners.")
+    return 0 if same else 1
 
 
 def main() -> int:

@@ -113,6 +113,7 @@ def test_bench_decode_table_and_json(capsys, tmp_path):
                          "--json", str(out_json))
     assert code == 0, err
     assert "| low_confidence t=0.95 |" in out and "| transformers generate |" in out and "random weights" in out
+    assert json.loads(out_json.read_text())["runner"] == "eager" and "eager runner" in out
     rows = json.loads(out_json.read_text())["results"]
     assert [r["mode"] for r in rows][-2:] == ["ar", "transformers generate"]
     assert all(r["tokens"] == 8 and r["tokens_per_second"] > 0 for r in rows)

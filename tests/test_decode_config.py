@@ -25,6 +25,7 @@ def test_decode_config_is_frozen_and_derives_variants():
 def test_every_default_comes_from_the_one_config():
     for obj in (Settings(), EngineKey()):
         assert (obj.mode, obj.block_size, obj.threshold) == (DEFAULTS.mode, DEFAULTS.block_size, DEFAULTS.threshold)
+    assert Settings().runner == DEFAULTS.runner
     key = EngineKey()
     assert (key.temperature, key.top_p, key.top_k) == (DEFAULTS.sampling.temperature, DEFAULTS.sampling.top_p,
                                                        DEFAULTS.sampling.top_k)

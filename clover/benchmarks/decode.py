@@ -63,7 +63,7 @@ def run(args) -> int:
     ar_lengths = []  # tokens per prompt of our ar mode (transformers' twin makes as many)
 
     def engine_run(name, cfg):
-        cfg = cfg.with_(block_size=args.block_size, eos_token_ids=eos)
+        cfg = cfg.with_(block_size=args.block_size, eos_token_ids=eos, runner=args.runner)
         def go():
             lengths, forwards = [], 0
             for prompt, n in jobs:
@@ -113,9 +113,9 @@ def run(args) -> int:
         shape = f"{len(jobs)} prompts decoded one at a time until EOS or the task's answer budget"
     else:
         shape = f"prompt {len(jobs[0][0])} tokens, {jobs[0][1]} new tokens (EOS ignored)"
-    print(f"Decode speed: {described}; {shape}, block {args.block_size}, "
+    print(f"Decode speed: {described}; {shape}, block {args.block_size}, {args.runner} runner, "
           f"{model.device} {str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} alternating runs.\n")
+          f"median of {args.repeats} alternating runs (after one warm-up run each).\n")
     if random_weights:
         print("Note: random weights (no trained default model yet): confidences are low, so low_confidence fills "
               "about one token per step and self_spec drafts are rarely accepted; TPF targets need the trained model.\n")
@@ -125,6 +125,6 @@ def run(args) -> int:
           "the tokens/s of ar (tokens/s = TPF / time per forward).")
     write_json(args, dict(model=described, random_weights=random_weights, workload=args.workload,
                           prompts=len(jobs), prompt_tokens=sum(len(p) for p, _ in jobs),
-                          max_new_tokens=sum(n for _, n in jobs), block_size=args.block_size,
+                          max_new_tokens=sum(n for _, n in jobs), block_size=args.block_size, runner=args.runner,
                           threads=torch.get_num_threads(), results=results))
     return 0

@@ -57,7 +57,7 @@ def add_decode_flags(p) -> None:
                         "held-out synthetic task prompts the default model is evaluated on (--per-task of each task), "
                         "decoded one by one until EOS or the task's answer budget")
     p.add_argument("--prompt-tokens", type=int, default=64, help="story: prompt length")
-    add_decode_args(p, "max_new_tokens", "block_size", help=dict(max_new_tokens="story: tokens per run"))
+    add_decode_args(p, "max_new_tokens", "block_size", "runner", help=dict(max_new_tokens="story: tokens per run"))
     p.add_argument("--per-task", type=int, default=2, metavar="N", help="tasks: prompts per synthetic task (default 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
@@ -121,7 +121,7 @@ def add_structured_flags(p) -> None:
 
 
 # the shared decoding flags (clover/cli/options.py) each benchmark reads, DecodeConfig's defaults when not given
-DECODE_FLAGS = {"decode": ("block_size", "max_new_tokens"), "decide": ("block_size",),
+DECODE_FLAGS = {"decode": ("block_size", "max_new_tokens", "runner"), "decide": ("block_size",),
                 "agent": ("threshold", "block_size", "max_new_tokens"), "structured": ("block_size",)}
 
 BENCHMARKS = {
