@@ -10,9 +10,10 @@ per-request latency p50 / p99 and time to first block p50, and the 16-vs-1 throu
 (target: >= 4x, from continuous batching). --model defaults to the shipped default model.
 
 `--runners eager,compiled`: one server per runner (`clover serve --runner`), both up at once; every
-level runs once on each to warm up (the compiled server compiles its shapes then), then --rounds
-times on each, the runners interleaved level by level; the table gives each runner's medians and
-the compiled / eager ratio of aggregate tokens/s.
+level runs once on each to warm up (the compiled server runs new shapes eagerly and compiles them
+when idle: the bench waits for that, `clover_graphs_deferred` 0), then --rounds times on each, the
+runners interleaved level by level; the table gives each runner's medians and the compiled / eager
+ratio of aggregate tokens/s. Shapes first met in a timed round run eagerly in it (the table counts them).
 
     python bench/serve.py --structured [--model DIR] [--max-tokens 48]
 
@@ -167,6 +168,23 @@ def structured_main(args) -> int:
     return 0
 
 
+def metric(url: str, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def settle(url: str, timeout: float = 1800.0) -> float:
+    """Wait until the server has compiled every shape it deferred (`clover_graphs_deferred` 0: a
+    compiled server runs new shapes eagerly and compiles them when idle); the graphs it compiled so far."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout and metric(url, "clover_graphs_deferred") > 0:
+        time.sleep(0.5)
+    return metric(url, "clover_graphs_compiled_total")
+
+
 async def all_at_once(url: str, max_tokens: int) -> list[str]:
     """Every prompt at once (one batch, rows of different prompt lengths), greedy: the replies."""
     import openai
@@ -190,12 +208,18 @@ def compare_runners(args, runners: list[str]) -> int:
             return 1
         replies = [asyncio.run(all_at_once(url, args.max_tokens)) for _, url in servers]
         runs = {(r, n): [] for r in runners for n in levels}
+        late = {r: 0.0 for r in runners}  # graphs of shapes first met in a timed round (run eagerly there)
         for n in levels:
-            for _, url in servers:  # warm-up: the compiled server compiles this level's shapes here
+            warm = {}
+            for r, (_, url) in zip(runners, servers):  # warm-up: a compiled server meets this level's shapes
                 asyncio.run(level(url, "bench", n, args.requests, args.max_tokens))
+                warm[r] = settle(url)  # ... and compiles them once idle
             for _ in range(args.rounds):
                 for r, (_, url) in zip(runners, servers):
                     runs[r, n].append(asyncio.run(level(url, "bench", n, args.requests, args.max_tokens)))
+            for r, (_, url) in zip(runners, servers):
+                late[r] += settle(url) - warm[r]
+        compiled = {r: metric(url, "clover_graphs_compiled_total") for r, (_, url) in zip(runners, servers)}
     finally:
         for proc, _ in servers:
             proc.terminate()
@@ -214,6 +238,10 @@ def compare_runners(args, runners: list[str]) -> int:
             m = med[r, n]
             vs = f"{m['tps'] / med[runners[0], n]['tps']:.2f}x" if r != runners[0] else "1.00x"
             print(f"| {n} | {r} | {m['tps']:.1f} | {m['p50']:.2f} | {m['p99']:.2f} | {m['ttfb']:.2f} | {vs} |")
+    for r in runners:
+        if compiled[r]:
+            print(f"\n{r}: {compiled[r]:.0f} graphs compiled while idle (warm-ups), {late[r]:.0f} of them for shapes "
+                  "first met in a timed round (those steps ran eagerly there).")
     same = all(r == replies[0] for r in replies[1:])
     print(f"\nReplies to the {len(PROMPTS)} prompts sent at once (greedy, {args.max_tokens} tokens each): "
           f"{'equal' if same else 'NOT equal'} across runners.")

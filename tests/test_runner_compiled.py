@@ -4,6 +4,7 @@ checks one mode (ar, batch 2); CLOVER_COMPILED_TESTS=1 also runs every mode with
 leaving and self_spec rollback (several minutes)."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def model():  # two layers (one GDN, one attention): half the compile time of cl
     return tiny_model(99, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
-def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, replay=True, block=4):
+def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, replay=True, block=4, defer=False):
     """Logits of every runner call and the sequences; `late` prompts join after the first step and
     rows with smaller budgets leave early."""
     logits = []
@@ -37,7 +38,7 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
     cls.forward = record
     try:
         engine = Engine(model, DecodeConfig(mode=mode, block_size=block, threshold=0.5, max_new_tokens=max(budgets),
-                                            prefill_chunk=4, runner=runner))
+                                            prefill_chunk=4, runner=runner), defer_compile=defer)
         if not replay:
             engine.runner.replay = False  # the RowBatch holds this runner object
         seqs = engine.add(prompts, list(budgets))
@@ -111,6 +112,30 @@ def test_a_batch_between_buckets_replays_the_bucket_graphs(model, mode):
     assert runner.eager_calls == 0
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
     assert_same_logits(got_logits, ref_logits)
+
+
+def test_deferred_shapes_run_eagerly_until_compiled_when_idle(model):
+    """A deferring runner (the server's) runs a shape with no graph eagerly and queues it; once
+    `compile_deferred` has compiled the queue (the server does it when idle: nobody waits on a compile
+    mid-step), the same decode replays graphs made on zeros of those layouts, equal to eager."""
+    prompts = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6], [40, 41, 42, 9, 9, 9, 1]]
+    budgets = (11, 7, 9)  # block 5: shapes no other test compiles
+    ref_logits, ref, _ = decode(model, "eager", "low_confidence", prompts, budgets=budgets, block=5)
+    before = graphs()
+    got_logits, got, runner = decode(model, "compiled", "low_confidence", prompts, budgets=budgets, block=5, defer=True)
+    assert graphs() == before and runner.compiled_calls == 0 and runner.eager_calls > 0  # nothing compiled mid-decode
+    assert [s.token_ids for s in got] == [s.token_ids for s in ref]
+    assert_same_logits(got_logits, ref_logits)
+    waiting = runner_module.deferred(model)
+    assert waiting > 0
+    while runner_module.compile_deferred(model):
+        pass
+    assert runner_module.deferred(model) == 0 and graphs() > before
+    again_logits, again, warm = decode(model, "compiled", "low_confidence", prompts, budgets=budgets, block=5, defer=True)
+    assert warm.eager_calls == 0 and warm.replayed_calls == warm.compiled_calls > 0
+    assert runner_module.deferred(model) == 0
+    assert [s.token_ids for s in again] == [s.token_ids for s in ref]
+    assert_same_logits(again_logits, ref_logits)
 
 
 def test_prompt_chunks_cut_from_longer_prompts_replay(model):
@@ -281,7 +306,8 @@ def test_server_settings_choose_the_runner(model):
 @pytest.mark.timeout(1200)
 def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
     """`clover serve --runner compiled`: concurrent streams of different lengths (rows join, share
-    steps in row buckets and leave) give the single-request eager replies, and the steps ran compiled."""
+    steps in row buckets and leave) give the single-request eager replies; new shapes run eagerly and
+    are compiled while the server is idle, after which the same traffic replays graphs."""
     import asyncio
 
     import openai
@@ -290,19 +316,21 @@ def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
     from clover.api import eos_ids
     from clover.server import Settings, create_app
     from helpers import save_tiny_model
-    from server_utils import RunningServer
+    from server_utils import RunningServer, metric
 
     model, tokenizer = clover.load(save_tiny_model(tmp_path / "m"))
     prompts = ["the cat", "a dog ran far", "one two three four five", "x", "hello there"]
     budgets = [9, 5, 12, 7, 3]
     refs = [clover.generate(model, tokenizer, p, max_new_tokens=n, block_size=4, threshold=0.5, mode="ar").text
             for p, n in zip(prompts, budgets)]
-    calls = []
+    calls = []  # per runner call: did it run eagerly?
     real = CompiledRunner.forward
 
     def counted(self, *a, **kw):
-        calls.append(self.eager_calls)
-        return real(self, *a, **kw)
+        before = self.eager_calls
+        out = real(self, *a, **kw)
+        calls.append(self.eager_calls > before)
+        return out
 
     async def one(c, prompt, n):
         text = ""
@@ -321,7 +349,14 @@ def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
     try:
         with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as server:
             got = asyncio.run(go(server.url))
+            first, calls[:] = list(calls), []
+            deadline = time.time() + 900
+            while metric(server, "clover_graphs_deferred") > 0 and time.time() < deadline:
+                time.sleep(0.2)
+            assert metric(server, "clover_graphs_deferred") == 0 and metric(server, "clover_graphs_compiled_total") > 0
+            again = asyncio.run(go(server.url))
     finally:
         CompiledRunner.forward = real
-    assert got == refs
-    assert len(calls) > sum(budgets) / len(budgets)  # every step went through the compiled runner
+    assert got == refs and again == refs
+    assert any(first) and len(calls) > sum(budgets) / len(budgets)  # the steps went through the compiled runner
+    assert sum(calls) < sum(first)  # fewer eager steps once idle compiled the shapes met

@@ -104,12 +104,14 @@ _NUMBERS = {"block_size": int, "threshold": float, "steps": int, "max_new_tokens
 
 
 class Engine:
-    def __init__(self, model, config: DecodeConfig):
+    def __init__(self, model, config: DecodeConfig, defer_compile: bool = False):
+        """`defer_compile` (runner "compiled"): a step of a shape with no graph yet runs eagerly and the
+        shape waits for `runner.compile_deferred` (the server compiles when idle)."""
         cfg, mc = config, model.config
         if cfg.block_size > mc.max_block_size:
             raise ValueError(f"block_size must be in [1, {mc.max_block_size}], got {cfg.block_size}")
         self.model, self.cfg = model, cfg
-        self.runner = make_runner(cfg.runner, model)
+        self.runner = make_runner(cfg.runner, model, defer=defer_compile)
         self.mask_id = mc.mask_token_id
         self.device = model.device
         self.eos = set(cfg.eos_token_ids)

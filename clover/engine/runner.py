@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from ..models.cache_clover import CloverCache
 from ..models.modeling_clover import CloverExperts, stream_layout
 from ..ops.linear import bf16_panels, solve_fits, tiled, worth_routing
 
@@ -353,13 +354,16 @@ class CompiledRunner(EagerRunner):
     prefill_chunk = STEADY_MAX  # prompts are committed in chunks a graph takes (the engine's cap)
     full_head = True  # a graph runs the head on every kept column (one shape); `index` only slices its logits
 
-    def __init__(self, model, replay: bool = True):
+    def __init__(self, model, replay: bool = True, defer: bool = False):
         super().__init__(model)
         self.step_fn, self._captures = compiled_step(model)
         self.compiled_calls = self.eager_calls = self.replayed_calls = 0
         # replay: once a shape is compiled, call its graph directly (`Replay`) instead of through
         # dynamo's guard evaluation (~0.4 ms a call on a CPU); False keeps every call on dynamo
         self.replay = replay
+        # defer: a shape (or fused-function layout) with no graph yet runs eagerly and waits in a queue
+        # for `compile_deferred` (a server calls it when idle: no request ever waits on a compile mid-step)
+        self.defer = defer
         self._replays = _replays.setdefault(model, {})
 
     def new_cache(self, rows: int, capacity: int):
@@ -369,7 +373,7 @@ class CompiledRunner(EagerRunner):
         """`fn` compiled once per input layout, graphs shared by every runner in the process under
         `key` (hashable: it must name everything `fn` computes with besides its tensor inputs); rows in
         buckets, as the model's steps (`Fused`)."""
-        return Fused(fn, key, shared)
+        return Fused(fn, key, shared, defer=self.defer)
 
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
                 index=None) -> torch.Tensor:
@@ -388,7 +392,9 @@ class CompiledRunner(EagerRunner):
         rows = ids.shape[0]
         run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
         key = _shape_key(run_ids, run_pad, run_cache, keep, draft_len, clean_bs, block)
-        if m in _graphs_full and key not in self._replays:  # a shape no graph was compiled for
+        if key not in self._replays and (m in _graphs_full or self.defer):  # a shape no graph was compiled for
+            if self.defer and m not in _graphs_full:
+                _deferred.setdefault(m, {})[key] = None
             return self._eager(given, cache, call)
         replay = self._replays.get(key) if self.replay else None
         if replay is not None and not replay.current():
@@ -421,6 +427,54 @@ class CompiledRunner(EagerRunner):
     def _eager(self, ids, cache, call: dict) -> torch.Tensor:
         self.eager_calls += 1
         return super().forward(ids, cache, **call)
+
+    def compile_shape(self, key: tuple) -> None:
+        """Compile the graph of a shape key (`_shape_key`) on a cache and ids of its own (zeros: only
+        the layouts matter) and keep its Replay, as a call of that shape would have."""
+        (shape, device, draft_len, clean_bs, block, no_pad, recording, capacity, rows, dtype, keep, grad,
+         inference) = key
+        m = self.model
+        cache = CloverCache(m.config, rows, capacity, device=device, dtype=dtype)
+        if recording:
+            cache.start_recording()
+        ids = torch.zeros(shape, dtype=torch.long, device=device)
+        pad = None if no_pad else torch.zeros(shape, dtype=torch.bool, device=device)
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            del self._captures[:]
+            try:
+                logits = self.step_fn(m, ids, pad, cache, keep, draft_len, clean_bs, block)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                _graphs_full.add(m)
+                return
+        if self._captures:
+            self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, pad, cache)
+
+
+_deferred: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: None}, oldest first
+_deferred_fused: dict = {}  # Fused graph key -> the Fused that ran it eagerly (deferring)
+
+
+def deferred(model) -> int:
+    """How many shapes of `model` (and fused-function layouts) wait for `compile_deferred`."""
+    return len(_deferred.get(model, ())) + len(_deferred_fused)
+
+
+def compile_deferred(model) -> bool:
+    """Compile one graph that a deferring runner (`CompiledRunner(defer=True)`) of `model` ran eagerly
+    (a fused-function layout first, then the oldest model shape); False when none waits."""
+    if _deferred_fused:
+        k, fused = _deferred_fused.popitem()
+        fused.compile(k)
+        return True
+    waiting = _deferred.get(model)
+    if not waiting:
+        return False
+    key = next(iter(waiting))
+    del waiting[key]
+    runner = CompiledRunner(model)
+    if key not in runner._replays and model not in _graphs_full:
+        runner.compile_shape(key)
+    return True
 
 
 _replays: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: Replay or None}
@@ -462,9 +516,10 @@ class Fused:
     but the positions `shared`) come with spare zero rows up to a `bucket_width`, as the model's
     steps do (`pad_rows`), and the outputs' spare rows are dropped."""
 
-    def __init__(self, fn, key, shared=()):
+    def __init__(self, fn, key, shared=(), defer: bool = False):
         self.fn, self.key = fn, key
         self.shared = frozenset(shared)
+        self.defer = defer  # a layout with no graph yet runs eagerly and waits for `compile_deferred`
 
     def __call__(self, *args):
         rows = next(a.shape[0] for i, a in enumerate(args) if i not in self.shared)
@@ -482,19 +537,36 @@ class Fused:
         k = (self.key, tuple(_layout_of(a) for a in args), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         graph = _fused_graphs.get(k)
         if graph is None:
-            from torch._inductor.compile_fx import compile_fx
-            from torch.fx.experimental.proxy_tensor import make_fx
-
-            gm = make_fx(self.fn, tracing_mode="fake")(*args)
-            with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER and args[0].device.type == "cpu"):
-                graph = _fused_graphs[k] = compile_fx(gm, list(args))
-            fused_compiles[0] += 1
+            if self.defer:
+                _deferred_fused[k] = self
+                return tuple(self.fn(*args))
+            graph = self._compile(k, args)
         return tuple(graph(*args))
 
+    def compile(self, k) -> None:
+        """Compile the graph of a key `_call` deferred, on zeros of its input layouts."""
+        if k not in _fused_graphs:
+            _, layouts, grad, inference = k
+            args = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+                    for shape, stride, dtype, device in layouts]
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                self._compile(k, args)
 
-def make_runner(kind: str, model) -> EagerRunner:
+    def _compile(self, k, args):
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = make_fx(self.fn, tracing_mode="fake")(*args)
+        with torch._inductor.config.patch(cpp_wrapper=CPP_WRAPPER and args[0].device.type == "cpu"):
+            graph = _fused_graphs[k] = compile_fx(gm, list(args))
+        fused_compiles[0] += 1
+        return graph
+
+
+def make_runner(kind: str, model, defer: bool = False) -> EagerRunner:
+    """`defer` (compiled): new shapes run eagerly until `compile_deferred` compiles them (a server)."""
     if kind == "eager":
         return EagerRunner(model)
     if kind == "compiled":
-        return CompiledRunner(model)
+        return CompiledRunner(model, defer=defer)
     raise ValueError(f"unknown runner {kind!r} (known: {', '.join(RUNNERS)})")

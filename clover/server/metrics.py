@@ -37,6 +37,8 @@ class Metrics:
         self.prompt_tokens = self.generated_tokens = self.row_forwards = self.model_forwards = 0
         self.finished_rows = self.cancelled_rows = self.failed_rows = self.isolated_rows = self.rejected_queue_full = 0
         self.queue_length = self.running_rows = 0
+        self.graphs_compiled = self.graphs_deferred = 0  # --runner compiled: compiled when idle / waiting for it
+        self.compile_seconds = 0.0
         self.latency = Histogram()  # request arrival -> last token
         self.first_token = Histogram()  # request arrival -> first block
         self.step_seconds = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
@@ -78,6 +80,12 @@ class Metrics:
                  "Rows moved to an engine of their own after a batched step raised."),
                 ("clover_rejected_queue_full_total", "counter", self.rejected_queue_full, "Requests answered 503."),
                 ("clover_queue_length", "gauge", self.queue_length, "Rows waiting for a batch slot."),
+                ("clover_graphs_deferred", "gauge", self.graphs_deferred,
+                 "--runner compiled: step shapes run eagerly so far, waiting to be compiled when the server is idle."),
+                ("clover_graphs_compiled_total", "counter", self.graphs_compiled,
+                 "--runner compiled: graphs compiled while the server was idle."),
+                ("clover_compile_seconds_total", "counter", round(self.compile_seconds, 3),
+                 "--runner compiled: seconds spent compiling them."),
                 ("clover_running_rows", "gauge", self.running_rows, "Rows in the running batch."),
             ):
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -44,6 +44,7 @@ import torch
 
 from ..engine import DEFAULTS, DecodeConfig, Engine, SamplingParams, Sequence
 from ..engine.slots import Job as SlotJob
+from ..engine.runner import compile_deferred, deferred
 from ..engine.slots import SlotMode, driving
 from .metrics import Metrics
 
@@ -245,12 +246,20 @@ class Scheduler:
     def running_rows(self) -> int:
         return sum(len(e.seqs) for e in self.engines.values())
 
+    def _busy(self) -> bool:
+        return bool(self.stopping or self.waiting or self.to_cancel or self.engines or self.slot_waiting
+                    or self.slots.running)
+
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not (self.stopping or self.waiting or self.to_cancel or self.engines or self.slot_waiting
-                           or self.slots.running):
+                while not self._busy() and not (self.runner == "compiled" and deferred(self.model)):
                     self.cv.wait()
+                idle = not self._busy()
+            if idle:  # nothing to decode: compile one shape the compiled runner ran eagerly meanwhile
+                self._compile_one()
+                continue
+            with self.cv:
                 if self.stopping:
                     self._fail_slots(RuntimeError("the server is shutting down"))
                     return
@@ -280,6 +289,22 @@ class Scheduler:
                 self._fail_all("internal error in the decoding loop")
                 self._fail_slots(e)
             self.metrics.running_rows = self.running_rows
+            if self.runner == "compiled":
+                self.metrics.graphs_deferred = deferred(self.model)
+
+    def _compile_one(self) -> None:
+        """One deferred graph (`runner.compile_deferred`): seconds, while no request is running; a request
+        that arrives meanwhile waits for it, once per shape. A failed compile leaves that shape eager."""
+        t0, done = time.perf_counter(), False
+        try:
+            with torch.inference_mode():
+                done = compile_deferred(self.model)
+        except Exception:  # noqa: BLE001 - the shape keeps running eagerly, as it did
+            traceback.print_exc()
+        with self.metrics.lock:
+            self.metrics.compile_seconds += time.perf_counter() - t0
+            self.metrics.graphs_compiled += int(done)
+            self.metrics.graphs_deferred = deferred(self.model)
 
     def _admit(self, jobs: list[Job]) -> None:
         groups: dict[EngineKey, list[Job]] = {}
@@ -340,7 +365,7 @@ class Scheduler:
         engine = self.engines.get(slot)
         if engine is None:
             key = slot[0] if isinstance(slot, tuple) else slot
-            engine = Engine(self.model, self.config(key, max(j.max_new_tokens for j in jobs)))
+            engine = Engine(self.model, self.config(key, max(j.max_new_tokens for j in jobs)), defer_compile=True)
         olds = [j.seq if resume else None for j in jobs]
         seqs = engine.add([j.prompt_ids + (old.token_ids if old else []) for j, old in zip(jobs, olds)],
                           [old.remaining if old else j.max_new_tokens for j, old in zip(jobs, olds)])
