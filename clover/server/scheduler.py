@@ -16,6 +16,9 @@
   prefills it and steps it beside the engines, one forward per job per loop turn, jobs of the same
   shape batched in one forward. Their failures stay theirs (the job's error is raised in its
   worker thread).
+* `--runner compiled`: the engines defer compiling (a step of a shape with no graph runs eagerly and
+  queues the shape); with nothing to decode, the loop compiles one queued shape at a time
+  (`runner.compile_deferred`), so no running request waits on a compile.
 * Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
