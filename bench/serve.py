@@ -220,6 +220,7 @@ def compare_runners(args, runners: list[str]) -> int:
             for r, (_, url) in zip(runners, servers):
                 late[r] += settle(url) - warm[r]
         compiled = {r: metric(url, "clover_graphs_compiled_total") for r, (_, url) in zip(runners, servers)}
+        tpf = {r: metric(url, "clover_tokens_per_forward") for r, (_, url) in zip(runners, servers)}
     finally:
         for proc, _ in servers:
             proc.terminate()
@@ -242,6 +243,8 @@ def compare_runners(args, runners: list[str]) -> int:
         if compiled[r]:
             print(f"\n{r}: {compiled[r]:.0f} graphs compiled while idle (warm-ups), {late[r]:.0f} of them for shapes "
                   "first met in a timed round (those steps ran eagerly there).")
+    print("\nTokens per forward of a row (TPF, every finished row of the run): "
+          + ", ".join(f"{r} {tpf[r]:.2f}" for r in runners) + ".")
     same = all(r == replies[0] for r in replies[1:])
     print(f"\nReplies to the {len(PROMPTS)} prompts sent at once (greedy, {args.max_tokens} tokens each): "
           f"{'equal' if same else 'NOT equal'} across runners.")
