@@ -360,3 +360,41 @@ def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
     assert got == refs and again == refs
     assert any(first) and len(calls) > sum(budgets) / len(budgets)  # the steps went through the compiled runner
     assert sum(calls) < sum(first)  # fewer eager steps once idle compiled the shapes met
+
+
+@full_only
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("kind", ["infill", "grammar"])
+def test_structured_replies_through_a_compiled_scheduler_equal_eager(tmp_path, kind):
+    """Slot jobs (schema infilling, the grammar path) of `--runner compiled`: concurrent structured
+    replies equal the eager solo ones while their shapes run eagerly (deferred), and again once the
+    idle scheduler compiled them, now through the graphs."""
+    import clover
+    from helpers import save_tiny_model
+    from test_server_slots import ASKS, GRAMMAR, SCHEMA, _concurrent, _reply
+
+    schema = SCHEMA if kind == "infill" else GRAMMAR
+    model, tok = clover.load(save_tiny_model(tmp_path / "m"))
+    alone = [_reply(model, tok, t, schema) for t in ASKS]
+    assert alone[0][1]["method"] == kind
+    calls = []  # per compiled-runner call: did it run eagerly?
+    real = CompiledRunner.forward
+
+    def counted(self, *a, **kw):
+        before = self.eager_calls
+        out = real(self, *a, **kw)
+        calls.append(self.eager_calls > before)
+        return out
+
+    CompiledRunner.forward = counted
+    try:
+        # all admitted together both times: the same groups, so the same shapes the second time
+        first = _concurrent(model, tok, ASKS, schema, start_after=len(ASKS), runner="compiled")
+        first_calls, calls[:] = list(calls), []
+        while runner_module.compile_deferred(model):
+            pass
+        again = _concurrent(model, tok, ASKS, schema, start_after=len(ASKS), runner="compiled")
+    finally:
+        CompiledRunner.forward = real
+    assert first == alone and again == alone
+    assert any(first_calls) and calls and not any(calls)  # eager while deferred; the second time, graphs only

@@ -51,10 +51,10 @@ def _reply(model, tok, text, schema, max_tokens=120):
     return r.content, r.info, r.finish
 
 
-def _concurrent(model, tok, texts, schema, start_after: int):
+def _concurrent(model, tok, texts, schema, start_after: int, runner: str = "eager"):
     """Each text planned in a thread of its own, its forwards run by one scheduler that starts once
     `start_after` jobs are queued (so they are admitted together; the others join mid-run)."""
-    sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
+    sched = Scheduler(model, (tok.eos_token_id,), max_batch=8, runner=runner)
     out: dict[int, object] = {}
 
     def plan(i, text):

@@ -31,10 +31,9 @@ def register(sub) -> None:
     add_decode_args(p, "block_size", "threshold", "mode", "runner", help=dict(  # per-request defaults (a request may override)
         block_size="default block size (default: the model's; auto: the one `clover tune` stored)",
         threshold="default low_confidence threshold",
-        runner="eager (default) or compiled: every request's decode steps as torch.compile'd graphs, one per shape "
-               "(rows in buckets 1, 2, 4, 8, 16, 24, ...); the first request of a new shape waits for its compile "
-               "(seconds on a GPU, up to a minute on a CPU; inductor's on-disk cache makes restarts faster). "
-               "Structured-output and tool-call planning (slot jobs) run eagerly"))
+        runner="eager (default) or compiled: every request's forwards (structured output and tool-call slot jobs "
+               "too) as torch.compile'd graphs, one per shape (rows in buckets 1, 2, 4, 8, 16, 24, ...); a shape "
+               "first met runs eagerly and is compiled while the server is idle (/metrics clover_graphs_deferred)"))
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
                    help="chat completion budget when a request gives none (default 512, capped by the context)")
     p.add_argument("--max-tool-calls", type=int, default=8, metavar="N",

@@ -296,13 +296,14 @@ def denoise(model, rows: list[Row], threshold: float) -> int:
     return run(Job(partial(_start_denoise, model, rows, threshold)))
 
 
-def _start_denoise(model, rows: list[Row], threshold: float):
+def _start_denoise(model, rows: list[Row], threshold: float, runner: str = "eager", defer: bool = False):
     mask = model.config.mask_token_id
     longest = max(sum(len(u.scaffold) + u.width for u in r.units) for r in rows)
     # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
     # windows of one size); the engine validates the context length and prefills prompt[:-1]
     first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
-    engine = Engine(model, DecodeConfig(block_size=first, max_new_tokens=longest + 1))
+    engine = Engine(model, DecodeConfig(block_size=first, max_new_tokens=longest + 1, runner=runner),
+                    defer_compile=defer)
     engine.add([r.prompt for r in rows])
     return engine.batch, _denoise_steps(engine.batch, rows, threshold, mask)
 
@@ -381,8 +382,9 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
     budget the first of `closers(tokens so far)` (e.g. a closing quote, brackets, EOS) the grammar
     allows is taken before the model's choice, so a document is likelier to close within the budget.
     One job of the slot mode (engine/slots.py): alone, or batched by the server's scheduler."""
-    def start():
-        engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1))
+    def start(runner: str = "eager", defer: bool = False):
+        engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1, runner=runner),
+                        defer_compile=defer)
         engine.add([prompt])
         rule = Constraint(allow, accept, stops, generator, closers, wrap_up)
         return engine.batch, _constrained_steps(engine.batch, rule, max_new_tokens, model.config.mask_token_id)

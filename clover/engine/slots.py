@@ -43,10 +43,11 @@ Steps = Generator[Forward, torch.Tensor, object]
 
 
 class Job:
-    """One request's rows: `start()` prefills them (returns its RowBatch and its step generator),
-    then each `advance(logits)` resumes the generator with the logits of the forward it asked for."""
+    """One request's rows: `start(runner, defer)` prefills them with an engine of that runner (returns
+    its RowBatch and its step generator), then each `advance(logits)` resumes the generator with the
+    logits of the forward it asked for."""
 
-    def __init__(self, start: Callable[[], tuple[RowBatch, Steps]]):
+    def __init__(self, start: Callable[..., tuple[RowBatch, Steps]]):
         self._start = start
         self.batch: RowBatch | None = None
         self.steps: Steps | None = None
@@ -55,8 +56,8 @@ class Job:
         self.error: BaseException | None = None
         self.finished = False
 
-    def start(self) -> None:
-        self.batch, self.steps = self._start()
+    def start(self, runner: str = "eager", defer: bool = False) -> None:
+        self.batch, self.steps = self._start(runner=runner, defer=defer)
         self.advance(None)
 
     def advance(self, logits: torch.Tensor | None) -> None:
@@ -107,11 +108,13 @@ def forward(group: list[Job]) -> list[torch.Tensor]:
 
 class SlotMode:
     """The running jobs; `join` starts one (its prefill), `step` advances every job by one forward
-    and returns the jobs that finished (with a result or an error)."""
+    and returns the jobs that finished (with a result or an error). `runner` / `defer`: how the jobs'
+    engines call the model (the server's `--runner`; deferred compiles, as its engines)."""
 
-    def __init__(self):
+    def __init__(self, runner: str = "eager", defer: bool = False):
         self.jobs: list[Job] = []
         self.forwards = 0  # model calls made by `step` so far
+        self.runner, self.defer = runner, defer
 
     @property
     def running(self) -> bool:
@@ -119,7 +122,7 @@ class SlotMode:
 
     def join(self, job: Job) -> None:
         try:
-            job.start()
+            job.start(self.runner, self.defer)
         except Exception as e:  # noqa: BLE001 - the job's own failure (a prompt too long, ...)
             job.fail(e)
         if not job.finished:

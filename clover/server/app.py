@@ -40,7 +40,7 @@ class Settings:
     block_size: int = DEFAULTS.block_size
     threshold: float = DEFAULTS.threshold
     mode: str = DEFAULTS.mode
-    runner: str = DEFAULTS.runner  # how every request's decode calls the model (engine/runner.py); slot jobs: eager
+    runner: str = DEFAULTS.runner  # how every request's decode and slot jobs call the model (engine/runner.py)
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
     max_tool_calls: int = MAX_TOOL_CALLS  # calls in one reply under tool_choice "required" + parallel_tool_calls

@@ -16,8 +16,8 @@
   prefills it and steps it beside the engines, one forward per job per loop turn, jobs of the same
   shape batched in one forward. Their failures stay theirs (the job's error is raised in its
   worker thread).
-* `--runner compiled`: the engines defer compiling (a step of a shape with no graph runs eagerly and
-  queues the shape); with nothing to decode, the loop compiles one queued shape at a time
+* `--runner compiled`: the engines and the slot jobs defer compiling (a step of a shape with no graph
+  runs eagerly and queues the shape); with nothing to decode, the loop compiles one queued shape at a time
   (`runner.compile_deferred`), so no running request waits on a compile.
 * Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
@@ -155,7 +155,7 @@ class Scheduler:
         self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
         self.thread: threading.Thread | None = None
         self.stopping = False
-        self.slots = SlotMode()  # the running infill / grammar jobs
+        self.slots = SlotMode(runner, defer=True)  # the running infill / grammar jobs
         self.slot_waiting: list[tuple[SlotJob, threading.Event]] = []
         self.slot_events: dict[int, threading.Event] = {}  # id(job) -> set when it finished
         self.plan_of: dict[int, Plan] = {}  # id(job) -> the structured request it belongs to
