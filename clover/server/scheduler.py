@@ -155,6 +155,7 @@ class Scheduler:
         self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.compiling = False  # in `_compile_one` (nothing decoding)
         self.slots = SlotMode(runner, defer=True)  # the running infill / grammar jobs
         self.slot_waiting: list[tuple[SlotJob, threading.Event]] = []
         self.slot_events: dict[int, threading.Event] = {}  # id(job) -> set when it finished
@@ -241,8 +242,8 @@ class Scheduler:
         with self.cv:
             self.stopping = True
             self.cv.notify()
-        if self.thread is not None:
-            self.thread.join(timeout=30)
+        if self.thread is not None:  # an idle compile (seconds) has no request to finish: not waited for
+            self.thread.join(timeout=1 if self.compiling else 30)
         self.planner.shutdown(wait=False)
 
     @property
@@ -299,11 +300,14 @@ class Scheduler:
         """One deferred graph (`runner.compile_deferred`): seconds, while no request is running; a request
         that arrives meanwhile waits for it, once per shape. A failed compile leaves that shape eager."""
         t0, done = time.perf_counter(), False
+        self.compiling = True
         try:
             with torch.inference_mode():
                 done = compile_deferred(self.model)
         except Exception:  # noqa: BLE001 - the shape keeps running eagerly, as it did
             traceback.print_exc()
+        finally:
+            self.compiling = False
         with self.metrics.lock:
             self.metrics.compile_seconds += time.perf_counter() - t0
             self.metrics.graphs_compiled += int(done)
