@@ -413,6 +413,8 @@ class CompiledRunner(EagerRunner):
                 return self._eager(given, cache, call)
             if self._captures:  # this call compiled a graph: its replay serves the key from now on
                 self._replays[key] = Replay.build(self._captures.pop(), m, logits, run_ids, run_pad, run_cache)
+            else:  # compiled without a capture (CUDA graphs: dynamo's call replays them): known, no Replay
+                self._replays.setdefault(key, None)
         else:
             self.replayed_calls += 1
         self.compiled_calls += 1
@@ -448,6 +450,8 @@ class CompiledRunner(EagerRunner):
                 return
         if self._captures:
             self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, pad, cache)
+        else:
+            self._replays.setdefault(key, None)
 
 
 _deferred: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: None}, oldest first
