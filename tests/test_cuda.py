@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clover.engine.runner import CompiledRunner, EagerRunner
+from clover.engine.runner import CompiledRunner, EagerRunner, compile_deferred
 from clover.quant.int4 import dequantize, kernel_kind
 from clover.quant.modules import Int4Linear
 from helpers import tiny_model
@@ -54,6 +54,27 @@ def test_compiled_cuda_graphs_equal_eager_without_recompiling(models):
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         again = steps(CompiledRunner(gpu), ids, 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before, "recompiled when warm"
+    for a, b, c in zip(got, want, again):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_cuda_rows_in_buckets_and_deferred_shapes_equal_eager(models):
+    """A server's compiled runner on CUDA: 3 rows run the 4-row graphs (a spare row), new shapes run
+    eagerly until `compile_deferred` compiled them (CUDA graphs capture nothing for a Replay: the
+    shapes must still count as compiled), then through the graphs; every step equals eager."""
+    _, gpu = models
+    ids = torch.randint(0, 120, (3, 11)).cuda()
+    with torch.inference_mode():
+        want = steps(EagerRunner(gpu), ids, 3)
+        first = CompiledRunner(gpu, defer=True)
+        got = steps(first, ids, 3)
+        assert first.compiled_calls == 0 and first.eager_calls > 0  # no 4-row graph yet: all deferred
+        while compile_deferred(gpu):
+            pass
+        warm = CompiledRunner(gpu, defer=True)
+        again = steps(warm, ids, 3)
+    assert warm.eager_calls == 0 and warm.compiled_calls > 0
     for a, b, c in zip(got, want, again):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5)
