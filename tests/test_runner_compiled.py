@@ -3,6 +3,7 @@ once warm. Compiling is slow on a small shared CPU (tens of seconds per graph), 
 checks one mode (ar, batch 2); CLOVER_COMPILED_TESTS=1 also runs every mode with rows joining and
 leaving and self_spec rollback (several minutes)."""
 
+import contextlib
 import os
 import time
 
@@ -50,6 +51,24 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
     finally:
         cls.forward = real
     return logits, seqs, engine.runner
+
+
+@contextlib.contextmanager
+def eager_flags():
+    """While inside: one flag per CompiledRunner call, whether it ran eagerly (a deferred or unsteady shape)."""
+    calls, real = [], CompiledRunner.forward
+
+    def counted(self, *a, **kw):
+        before = self.eager_calls
+        out = real(self, *a, **kw)
+        calls.append(self.eager_calls > before)
+        return out
+
+    CompiledRunner.forward = counted
+    try:
+        yield calls
+    finally:
+        CompiledRunner.forward = real
 
 
 def graphs():  # the model steps' graphs (dynamo) and the modes' fused step functions (`Fused`)
@@ -323,14 +342,6 @@ def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
     budgets = [9, 5, 12, 7, 3]
     refs = [clover.generate(model, tokenizer, p, max_new_tokens=n, block_size=4, threshold=0.5, mode="ar").text
             for p, n in zip(prompts, budgets)]
-    calls = []  # per runner call: did it run eagerly?
-    real = CompiledRunner.forward
-
-    def counted(self, *a, **kw):
-        before = self.eager_calls
-        out = real(self, *a, **kw)
-        calls.append(self.eager_calls > before)
-        return out
 
     async def one(c, prompt, n):
         text = ""
@@ -345,8 +356,7 @@ def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
         return out
 
     settings = Settings(model_id="tiny", block_size=4, threshold=0.5, mode="ar", runner="compiled")
-    CompiledRunner.forward = counted
-    try:
+    with eager_flags() as calls:
         with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as server:
             got = asyncio.run(go(server.url))
             first, calls[:] = list(calls), []
@@ -355,8 +365,6 @@ def test_server_with_the_compiled_runner_equals_single_eager_requests(tmp_path):
                 time.sleep(0.2)
             assert metric(server, "clover_graphs_deferred") == 0 and metric(server, "clover_graphs_compiled_total") > 0
             again = asyncio.run(go(server.url))
-    finally:
-        CompiledRunner.forward = real
     assert got == refs and again == refs
     assert any(first) and len(calls) > sum(budgets) / len(budgets)  # the steps went through the compiled runner
     assert sum(calls) < sum(first)  # fewer eager steps once idle compiled the shapes met
@@ -377,24 +385,13 @@ def test_structured_replies_through_a_compiled_scheduler_equal_eager(tmp_path, k
     model, tok = clover.load(save_tiny_model(tmp_path / "m"))
     alone = [_reply(model, tok, t, schema) for t in ASKS]
     assert alone[0][1]["method"] == kind
-    calls = []  # per compiled-runner call: did it run eagerly?
-    real = CompiledRunner.forward
 
-    def counted(self, *a, **kw):
-        before = self.eager_calls
-        out = real(self, *a, **kw)
-        calls.append(self.eager_calls > before)
-        return out
-
-    CompiledRunner.forward = counted
-    try:
+    with eager_flags() as calls:
         # all admitted together both times: the same groups, so the same shapes the second time
         first = _concurrent(model, tok, ASKS, schema, start_after=len(ASKS), runner="compiled")
         first_calls, calls[:] = list(calls), []
         while runner_module.compile_deferred(model):
             pass
         again = _concurrent(model, tok, ASKS, schema, start_after=len(ASKS), runner="compiled")
-    finally:
-        CompiledRunner.forward = real
     assert first == alone and again == alone
     assert any(first_calls) and calls and not any(calls)  # eager while deferred; the second time, graphs only

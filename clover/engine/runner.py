@@ -401,20 +401,9 @@ class CompiledRunner(EagerRunner):
             replay = self._replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
         logits = replay(run_ids, run_pad, run_cache) if replay is not None else None
         if logits is None:
-            del self._captures[:]
-            try:
-                logits = self.step_fn(m, run_ids, run_pad, run_cache, keep, draft_len, clean_bs, block)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                # dynamo refused a new graph before running anything (no cache write yet): this and every
-                # later new shape of this model run eagerly (same logits), the compiled ones still replay
-                warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
-                              "graphs) reached, new shapes now run eagerly", stacklevel=2)
-                _graphs_full.add(m)
+            logits = self._through_dynamo(key, run_ids, run_pad, run_cache, keep, draft_len, clean_bs, block)
+            if logits is None:
                 return self._eager(given, cache, call)
-            if self._captures:  # this call compiled a graph: its replay serves the key from now on
-                self._replays[key] = Replay.build(self._captures.pop(), m, logits, run_ids, run_pad, run_cache)
-            else:  # compiled without a capture (CUDA graphs: dynamo's call replays them): known, no Replay
-                self._replays.setdefault(key, None)
         else:
             self.replayed_calls += 1
         self.compiled_calls += 1
@@ -430,28 +419,38 @@ class CompiledRunner(EagerRunner):
         self.eager_calls += 1
         return super().forward(ids, cache, **call)
 
+    def _through_dynamo(self, key, ids, pad, cache, keep, draft_len, clean_bs, block) -> torch.Tensor | None:
+        """The step through dynamo, which compiles the key's graph if it has none; the key is then known:
+        with its Replay where this call captured the graph, else with None (CUDA graphs: dynamo's call
+        replays them). None when dynamo refused a new graph (its recompile limit) before running anything
+        (no cache write yet): this and every later new shape of the model run eagerly (same logits), the
+        compiled ones still replay."""
+        del self._captures[:]
+        try:
+            logits = self.step_fn(self.model, ids, pad, cache, keep, draft_len, clean_bs, block)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
+                          "graphs) reached, new shapes now run eagerly", stacklevel=3)
+            _graphs_full.add(self.model)
+            return None
+        if self._captures:
+            self._replays[key] = Replay.build(self._captures.pop(), self.model, logits, ids, pad, cache)
+        else:
+            self._replays.setdefault(key, None)
+        return logits
+
     def compile_shape(self, key: tuple) -> None:
         """Compile the graph of a shape key (`_shape_key`) on a cache and ids of its own (zeros: only
         the layouts matter) and keep its Replay, as a call of that shape would have."""
         (shape, device, draft_len, clean_bs, block, no_pad, recording, capacity, rows, dtype, keep, grad,
          inference) = key
-        m = self.model
-        cache = CloverCache(m.config, rows, capacity, device=device, dtype=dtype)
+        cache = CloverCache(self.model.config, rows, capacity, device=device, dtype=dtype)
         if recording:
             cache.start_recording()
         ids = torch.zeros(shape, dtype=torch.long, device=device)
         pad = None if no_pad else torch.zeros(shape, dtype=torch.bool, device=device)
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            del self._captures[:]
-            try:
-                logits = self.step_fn(m, ids, pad, cache, keep, draft_len, clean_bs, block)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                _graphs_full.add(m)
-                return
-        if self._captures:
-            self._replays[key] = Replay.build(self._captures.pop(), m, logits, ids, pad, cache)
-        else:
-            self._replays.setdefault(key, None)
+            self._through_dynamo(key, ids, pad, cache, keep, draft_len, clean_bs, block)
 
 
 _deferred: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: None}, oldest first

@@ -46,8 +46,8 @@ from typing import Literal, NamedTuple
 import torch
 
 from ..engine import DEFAULTS, DecodeConfig, Engine, SamplingParams, Sequence
-from ..engine.slots import Job as SlotJob
 from ..engine.runner import compile_deferred, deferred
+from ..engine.slots import Job as SlotJob
 from ..engine.slots import SlotMode, driving
 from .metrics import Metrics
 
