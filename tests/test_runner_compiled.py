@@ -395,3 +395,25 @@ def test_structured_replies_through_a_compiled_scheduler_equal_eager(tmp_path, k
         again = _concurrent(model, tok, ASKS, schema, start_after=len(ASKS), runner="compiled")
     assert first == alone and again == alone
     assert any(first_calls) and calls and not any(calls)  # eager while deferred; the second time, graphs only
+
+
+def test_recompile_limits_hold_in_every_thread_that_compiles(model):
+    """dynamo's config is per thread: a thread other than the one that made the model's step (a
+    server's scheduler compiling deferred shapes) must compile under the raised limits too, not
+    dynamo's default of 8 graphs of `_step` over every model in the process."""
+    import threading
+
+    decode(model, "compiled", "ar", [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]])  # the step made here
+    seen, runners = [], []
+
+    def other():  # five rows (graphs of 8 rows: shapes no other test compiles), every call through dynamo
+        seen.append(torch._dynamo.config.recompile_limit)
+        five = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6], [1, 2, 3], [4, 4, 4, 4], [9, 8, 7, 6, 5, 4]]
+        runners.append(decode(model, "compiled", "ar", five, budgets=(4, 3, 2, 2, 1), replay=False)[2])
+        seen.append(torch._dynamo.config.recompile_limit)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen[0] == 8 and seen[1] >= runner_module.RECOMPILE_LIMIT  # dynamo's default there, then raised
+    assert runners[0].eager_calls == 0 and model not in runner_module._graphs_full

@@ -28,6 +28,7 @@ layout (make_fx) and calls the inductor graph directly: one call instead of per-
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 import weakref
 
@@ -88,13 +89,26 @@ def _step(model, ids, pad, cache, keep: int, draft_len: int, clean_bs: int, bloc
 _compiled_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (step fn, captures)
 
 
+_limits = threading.local()  # `raised`: this thread raised dynamo's recompile limits
+
+
+def raise_recompile_limits() -> None:
+    """dynamo's recompile limits up to RECOMPILE_LIMIT, once per thread: its config is per thread, so a
+    limit raised in the thread that made a step left the default (8 graphs of `_step`, over every
+    model) to another thread that compiles, e.g. a server's scheduler compiling deferred shapes. Once:
+    a lower limit set afterwards (a test's patch) stays."""
+    if not getattr(_limits, "raised", False):
+        for limit in ("recompile_limit", "accumulated_recompile_limit"):  # per code object, and over all of them
+            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
+        _limits.raised = True
+
+
 def compiled_step(model):
     """One compiled step function per model (its graphs are reused by every engine on it), and the
     list its backend appends each newly compiled graph to (CPU: see `Replay`)."""
     entry = _compiled_steps.get(model)
     if entry is None:
-        for limit in ("recompile_limit", "accumulated_recompile_limit"):  # per code object, and over all of them
-            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
+        raise_recompile_limits()
         captures: list = []
         if model.device.type == "cuda":  # CUDA graphs replay there; dynamo's call stays in front of them
             fn = torch.compile(_step, dynamic=False, fullgraph=True, mode="reduce-overhead")
@@ -426,6 +440,7 @@ class CompiledRunner(EagerRunner):
         (no cache write yet): this and every later new shape of the model run eagerly (same logits), the
         compiled ones still replay."""
         del self._captures[:]
+        raise_recompile_limits()  # in this thread (the step may have been made in another)
         try:
             logits = self.step_fn(self.model, ids, pad, cache, keep, draft_len, clean_bs, block)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
