@@ -21,6 +21,13 @@ measured copy bandwidth, weight FLOPs / measured fp32 GEMM rate) (bench/step.py'
 every column runs the layers, the last layer's output projection, MLP and the head run only for the
 columns whose logits are kept; experts read in the share their tokens can route to), with no host work. Block diffusion wins where a forward's cost hardly grows with its columns; the floor says
 how much it can win on this machine at the measured tokens per forward, whatever the code.
+
+The last line asks the other question: what if the model were perfect? low_confidence with every block
+filled by its first forward (tokens per forward = B, the most any model can give at block B: each
+prompt's first forward is its prefill's tail with the first window, as measured, and each further
+forward commits the last block with the next window, 2B columns), at the measured cost of those
+forwards, with lc's measured host time per forward. No model trained for block B can beat it on this
+machine unless its forwards get cheaper.
 """
 
 from __future__ import annotations
@@ -62,7 +69,10 @@ def main() -> None:
     modes = {"ar": ("ar", 1, args.threshold), "low_confidence": ("low_confidence", args.block, args.threshold)}
     settings = {(f"{name} ({x})" if len(dtypes) > 1 else name): (x, s) for x in dtypes for name, s in modes.items()}
 
+    lengths: dict = {}  # mode -> tokens of each prompt's output (the same every round: greedy)
+
     def score(i, ids):  # the task suite's exact match of the output's stripped first line (clover tune's)
+        lengths.setdefault(current[0], {})[i] = len(ids)
         return tokenizer.decode(ids, skip_special_tokens=True).strip().split("\n")[0].strip() == exs[i]["answer"]
 
     calls: dict = collections.defaultdict(list)  # (mode, columns, draft columns) -> seconds of each call
@@ -140,6 +150,44 @@ def main() -> None:
     for name, (tokens, _, total, _, _) in rows.items():
         print(f"| {name} | {tokens} | {1e3 * at_floor[name]:.1f} | {tokens / at_floor[name]:.0f} | "
               f"{(tokens / at_floor[name]) / ar_floor:.2f}x | {total / at_floor[name]:.1f}x |")
+    for name, (tokens, forwards, total, fwd, _) in rows.items():
+        if not name.startswith("low_confidence"):
+            continue
+        mine = {(w, d, k): secs for (n, w, d, k), secs in calls.items() if n == name}
+        p = perfect(args.block, forwards, total, fwd, mine, lengths[name], args.rounds, floor, at_floor[name])
+        if p is None:
+            continue
+        print(f"\nIf the model were perfect: {name} at block {args.block} with every block filled by its first forward: "
+              f"{tokens} tokens in {p['forwards']} forwards (TPF {tokens / p['forwards']:.2f}, measured "
+              f"{tokens / forwards:.2f}), {1e3 * p['step']:.2f} ms per {2 * args.block}-column step as measured, host "
+              f"time per forward as measured: {1e3 * p['seconds']:.1f} ms per round, {tokens / p['seconds']:.0f} "
+              f"tokens/s, {(tokens / p['seconds']) / (ar_tokens / ar_total):.2f}x ar; every forward at its floor: "
+              f"{(tokens / p['at_floor']) / ar_floor:.2f}x ar at the floor.")
+
+
+def perfect(B, forwards, total, fwd, calls, lengths, rounds, floor, lc_floor):
+    """low_confidence's time per round if every block were filled by its first forward (the module doc).
+    `calls`: (columns, draft columns, logits) -> seconds of each call over `rounds` rounds, of a decode of
+    `forwards` forwards per round taking `total` seconds, `fwd` of them in forwards, `lc_floor` at the
+    floor (`floor(columns, logits)`: seconds); `lengths`: tokens of each prompt's output. The decode's
+    steady steps (all but each prompt's first forward: B columns within a block, 2B when one commits)
+    are replaced by those a perfect model needs, ceil(tokens / B) - 1 a prompt, each 2B columns at the
+    median measured cost; host time scales with forwards. None without a measured 2B-column step."""
+    steady = {w: [s for (width, draft, _), secs in calls.items() if width == w and draft == B for s in secs]
+              for w in (B, 2 * B)}
+    if not steady[2 * B]:
+        return None
+    cost = {w: statistics.median(s) if s else 0.0 for w, s in steady.items()}
+    kept = next(k for (width, draft, k) in calls if width == 2 * B and draft == B)
+    prompts = len(lengths)
+    n_b = len(steady[B]) / rounds  # B-column steps are all steady; the other steady steps are 2B wide
+    n_2b = forwards - prompts - n_b
+    ideal = sum(-(-n // B) for n in lengths.values())  # the first of each prompt's forwards: as measured
+    step_floor = {w: floor(w, kept) for w in (B, 2 * B)}
+    seconds = (fwd + (ideal - prompts) * cost[2 * B] - n_b * cost[B] - n_2b * cost[2 * B]
+               + (total - fwd) * ideal / forwards)
+    at_floor = lc_floor + (ideal - prompts) * step_floor[2 * B] - n_b * step_floor[B] - n_2b * step_floor[2 * B]
+    return dict(forwards=ideal, step=cost[2 * B], seconds=seconds, at_floor=at_floor)
 
 
 if __name__ == "__main__":
