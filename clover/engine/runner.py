@@ -540,6 +540,9 @@ class Fused:
         self.defer = defer  # a layout with no graph yet runs eagerly and waits for `compile_deferred`
 
     def __call__(self, *args):
+        graph = _fused_graphs.get(self._key(args))
+        if graph is not None:  # the layouts of a checked call whose rows were a bucket: the graph as it is
+            return tuple(graph(*args))
         rows = next(a.shape[0] for i, a in enumerate(args) if i not in self.shared)
         if any(a.dim() == 0 or a.shape[0] != rows for i, a in enumerate(args) if i not in self.shared):
             raise ValueError(f"Fused {self.key!r}: the inputs not in shared={sorted(self.shared)} must all have "
@@ -551,8 +554,11 @@ class Fused:
             return tuple(t[:rows] for t in self._call(*args))
         return self._call(*args)
 
+    def _key(self, args) -> tuple:
+        return self.key, tuple(_layout_of(a) for a in args), torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
     def _call(self, *args):
-        k = (self.key, tuple(_layout_of(a) for a in args), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        k = self._key(args)
         graph = _fused_graphs.get(k)
         if graph is None:
             if self.defer:
