@@ -6,8 +6,6 @@ model, and only `RowBatch.forward` and `prefill` call the runner here."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 
@@ -125,7 +123,7 @@ def merge(batches: list[RowBatch], clean_bs: int) -> RowBatch:
     common width. `split` hands the rows back afterwards."""
     first = batches[0]
     out = RowBatch(first.runner, first.width, clean_bs, first.mask_id, first.device, first.prefill_chunk)
-    out.cache = copy_rows(first.cache, None)
+    out.cache = first.cache.copy_rows()
     out.pending, rows = first.pending, len(first.seqs)
     for b in batches[1:]:
         out.cache.append_rows(b.cache)
@@ -141,16 +139,6 @@ def split(merged: RowBatch, batches: list[RowBatch]) -> None:
     start = 0
     for b in batches:
         n = len(b.seqs)
-        b.cache = copy_rows(merged.cache, torch.arange(start, start + n, device=b.device))
+        b.cache = merged.cache.copy_rows(torch.arange(start, start + n, device=b.device))
         b.pending, start = None, start + n
 
-
-def copy_rows(cache, rows: torch.Tensor | None):
-    """A cache of its own holding `rows` of `cache` (all rows when None)."""
-    out = copy.copy(cache)
-    out.key, out.value, out.conv, out.state = (dict(d) for d in (cache.key, cache.value, cache.conv, cache.state))
-    out.recorded = {}
-    if rows is None:
-        rows = torch.arange(cache.batch_size, device=cache.lens.device)
-    out.select_rows(rows)
-    return out

@@ -27,7 +27,6 @@ layout (make_fx) and calls the inductor graph directly: one call instead of per-
 
 from __future__ import annotations
 
-import copy
 import threading
 import warnings
 import weakref
@@ -347,20 +346,7 @@ def pad_rows(ids, pad, cache, rows: int):
     spare = rows - real
     ids = torch.nn.functional.pad(ids, (0, 0, 0, spare))
     pad = torch.nn.functional.pad(pad, (0, 0, 0, spare)) if pad is not None else None
-    out = copy.copy(cache)  # shares `recorded` (a recording forward's records land in the real cache's dict)
-    for name in ("key", "value", "conv", "state"):
-        store, full = getattr(cache, name), {}
-        for i, t in store.items():
-            base = t._base
-            if base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:] or base.data_ptr() != t.data_ptr():
-                base = t.new_zeros((rows, *t.shape[1:]))
-                base[:real].copy_(t)
-                store[i] = base[:real]
-            full[i] = base
-        setattr(out, name, full)
-    out.lens = torch.nn.functional.pad(cache.lens, (0, spare))
-    out.batch_size = rows
-    return ids, pad, out
+    return ids, pad, cache.pad_rows(rows)
 
 
 class CompiledRunner(EagerRunner):
@@ -424,8 +410,7 @@ class CompiledRunner(EagerRunner):
         if run_cache is not cache:
             logits = logits[:rows]
             if cache.recording:  # the spare rows' records go: rollback rewinds the real rows
-                cache.recorded = {i: tuple(t[:rows] if t is not None else None for t in rec)
-                                  for i, rec in cache.recorded.items()}
+                cache.trim_records(rows)
         m.commit_lens(cache, num_clean, pad)
         return logits if index is None else logits[:, index]
 

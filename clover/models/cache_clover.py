@@ -5,15 +5,43 @@ thrown away. Rows advance independently (`lens` holds each row's committed lengt
 self-speculative decoding a forward can *record* what the GDN layers consumed, so that
 `rollback(keep)` can rewind every row to any point inside the recorded segment without another
 model forward (attention just forgets the tail; GDN states are re-advanced from the snapshot).
+
+Code outside the model's layers goes through the methods: rows (`select_rows`, `append_rows`,
+`copy_rows`, `pad_rows`), growth (`reserve`), commits (`advance`), recording (`start_recording`,
+`rollback`, `trim_records`) and, for a compiled runner, the tensors a graph reads (`tensors`, `get`).
 """
 
 from __future__ import annotations
+
+import copy
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from ..ops.utils import cast
+
+
+class GdnRecord(NamedTuple):
+    """What one GDN layer consumed in a recorded forward: its states before, and the clean columns'
+    conv inputs and delta-rule inputs (`pad`: the segment's left padding, or None)."""
+
+    conv_before: torch.Tensor
+    state_before: torch.Tensor
+    stream: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    pad: torch.Tensor | None
+
+    def rows(self, n: int) -> "GdnRecord":
+        return GdnRecord(*(t[:n] if t is not None else None for t in self))
+
+
+STORES = ("key", "value", "conv", "state")  # the per-layer tensor stores, each {layer: [rows, ...]}
 
 
 class CloverCache:
@@ -42,7 +70,7 @@ class CloverCache:
                     dtype=torch.float32, device=self.device,
                 )
         self.recording = False
-        self.recorded: dict[int, tuple] = {}
+        self.recorded: dict[int, GdnRecord] = {}
         self._record_lens: torch.Tensor | None = None
 
     # ---- growth -------------------------------------------------------------------------------
@@ -59,6 +87,52 @@ class CloverCache:
 
     def max_len(self) -> int:
         return int(self.lens.max()) if self.batch_size else 0
+
+    def advance(self, committed: torch.Tensor | int) -> None:
+        """After a forward wrote its clean columns: each row's committed length grows by `committed`."""
+        self.lens = self.lens + committed
+
+    # ---- what the layers read and write ------------------------------------------------------
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [B, H, L, D] of every column written at its slot [B, L], in place (static shapes)."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        self.key[layer][rows, :, slots] = cast(k.transpose(1, 2), self.dtype)
+        self.value[layer][rows, :, slots] = cast(v.transpose(1, 2), self.dtype)
+
+    def commit_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [B, H, n, D] of the first n (clean) columns scattered to their slots [B, n]."""
+        index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.key[layer].scatter_(2, index, cast(k, self.dtype))
+        self.value[layer].scatter_(2, index, cast(v, self.dtype))
+
+    def kv(self, layer: int, dtype, prefix: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V in `dtype`: the first `prefix` slots, or the whole capacity when None."""
+        k, v = self.key[layer], self.value[layer]
+        if prefix is not None:
+            k, v = k[:, :, :prefix], v[:, :, :prefix]
+        return k.to(dtype), v.to(dtype)
+
+    def gdn_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A GDN layer's (conv state [B, C, K-1], recurrent state [B, H, Dk, Dv])."""
+        return self.conv[layer], self.state[layer]
+
+    def set_gdn_states(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Written in place: the cache tensors keep their storage and strides (static shapes)."""
+        self.conv[layer].copy_(conv)
+        self.state[layer].copy_(state)
+
+    # ---- the tensors a compiled graph reads and writes ----------------------------------------
+    def tensors(self) -> dict[tuple, torch.Tensor]:
+        """Every tensor of the cache by path: ("lens", None) and (store, layer) for each store."""
+        out = {("lens", None): self.lens}
+        for name in STORES:
+            out.update({(name, i): t for i, t in getattr(self, name).items()})
+        return out
+
+    def get(self, path: tuple) -> torch.Tensor:
+        """The tensor at a path of `tensors()`."""
+        name, i = path
+        return self.lens if name == "lens" else getattr(self, name)[i]
 
     # ---- rows (continuous batching) ------------------------------------------------------------
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
@@ -86,6 +160,38 @@ class CloverCache:
         self.capacity = cap
         self.batch_size += other.batch_size
 
+    def copy_rows(self, rows: torch.Tensor | list[int] | None = None) -> "CloverCache":
+        """A cache of its own holding `rows` of this one (all rows when None), nothing recorded."""
+        out = copy.copy(self)
+        for name in STORES:
+            setattr(out, name, dict(getattr(self, name)))
+        out.recorded = {}
+        out.select_rows(rows if rows is not None else torch.arange(self.batch_size, device=self.device))
+        return out
+
+    def pad_rows(self, rows: int) -> "CloverCache":
+        """A cache of `rows` rows whose first rows are this cache's, as views: a forward on it
+        writes this cache's rows in place. The spare rows start from length 0 and are never read by a
+        real row. This cache's tensors are re-homed once (after rows joined, left or the capacity
+        grew) as the first rows of tensors of `rows` rows, so later calls reuse them. Shares
+        `recorded` with this cache: a recording forward's records land here (`trim_records`)."""
+        real = self.batch_size
+        out = copy.copy(self)
+        for name in STORES:
+            store, full = getattr(self, name), {}
+            for i, t in store.items():
+                base = t._base
+                if (base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:]
+                        or base.data_ptr() != t.data_ptr()):
+                    base = t.new_zeros((rows, *t.shape[1:]))
+                    base[:real].copy_(t)
+                    store[i] = base[:real]
+                full[i] = base
+            setattr(out, name, full)
+        out.lens = F.pad(self.lens, (0, rows - real))
+        out.batch_size = rows
+        return out
+
     # ---- snapshot / rollback ------------------------------------------------------------------
     def snapshot(self) -> dict:
         """Copy of everything a rollback to this point needs (K/V entries past `lens` are never read)."""
@@ -102,9 +208,19 @@ class CloverCache:
             self.state[i].copy_(snap["state"][i])
 
     def start_recording(self) -> None:
+        """The next forward records what its GDN layers consume (`record`), for `rollback`."""
         self.recording = True
         self.recorded = {}
         self._record_lens = self.lens.clone()
+
+    def record(self, layer: int, stream, q, k, v, g, beta, pad) -> None:
+        """A GDN layer's clean columns of a recorded forward, with its states before it writes them."""
+        self.recorded[layer] = GdnRecord(self.conv[layer].clone(), self.state[layer].clone(), stream, q, k, v, g, beta,
+                                         pad)
+
+    def trim_records(self, rows: int) -> None:
+        """Keep the records of the first `rows` rows (a forward ran with spare rows: `pad_rows`)."""
+        self.recorded = {i: rec.rows(rows) for i, rec in self.recorded.items()}
 
     def rollback(self, keep: torch.Tensor) -> None:
         """After a recorded forward that committed n tokens per row, keep only the first `keep[b]`.
@@ -116,7 +232,8 @@ class CloverCache:
         self.lens = self._record_lens + keep
         kernel = self.config.linear_conv_kernel_dim
         if self.recorded:  # every GDN layer recorded the same columns and padding: one mask and one index for all
-            _, _, _, _, k, _, g, _, pad = next(iter(self.recorded.values()))
+            first = next(iter(self.recorded.values()))
+            k, g, pad = first.k, first.g, first.pad
             npad = pad.sum(1) if pad is not None else torch.zeros_like(keep)
             cols = torch.arange(k.shape[1], device=self.device)[None, :]
             live = ((cols >= npad[:, None]) & (cols < (npad + keep)[:, None])).to(g.dtype)[..., None]

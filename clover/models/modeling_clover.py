@@ -221,30 +221,21 @@ class CloverAttention(nn.Module):
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         keys, values = k, v
         if cache is not None and layout.slots is not None:  # static: written in place, then read whole
-            rows = torch.arange(batch, device=x.device)[:, None]
-            cache.key[self.layer_idx][rows, :, layout.slots] = cast(k.transpose(1, 2), cache.dtype)
-            cache.value[self.layer_idx][rows, :, layout.slots] = cast(v.transpose(1, 2), cache.dtype)
-            keys, values = cache.key[self.layer_idx].to(k.dtype), cache.value[self.layer_idx].to(v.dtype)
+            cache.write_kv(self.layer_idx, layout.slots, k, v)
+            keys, values = cache.kv(self.layer_idx, k.dtype)
         elif cache is not None:
-            prefix = layout.prefix
-            if prefix:
-                keys = torch.cat([cache.key[self.layer_idx][:, :, :prefix].to(k.dtype), k], dim=2)
-                values = torch.cat([cache.value[self.layer_idx][:, :, :prefix].to(v.dtype), v], dim=2)
-            self._commit(cache, k, v, layout)
+            if layout.prefix:
+                old_k, old_v = cache.kv(self.layer_idx, k.dtype, layout.prefix)
+                keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
+            if layout.num_clean:
+                n = layout.num_clean
+                cache.commit_kv(self.layer_idx, commit_slots(cache.lens, layout.pad, n), k[:, :, :n], v[:, :, :n])
         mask = layout.attn_mask
         if keep and keep < length:  # only these columns' outputs are read (K/V above are every column's)
             q, gate, mask, length = q[:, :, -keep:], gate[:, -keep:], mask[:, :, -keep:], keep
         out = masked_attention(q, keys, values, mask, self.head_dim**-0.5)
         out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
-
-    def _commit(self, cache, k, v, layout):
-        n = layout.num_clean
-        if n == 0:
-            return
-        index = commit_slots(cache.lens, layout.pad, n)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        cache.key[self.layer_idx].scatter_(2, index, cast(k[:, :, :n], cache.dtype))
-        cache.value[self.layer_idx].scatter_(2, index, cast(v[:, :, :n], cache.dtype))
 
 
 def commit_slots(lens: torch.Tensor, pad: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -359,7 +350,8 @@ class CloverGatedDeltaNet(nn.Module):
         if pad is not None:
             mixed = mixed.masked_fill(pad[..., None], 0.0)
         stream = mixed.transpose(1, 2)  # [B, C, L]
-        left = cast(cache.conv[self.layer_idx], stream.dtype) if cache is not None else stream.new_zeros(batch, self.conv_dim, self.kernel - 1)
+        conv_state, state = cache.gdn_states(self.layer_idx) if cache is not None else (None, None)
+        left = cast(conv_state, stream.dtype) if cache is not None else stream.new_zeros(batch, self.conv_dim, self.kernel - 1)
         ext = torch.cat([left, stream], dim=-1)
         if pad is not None:  # move the conv state right in front of each row's first real token
             ext = _left_context(ext, pad, self.kernel)
@@ -371,19 +363,15 @@ class CloverGatedDeltaNet(nn.Module):
             real = (~pad).float()[..., None]
             g, beta = g * real, beta * real
         n = layout.num_clean
-        state = cache.state[self.layer_idx] if cache is not None else None
         outs = []
         if n:
             out, state = gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], self.dk**-0.5, state)
             outs.append(out)
             if cache is not None:
                 if cache.recording:
-                    cache.recorded[self.layer_idx] = (cache.conv[self.layer_idx].clone(), cache.state[self.layer_idx].clone(),
-                                                      stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
-                                                      pad[:, :n] if pad is not None else None)
-                # written in place: the cache tensors keep their storage and strides (static shapes)
-                cache.state[self.layer_idx].copy_(state)
-                cache.conv[self.layer_idx].copy_(ext[..., n : n + self.kernel - 1])
+                    cache.record(self.layer_idx, stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
+                                 pad[:, :n] if pad is not None else None)
+                cache.set_gdn_states(self.layer_idx, ext[..., n : n + self.kernel - 1], state)
         if n < length:
             out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state,
                                       output_final_state=False)
@@ -660,7 +648,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
     def commit_lens(cache, num_clean: int, pad_mask=None) -> None:
         """After the layers wrote the clean columns: advance each row's committed length."""
         if cache is not None:
-            cache.lens = cache.lens + (num_clean - (pad_mask.sum(1) if pad_mask is not None else 0))
+            cache.advance(num_clean - (pad_mask.sum(1) if pad_mask is not None else 0))
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> CloverCache:
         return CloverCache(self.config, batch_size, capacity, device=self.device, dtype=self.dtype)
