@@ -1,5 +1,6 @@
 from .cache_clover import CloverCache
 from .configuration_clover import PRESETS, CloverConfig, preset_config
+from .families import FAMILIES, family_of, load_family
 from .modeling_clover import CloverForBlockDiffusion, CloverModel, CloverPreTrainedModel
 
 __all__ = [
@@ -9,6 +10,9 @@ __all__ = [
     "CloverForBlockDiffusion",
     "CloverModel",
     "CloverPreTrainedModel",
+    "FAMILIES",
+    "family_of",
+    "load_family",
     "preset_config",
 ]
 

@@ -1,0 +1,343 @@
+"""What the public block-diffusion families share: the block-causal layout of one forward, the
+per-sequence K/V cache, RMSNorm, SwiGLU, routed experts, the decoder layer and the loader.
+
+One forward serves every use: `input_ids` [B, L] at `positions` (absolute token positions; by
+default each row's committed length onward, left padding skipped). A query sees every committed
+token of its row (the cache) and the new tokens whose block (position // block_size) is not after
+its own: a block sees earlier blocks and all of itself. `commit=True` writes the new tokens' K/V
+into the cache (a finished block, re-run clean); `commit=False` runs a draft block against the
+cache and leaves it as it was. The model families differ only in their layers (modeling_sdar.py,
+modeling_fast_dllm.py, modeling_llada2.py) and in how their logits are read (`shift`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.block_attention import masked_attention
+from ..ops.moe import grouped_experts
+from .modeling_clover import apply_partial_rope, rope_cos_sin
+
+
+# ------------------------------------------------------------------------------------------------
+# Cache
+# ------------------------------------------------------------------------------------------------
+class FamilyCache:
+    """Committed K/V of every attention layer, one row per sequence ([B, Hkv, capacity, D]); `lens`
+    holds each row's committed length (rows advance independently)."""
+
+    def __init__(self, config, batch_size: int, capacity: int = 256, device=None, dtype=torch.float32):
+        self.device = torch.device(device or "cpu")
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        self.key = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.value = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+
+    def max_len(self) -> int:
+        return int(self.lens.max()) if self.batch_size else 0
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` more committed tokens in every row (grows by doubling)."""
+        need = self.max_len() + extra
+        if need <= self.capacity:
+            return
+        grow = max(need, 2 * self.capacity) - self.capacity
+        for store in (self.key, self.value):
+            for i, t in enumerate(store):
+                store[i] = F.pad(t, (0, 0, 0, grow))
+        self.capacity += grow
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """k, v [B, Hkv, L, D]: column cols[n] of row rows[n] goes to slot slots[n]."""
+        self.key[layer].permute(0, 2, 1, 3)[rows, slots] = k.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
+        self.value[layer].permute(0, 2, 1, 3)[rows, slots] = v.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
+
+    def select_rows(self, rows) -> None:
+        """Keep only `rows`, in that order (sequences leaving the batch; a row copied twice forks it)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        for store in (self.key, self.value):
+            for i, t in enumerate(store):
+                store[i] = t.index_select(0, rows)
+        self.lens = self.lens.index_select(0, rows)
+        self.batch_size = len(rows)
+
+    def append_rows(self, other: "FamilyCache") -> None:
+        """Add the rows of another cache (freshly prefilled requests) after ours."""
+        cap = max(self.capacity, other.capacity)
+        for store, ostore in ((self.key, other.key), (self.value, other.value)):
+            for i in range(len(store)):
+                a = F.pad(store[i], (0, 0, 0, cap - store[i].shape[2]))
+                b = F.pad(ostore[i], (0, 0, 0, cap - ostore[i].shape[2]))
+                store[i] = torch.cat([a, b])
+        self.lens = torch.cat([self.lens, other.lens])
+        self.capacity = cap
+        self.batch_size += other.batch_size
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout of one forward
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Step:
+    positions: torch.Tensor  # [B, L] absolute positions (RoPE, block ids)
+    mask: torch.Tensor  # [B, 1, L, prefix + L] True = may attend
+    prefix: int  # cache slots read (the longest row's committed length)
+    cache: FamilyCache | None
+    commit: tuple | None  # (rows, cols, slots) of the valid new tokens when they are committed
+    rope: tuple | None = None
+
+    def rope_for(self, rotary_dim: int, theta: float, dtype):
+        if self.rope is None:
+            self.rope = rope_cos_sin(self.positions, rotary_dim, theta, dtype)
+        return self.rope
+
+
+def block_step(input_ids, block_size: int, positions=None, cache=None, commit=False, pad=None) -> Step:
+    batch, length = input_ids.shape
+    device = input_ids.device
+    lens = cache.lens if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
+    valid = ~pad if pad is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
+    order = valid.long().cumsum(1) - 1  # index of each real token among its row's new tokens
+    if positions is None:
+        positions = lens[:, None] + order.clamp_min(0)
+    blk = torch.div(positions, block_size, rounding_mode="floor")
+    new = (blk[:, None, :] <= blk[:, :, None]) & valid[:, None, :]
+    if pad is not None:  # a padded query looks at itself only, so no row of the mask is empty
+        new = new | (torch.eye(length, dtype=torch.bool, device=device)[None] & pad[:, :, None])
+    prefix = cache.max_len() if cache is not None else 0
+    if prefix:
+        old = (torch.arange(prefix, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
+        new = torch.cat([old, new], dim=-1)
+    committed = None
+    if commit:
+        if cache is None:
+            raise ValueError("commit=True needs a cache")
+        cache.reserve(length)
+        rows, cols = valid.nonzero(as_tuple=True)
+        committed = (rows, cols, lens[rows] + order[rows, cols])
+    return Step(positions, new[:, None], prefix, cache, committed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """w * x / rms(x), the statistics in fp32 (Qwen2/3 and Ling convention)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts stored fused (gate_up [E, 2I, H], down [E, H, I]), as clover.ops.moe runs them;
+    the loader stacks the published per-expert tensors into these."""
+
+    def __init__(self, experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
+
+    def forward(self, x, top_idx, top_w):
+        return grouped_experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
+
+
+def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
+    """q [B, H, L, D], k/v [B, Hkv, L, D] of the new tokens -> attention output [B, L, H*D]:
+    RoPE at the step's positions, the committed K/V in front, the block mask; commits if asked."""
+    cos, sin = step.rope_for(rotary_dim, theta, q.dtype)
+    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+    keys, values = k, v
+    if step.prefix:
+        cache = step.cache
+        keys = torch.cat([cache.key[layer][:, :, : step.prefix].to(k.dtype), k], dim=2)
+        values = torch.cat([cache.value[layer][:, :, : step.prefix].to(v.dtype), v], dim=2)
+    if step.commit is not None:
+        step.cache.write(layer, k, v, *step.commit)
+    out = masked_attention(q, keys, values, step.mask, q.shape[-1] ** -0.5)
+    return out.transpose(1, 2).flatten(2)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)). `attn_name` is the published
+    name of the attention module (`self_attn` in the Qwen layouts, `attention` in Ling's)."""
+
+    def __init__(self, attn_name: str, attn: nn.Module, mlp: nn.Module, hidden: int, eps: float):
+        super().__init__()
+        self.attn_name = attn_name
+        self.add_module(attn_name, attn)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x, step: Step):
+        x = x + getattr(self, self.attn_name)(self.input_layernorm(x), step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """`model.<embed_name>`, `model.layers`, `model.norm` (the published names)."""
+
+    def __init__(self, embed_name: str, vocab: int, hidden: int, layers: list, eps: float):
+        super().__init__()
+        self.embed_name = embed_name
+        self.add_module(embed_name, nn.Embedding(vocab, hidden))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return getattr(self, self.embed_name)
+
+
+# ------------------------------------------------------------------------------------------------
+# The model every family subclasses
+# ------------------------------------------------------------------------------------------------
+class BlockFamilyModel(nn.Module):
+    """A family's causal-LM: subclasses set the family's properties and build `self.model`.
+
+    Family properties (class attributes): `shift` (True: the logits at position i predict token
+    i+1, as in Clover and Fast-dLLM v2; False: they predict token i itself, the mask's own
+    position), `block_align` ("absolute": blocks at k*B from the first prompt token, the prompt's
+    last partial block completed by generation), `mask_token` / `mask_token_id` (published),
+    `default_block_size`, `default_threshold`, `modes` (the decoding modes that mean something)."""
+
+    config_class = None
+    family = ""
+    shift = False
+    block_align = "absolute"
+    mask_token = ""
+    mask_token_id = -1
+    default_block_size = 32
+    default_threshold = 0.9
+    modes = ("low_confidence",)
+    embed_name = "embed_tokens"
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        c = config
+        self.model = Backbone(self.embed_name, c.vocab_size, c.hidden_size,
+                              [self.build_layer(i) for i in range(c.num_hidden_layers)], c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def build_layer(self, i: int) -> nn.Module:  # pragma: no cover - every family defines it
+        raise NotImplementedError
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size if getattr(self.config, "block_size", None) else self.default_block_size
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def new_cache(self, batch_size: int, capacity: int = 256) -> FamilyCache:
+        p = self.head_weight()
+        return FamilyCache(self.config, batch_size, capacity, p.device, p.dtype)
+
+    def forward(self, input_ids, positions=None, cache=None, commit: bool = False, block_size: int | None = None,
+                pad=None, hidden_only: bool = False):
+        """Logits [B, L, V] of `input_ids` [B, L] (see the module docstring); `pad` [B, L] bool marks
+        left padding; `hidden_only` returns the final hidden states instead."""
+        step = block_step(input_ids, block_size or self.block_size, positions, cache, commit, pad)
+        x = self.model.embed(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, step)
+        x = self.model.norm(x)
+        if commit:
+            cache.lens = cache.lens + (~pad).sum(1) if pad is not None else cache.lens + input_ids.shape[1]
+        return x if hidden_only else F.linear(x, self.head_weight())
+
+    # ---- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, folder, dtype: torch.dtype | None = None, device=None):
+        """The model of a Hugging Face folder as published (no remote code runs): config.json through
+        this family's config class, the safetensors by their published names."""
+        config = cls.config_class.from_pretrained(folder)
+        return cls.from_state_dict(config, read_weights(folder), dtype, device)
+
+    @classmethod
+    def from_state_dict(cls, config, state: dict, dtype=None, device=None):
+        with torch.device("meta"):
+            model = cls(config)
+        mapped = map_published(state, config)
+        dtype = dtype or next(iter(mapped.values())).dtype
+        mapped = {k: v.to(device=device or "cpu", dtype=dtype if v.is_floating_point() else v.dtype)
+                  for k, v in mapped.items()}
+        missing = [k for k in model.state_dict() if k not in mapped]
+        extra = [k for k in mapped if k not in model.state_dict()]
+        if missing or extra:
+            from ..utils.checkpoint import CheckpointError
+
+            raise CheckpointError(f"weights do not fit the {cls.family} config: "
+                                  f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                                  f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+        model.load_state_dict(mapped, strict=True, assign=True)
+        return model.eval()
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def map_published(state: dict, config) -> dict:
+    """Published tensor names -> this model's: per-expert gate/up/down stacked into the fused
+    gate_up_proj / down_proj (already fused tensors pass through); a tied head's copy dropped; a
+    router's expert bias that a checkpoint leaves out is zero (its initial value)."""
+    out, experts = {}, {}
+    for name, t in state.items():
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        elif not (name == "lm_head.weight" and config.tie_word_embeddings):
+            out[name] = t
+    for prefix, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        try:
+            out[prefix + ".gate_up_proj"] = torch.stack(
+                [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(n)])
+            out[prefix + ".down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
+        except KeyError as e:
+            from ..utils.checkpoint import CheckpointError
+
+            raise CheckpointError(f"{prefix}: expert tensor {e.args[0]} missing") from None
+    for i in range(config.num_hidden_layers):
+        name = f"model.layers.{i}.mlp.gate.expert_bias"
+        if config.model_type == "llada2_moe" and config.is_moe_layer(i) and name not in out:
+            out[name] = torch.zeros(config.num_experts)
+    return out
+
+
+def read_weights(folder) -> dict:
+    from safetensors.torch import load_file
+
+    from ..utils.checkpoint import weight_files
+
+    state = {}
+    for f in weight_files(folder):
+        state.update(load_file(str(f)))
+    return state
