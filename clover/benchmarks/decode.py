@@ -101,7 +101,7 @@ def run(args) -> int:
     rows, results = [], []
     for name, s in seconds.items():
         tokens, forwards = last[name]
-        # tokens/s = TPF / (s per forward), so 3x ar's tokens/s takes TPF = 3 x (s per forward) / ar's
+        # tokens/s = TPF / (s per forward), so k times ar's tokens/s takes TPF = k * (s per forward) / ar's
         r = dict(mode=name, tokens=tokens, forwards=forwards, tpf=tokens / forwards, seconds=s, tokens_per_second=rate[name],
                  ms_per_forward=1e3 * per_forward[name], tpf_for_3x_ar=3 * per_forward[name] / per_forward["ar"],
                  vs_ar=rate[name] / rate["ar"], vs_transformers=rate[name] / rate["transformers generate"] if not args.no_hf else None)

@@ -105,7 +105,7 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
     """The focus stage's data (focus.jsonl): `n_tasks` fresh examples of the evaluated short tasks
     (addition, subtraction, sorting, copying, reversing, lookup; a new seed, none of the held-out
     prompts) plus a random `replay_frac` of the base training records, so decision groups, tool
-    dialogues and Shakespeare are not forgotten. Why: the first two stages spend ~57% of their tokens
+    dialogues and Shakespeare are not forgotten. Why: the first two stages spend most of their tokens
     on those long records and the short tasks, which need exact retrieval from the prompt, stay
     unlearned at a few million tokens. Each `round` draws its own examples and its own replayed quarter
     (seeds offset by 10 per round), so a further round never repeats the previous one's data.

@@ -163,7 +163,7 @@ class PackedInt4:
             threads = torch.get_num_threads()
             if threads > 1 and x2.shape[0] * self.n * self.k < CPU_SERIAL_WORK:
                 # small products: the kernel's parallel_for costs more than it saves, and on a core
-                # busy with other work waits milliseconds for its worker (12 ms vs 60 us measured)
+                # busy with other work waits far longer for its worker than the product takes
                 torch.set_num_threads(1)
                 try:
                     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size, self.sz)
