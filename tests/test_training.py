@@ -11,7 +11,7 @@ from clover.data import tasks
 from clover.data.tokenizer import train_tokenizer
 from clover.models import CloverForBlockDiffusion, preset_config
 from clover.models.modeling_clover import window_ids
-from clover.training import Trainer, TrainConfig, lr_factor
+from clover.training import Trainer, TrainConfig, checkpoints, lr_factor
 from clover.training.objectives import (
     ar_loss,
     block_diffusion_loss,
@@ -396,3 +396,180 @@ def test_shipped_default_model_is_consistent():
     assert "enable_thinking" in tok.chat_template
     recipe = json.loads((folder / "recipe.json").read_text())
     assert recipe["command"] == "make model" and "ar_stage" in recipe
+
+
+# ---- checkpoints under faults: a kill or an error at every point of the save sequence -------------------
+class Killed(BaseException):
+    """A fault injected into the save sequence (BaseException: like Ctrl-C, cleanup handlers run)."""
+
+
+class SaveProbe:
+    """Hooks every file-system change the save sequence makes (open for writing, mkdir, rename,
+    replace, unlink, rmdir: rmtree's steps included). Before each one it copies the checkpoint
+    folder: the state a kill -9 at that instant leaves. Files that changed since the previous point
+    (by inode, so a renamed folder's files are not "changed") may be half-written there, so each
+    point also gets a torn copy with those files cut to half. With `fail_at`, the hook raises
+    Killed at that point instead."""
+
+    OS_CALLS = ("replace", "rename", "unlink", "remove", "rmdir", "mkdir")
+
+    def __init__(self, ckdir, snaps, fail_at=None):
+        self.ckdir, self.snaps, self.fail_at = ckdir, snaps, fail_at
+        self.points, self.busy, self.seen = 0, False, self._files()
+
+    def _files(self):
+        import os
+
+        out = {}
+        for p in self.ckdir.rglob("*") if self.ckdir.exists() else []:
+            if p.is_file():
+                st = os.stat(p)
+                out[st.st_ino] = (st.st_size, st.st_mtime_ns, p)
+        return out
+
+    def point(self, what):
+        import shutil
+
+        if self.busy:
+            return
+        self.busy = True
+        try:
+            k = self.points
+            self.points += 1
+            if self.fail_at is not None:
+                if k == self.fail_at:
+                    raise Killed(what)
+                return
+            now = self._files()
+            changed = [p for ino, (size, mtime, p) in now.items() if self.seen.get(ino, (None, None))[:2] != (size, mtime)]
+            self.seen = now
+            snap = self.snaps / f"{k:03d}" / "checkpoints"
+            shutil.copytree(self.ckdir, snap) if self.ckdir.exists() else snap.mkdir(parents=True)
+            if changed:
+                torn = self.snaps / f"{k:03d}t" / "checkpoints"
+                shutil.copytree(self.ckdir, torn)
+                for p in changed:
+                    q = torn / p.relative_to(self.ckdir)
+                    q.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+        finally:
+            self.busy = False
+
+    def install(self, monkeypatch):
+        import builtins
+        import io
+        import os
+
+        def hook(name, real):
+            def call(*a, **k):
+                self.point(name)
+                return real(*a, **k)
+            return call
+
+        for name in self.OS_CALLS:
+            monkeypatch.setattr(os, name, hook(name, getattr(os, name)))
+        real_open = builtins.open
+
+        def opener(file, mode="r", *a, **k):
+            if any(c in mode for c in "wxa+"):
+                self.point(f"open {file}")
+            return real_open(file, mode, *a, **k)
+
+        monkeypatch.setattr(builtins, "open", opener)
+        monkeypatch.setattr(io, "open", opener)
+
+
+def _checkpoint_content(ck):
+    state = torch.load(ck / "trainer_state.pt", weights_only=True)
+    return state["step"], load_file(str(ck / "model.safetensors"))
+
+
+def _trained_to(corpus, out, steps, **kw):
+    """A trainer with checkpoints at every step up to `steps` (keep 2); {step: weights} of each."""
+    tr = Trainer(tiny_cfg(corpus, out, max_steps=8, **kw))
+    weights = {}
+    for _ in range(steps):
+        tr.train_step()
+        weights[tr.step] = _weights(tr.save_checkpoint())
+    return tr, weights
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["new-step", "same-step"])
+def test_a_kill_at_any_point_of_a_save_resumes_from_the_newest_complete_checkpoint(corpus, tmp_path, monkeypatch, again):
+    """kill -9 frozen at every file-system step of a save (each write also torn in half): resume takes
+    the newest complete checkpoint: the one being saved once its folder is renamed into place (before
+    `latest` names it), else the one before; never a half-written or half-deleted one. `same-step`:
+    the save replaces a folder of the same step (the end of a run whose last step saved already)."""
+    tr, weights = _trained_to(corpus, tmp_path / "run", 2)  # step_000001, step_000002
+    if not again:
+        tr.train_step()
+    weights[tr.step] = {k: v.clone() for k, v in tr.model.state_dict().items() if k in weights[2]}
+    ckdir = tmp_path / "run" / "checkpoints"
+    probe = SaveProbe(ckdir, tmp_path / "snaps")
+    with monkeypatch.context() as m:
+        probe.install(m)
+        tr.save_checkpoint()
+    probe.point("done")
+    assert probe.points > 15  # every write, rename and deletion of the sequence was a kill point
+    newest = tr.step
+    in_place = False
+    for snap in sorted((tmp_path / "snaps").iterdir()):
+        ck = checkpoints.find_checkpoint(snap / "checkpoints")
+        assert ck is not None, snap.name
+        step, w = _checkpoint_content(ck)
+        in_place = in_place or not snap.name.endswith("t") and (snap / "checkpoints" / f"step_{newest:06d}").is_dir()
+        assert step == (newest if in_place else 2), snap.name  # nothing lost once renamed in; never older than 2
+        assert w.keys() == weights[step].keys() and all(torch.equal(w[k], weights[step][k]) for k in w), snap.name
+    assert in_place
+    # the case seen: killed after the rename, before `latest` was written; --resume continues from it
+    stale = [s for s in sorted((tmp_path / "snaps").iterdir()) if (s / "checkpoints" / f"step_{newest:06d}").is_dir()
+             and (s / "checkpoints" / "latest").read_text().strip() != f"step_{newest:06d}"]
+    if not again:
+        assert stale
+        resumed = Trainer(tiny_cfg(corpus, stale[0], max_steps=8), resume=True)
+        assert resumed.step == newest
+
+
+def test_an_error_at_any_point_of_a_save_loses_nothing_and_the_next_save_works(corpus, tmp_path, monkeypatch):
+    """An exception (disk full, Ctrl-C) at each point of the save sequence in turn: resume still finds
+    the newest complete checkpoint, and the same save, run again, completes and is found."""
+    import shutil
+
+    tr, weights = _trained_to(corpus, tmp_path / "run", 2)
+    tr.train_step()
+    ckdir = tmp_path / "run" / "checkpoints"
+    base = tmp_path / "base"
+    shutil.copytree(ckdir, base)
+    counting = SaveProbe(ckdir, tmp_path / "count", fail_at=-1)
+    with monkeypatch.context() as m:
+        counting.install(m)
+        tr.save_checkpoint()
+    for k in range(counting.points):
+        shutil.rmtree(ckdir)
+        shutil.copytree(base, ckdir)
+        probe = SaveProbe(ckdir, None, fail_at=k)
+        with monkeypatch.context() as m:
+            probe.install(m)
+            with pytest.raises(Killed):
+                tr.save_checkpoint()
+        step, _ = _checkpoint_content(checkpoints.find_checkpoint(ckdir))
+        assert step in (2, 3), k
+        tr.save_checkpoint()
+        assert checkpoints.find_checkpoint(ckdir).name == "step_000003", k
+        assert sorted(p.name for p in ckdir.iterdir()) == ["latest", "step_000002", "step_000003"], k
+
+
+def test_resume_flags_win_or_fail_in_one_line(corpus, tmp_path):
+    tr, _ = _trained_to(corpus, tmp_path, 4)
+    # --max-steps given on resume wins over the checkpoint's plan (8)
+    resumed = Trainer(tiny_cfg(corpus, tmp_path, max_steps=5), resume=True)
+    assert resumed.step == 4 and resumed.fit()["step"] == 5
+    # so does the learning rate (the optimiser state restored the old one)
+    again = Trainer(tiny_cfg(corpus, tmp_path, max_steps=7, lr=1e-4), resume=True)
+    assert [g["lr"] for g in again.opt.param_groups] == [pytest.approx(1e-4 * lr_factor(5, again.cfg, 7))] * 2
+    with pytest.raises(ValueError, match="max_steps 3 is before checkpoint step_000005's step 5"):
+        Trainer(tiny_cfg(corpus, tmp_path, max_steps=3), resume=True)
+    with pytest.raises(ValueError, match="seed cannot change on resume"):
+        Trainer(tiny_cfg(corpus, tmp_path, seed=1), resume=True)
+    # a fresh run does not mix its checkpoints with an earlier run's
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run"):
+        Trainer(tiny_cfg(corpus, tmp_path))

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..training.checkpoints import put_in_place
 from ..utils.files import keep_umask_mode
 
 STATE = "trainer_state.json"
@@ -65,9 +66,7 @@ def save(trainer, final: Path, tmp: Path, d) -> None:
         trainer.model.config.save_pretrained(str(tmp))
         trainer.tok.save_pretrained(str(tmp))
         (tmp / "train_config.json").write_text(trainer.config_json())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        put_in_place(tmp, final)  # whole, never half-replaced (clover/training/checkpoints.py)
     if d is not None:
         d.barrier()
 

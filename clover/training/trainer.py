@@ -4,10 +4,13 @@ Checkpoints (every `ckpt_every` steps, and at the end) are folders
 `<out_dir>/checkpoints/step_NNNNNN/` holding the model in HF format (config.json +
 model.safetensors, fp32 master weights), `trainer_state.pt` (optimizer, scheduler, RNG states, step;
 plain tensors / numbers only, loadable with `torch.load(weights_only=True)`) and `train_config.json`.
-Each is written into a temporary folder and renamed into place with `os.replace`; the file
-`checkpoints/latest` (also replaced atomically) names the newest complete one, so an interrupted run
-always leaves the last good checkpoint intact. `--resume` continues from it bit-for-bit on CPU (the
-batch order and the noise come from one seeded generator whose state is saved).
+Each is written into a temporary folder and renamed into place whole (clover/training/checkpoints.py
+has the rules), so a run killed at any instant leaves every finished checkpoint intact; `--resume`
+continues from the newest complete one (found by looking, not by trusting `checkpoints/latest`, a
+hint written after each save) bit-for-bit on CPU (the batch order and the noise come from one seeded
+generator whose state is saved). Options given on resume win over the checkpoint's (`max_steps`,
+the learning rate, ...), except those it cannot change (RESUME_FIXED): a one-line error. A run
+without --resume refuses an out_dir that already holds checkpoints.
 
 Outputs in `out_dir`: metrics.jsonl (one record per logged step / eval), loss.png, final/ (model +
 tokenizer), checkpoints/.
@@ -33,6 +36,7 @@ import torch
 
 from ..data.dataset import encode_files, pack
 from ..utils.files import atomic_write
+from . import checkpoints
 from .config import TrainConfig  # its home is config.py (torch-free); re-exported here
 from .objectives import ar_loss, block_diffusion_loss, self_spec_loss
 
@@ -62,6 +66,24 @@ def _atomic_write(path: Path, text: str) -> None:
     atomic_write(path, text)
 
 
+# what a resumed run takes from its checkpoint whatever it is given: the model (its shape and
+# weights) and the seeded generator's state
+RESUME_FIXED = ("preset", "model_overrides", "init", "seed")
+
+
+def check_resume_options(cfg: TrainConfig, ck: Path, step: int | None = None) -> None:
+    """A one-line error for an option the resumed run cannot honour (RESUME_FIXED changed, or
+    max_steps before the checkpoint's step); `step`: the checkpoint's, once known."""
+    saved_file = ck / "train_config.json"
+    saved = json.loads(saved_file.read_text()) if saved_file.is_file() else {}
+    for name in RESUME_FIXED:
+        if name in saved and saved[name] != getattr(cfg, name):
+            raise ValueError(f"--resume: {name} cannot change on resume (checkpoint {ck.name} has {saved[name]!r}, "
+                             f"this run {getattr(cfg, name)!r}); drop the option or use a new --out-dir")
+    if step is not None and cfg.time_budget <= 0 and cfg.max_steps < step:
+        raise ValueError(f"--resume: max_steps {cfg.max_steps} is before checkpoint {ck.name}'s step {step}")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False, dist=None):
         from ..data.tokenizer import load_tokenizer
@@ -89,9 +111,14 @@ class Trainer:
         self.device = torch.device(cfg.device) if dist is None else dist.device
         self.tok = load_tokenizer(cfg.tokenizer)
         torch.manual_seed(cfg.seed)
-        latest = self._latest() if resume else None
+        latest = checkpoints.find_checkpoint(self.ckdir)
         if resume and latest is None:
             raise ValueError(f"--resume: no checkpoint in {self.ckdir}")
+        if not resume and latest is not None:
+            raise ValueError(f"{self.ckdir} holds checkpoints of an earlier run ({latest.name}): pass --resume "
+                             f"to continue it, or use a new --out-dir")
+        if latest is not None:
+            check_resume_options(cfg, latest)
         if latest is not None and self._sharded_checkpoint(latest):
             from ..models import CloverConfig
 
@@ -149,8 +176,10 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
+        self._saved_step = None  # the step of the last checkpoint this trainer wrote or loaded
         if latest is not None:
             self._load_state(latest)
+            self._apply_resume_options(latest)
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(self.config_json())
@@ -159,19 +188,13 @@ class Trainer:
         return json.dumps(dataclasses.asdict(self.cfg), indent=2)
 
     # ---------------------------------------------------------------- checkpoints
-    def _latest(self) -> Path | None:
-        f = self.ckdir / "latest"
-        if not f.exists():
-            return None
-        p = self.ckdir / f.read_text().strip()
-        return p if (p / "trainer_state.pt").exists() or self._sharded_checkpoint(p) else None
-
     @staticmethod
     def _sharded_checkpoint(path: Path) -> bool:
         return (path / "dcp").is_dir()
 
     def save_checkpoint(self) -> Path:
-        name = f"step_{self.step:06d}"
+        """Write the checkpoint of this step (the sequence clover/training/checkpoints.py describes)."""
+        name = checkpoints.checkpoint_name(self.step)
         final = self.ckdir / name
         tmp = self.ckdir / f".{name}.tmp"
         if self.dist is not None:  # sharded, through torch.distributed.checkpoint
@@ -183,6 +206,7 @@ class Trainer:
             if self.main:
                 self._point_latest(name, final)
             self.dist.barrier()
+            self._saved_step = self.step
             return final
         self.ckdir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -195,17 +219,31 @@ class Trainer:
         }
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "train_config.json").write_text(self.config_json())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        checkpoints.put_in_place(tmp, final)
         self._point_latest(name, final)
+        self._saved_step = self.step
         return final
 
     def _point_latest(self, name: str, final: Path) -> None:
         _atomic_write(self.ckdir / "latest", name)
-        olds = sorted(p for p in self.ckdir.glob("step_*") if p.is_dir() and p != final)
-        for p in olds[: max(0, len(olds) - (self.cfg.keep_ckpts - 1))]:
-            shutil.rmtree(p, ignore_errors=True)
+        checkpoints.prune(self.ckdir, self.cfg.keep_ckpts, final)
+
+    def _apply_resume_options(self, ck: Path) -> None:
+        """The options of this run over the checkpoint's: max_steps (fixed-step runs; a time budget's
+        plan continues), and the learning rate, betas and weight decay the optimiser state restored
+        (each set only where it differs, so an unchanged run resumes bit-for-bit)."""
+        cfg = self.cfg
+        self._saved_step = self.step
+        check_resume_options(cfg, ck, self.step)
+        if cfg.time_budget <= 0:
+            self.max_steps = cfg.max_steps
+        for group, decay in zip(self.opt.param_groups, (cfg.weight_decay, 0.0)):
+            group["betas"], group["weight_decay"] = (cfg.beta1, cfg.beta2), decay
+        if any(group.get("initial_lr") != cfg.lr for group in self.opt.param_groups):
+            factor = lr_factor(self.sched.last_epoch, cfg, self.max_steps)  # LambdaLR's lr after last_epoch steps
+            self.sched.base_lrs = [cfg.lr] * len(self.opt.param_groups)
+            for group in self.opt.param_groups:
+                group["initial_lr"], group["lr"] = cfg.lr, cfg.lr * factor
 
     def _load_state(self, path: Path) -> None:
         if self._sharded_checkpoint(path):  # written under torchrun, by any number of processes
@@ -416,7 +454,8 @@ class Trainer:
         last_eval = self.evaluate()
         if last_eval:
             self._log({"step": self.step, **last_eval})
-        self.save_checkpoint()
+        if self._saved_step != self.step:  # not saved by the loop's last step already
+            self.save_checkpoint()
         final = self.out / "final"
         if self.dist is not None:  # the shards gathered into one HF folder
             from ..distributed.checkpoint import export_hf
