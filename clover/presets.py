@@ -79,3 +79,47 @@ def light_preset(name: str) -> SimpleNamespace:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})")
     return light_config(PRESETS[name])
+
+
+# Public block-diffusion checkpoints (clover/models/families.py): the published config.json fields
+# that sizes depend on. `clover info --preset NAME` counts them exactly; tests/test_families.py checks
+# the counts against the published figures.
+_QWEN3 = dict(vocab_size=151936, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+              max_position_embeddings=32768)
+FAMILY_PRESETS: dict[str, dict] = {
+    # JetLM/SDAR-1.7B-Chat (Qwen3-1.7B dims)
+    "sdar-1.7b": dict(_QWEN3, architectures=["SDARForCausalLM"], model_type="sdar", hidden_size=2048,
+                      intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                      tie_word_embeddings=True),
+    # JetLM/SDAR-4B-Chat (Qwen3-4B dims)
+    "sdar-4b": dict(_QWEN3, architectures=["SDARForCausalLM"], model_type="sdar", hidden_size=2560,
+                    intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                    tie_word_embeddings=True),
+    # JetLM/SDAR-8B-Chat (Qwen3-8B dims)
+    "sdar-8b": dict(_QWEN3, architectures=["SDARForCausalLM"], model_type="sdar", hidden_size=4096,
+                    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                    tie_word_embeddings=False),
+    # JetLM/SDAR-30B-A3B-Chat (Qwen3-30B-A3B dims)
+    "sdar-30b-a3b": dict(_QWEN3, architectures=["SDARMoeForCausalLM"], model_type="sdar_moe", hidden_size=2048,
+                         intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+    # inclusionAI/LLaDA2.0-mini and LLaDA2.1-mini (Ling-mini-2.0 dims)
+    "llada2-mini": dict(architectures=["LLaDA2MoeModelLM"], model_type="llada2_moe", vocab_size=157184,
+                        hidden_size=2048, intermediate_size=5120, num_hidden_layers=20, num_attention_heads=16,
+                        num_key_value_heads=4, head_dim=128, num_experts=256, num_experts_per_tok=8,
+                        num_shared_experts=1, n_group=8, topk_group=4, moe_intermediate_size=512,
+                        first_k_dense_replace=1, use_bias=False, use_qkv_bias=False, use_qk_norm=True,
+                        routed_scaling_factor=2.5, partial_rotary_factor=0.5, rope_theta=600000.0,
+                        rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False),
+    # Efficient-Large-Model/Fast_dLLM_v2_7B (Qwen2.5-7B-Instruct dims)
+    "fast-dllm-v2-7b": dict(architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen",
+                            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                            num_attention_heads=28, num_key_value_heads=4, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                            max_position_embeddings=32768, tie_word_embeddings=False, bd_size=32),
+    # Efficient-Large-Model/Fast_dLLM_v2_1.5B (Qwen2.5-1.5B-Instruct dims)
+    "fast-dllm-v2-1.5b": dict(architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen",
+                              vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                              num_attention_heads=12, num_key_value_heads=2, rope_theta=1_000_000.0,
+                              rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True, bd_size=32),
+}

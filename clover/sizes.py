@@ -272,3 +272,43 @@ def _verdict(plan: dict, budget_bytes: int) -> dict:
                       + (f", {(budget_bytes - total) / GIB:.1f} GiB to spare" if plan["fits"]
                          else f", {(total - budget_bytes) / GIB:.1f} GiB over"))
     return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# Public block-diffusion families (clover/models/families.py): counts from the published tensor
+# names and shapes (`FamilyConfig.param_shapes`), a bf16 memory plan
+# ------------------------------------------------------------------------------------------------
+def family_stats(config) -> dict:
+    """Exact parameter counts of a family config (a router's expert bias is a buffer, not counted),
+    routed-expert parameters scaled to the experts a token uses for the active count."""
+    total = embedding = expert = 0
+    for name, shape in config.param_shapes().items():
+        if name.endswith("expert_bias"):
+            continue
+        n = _numel(shape)
+        total += n
+        embedding += n if ("embed" in name or name == "lm_head.weight") else 0
+        expert += n if ".mlp.experts." in name else 0
+    experts, per_token = config.routed_expert_count()
+    inactive = expert * (experts - per_token) // experts if experts else 0
+    return {
+        "total_params": total, "non_embedding_params": total - embedding,
+        "active_params": total - inactive, "active_non_embedding_params": total - inactive - embedding,
+        "routed_expert_params": expert, "bf16_weight_bytes": 2 * total,
+        "kv_bytes_per_token": config.kv_bytes_per_token(2),
+        "layers": config.num_hidden_layers, "max_position_embeddings": config.max_position_embeddings,
+    }
+
+
+def family_memory_plan(config, block_size: int, context: int | None = None, batch: int = 1,
+                       budget_bytes: int = 16 * GIB) -> dict:
+    """bf16 weights, the K/V of `batch` sequences of `context` tokens, one block of logits per
+    sequence and the runtime overhead; whether that fits `budget_bytes`."""
+    s = family_stats(config)
+    context = context or config.max_position_embeddings
+    kv = s["kv_bytes_per_token"] * context * batch
+    logits = block_size * config.vocab_size * 6 * batch
+    total = s["bf16_weight_bytes"] + kv + logits + RUNTIME_OVERHEAD_BYTES
+    return _verdict({"plan": "bf16", "context": context, "batch": batch, "weight_bytes": s["bf16_weight_bytes"],
+                     "kv_cache_bytes": kv, "logits_bytes": logits, "runtime_overhead_bytes": RUNTIME_OVERHEAD_BYTES,
+                     "total_bytes": total}, budget_bytes)

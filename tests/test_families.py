@@ -334,3 +334,154 @@ def test_weights_that_do_not_fit_are_refused(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="expert tensor"):
         load_family(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# published generate loops (clover/models/reference_generate.py)
+# ------------------------------------------------------------------------------------------------
+def confident(folder, model_type, peak=30.0):
+    """The family's model with its head scaled up, so thresholds pass and several tokens fill per step."""
+    loaded = load_family(folder, dtype=torch.float32)
+    head = loaded.model.head_weight()
+    head.data *= peak
+    return loaded
+
+
+def test_sdar_generate_is_the_uncached_block_loop(tmp_path):
+    """The cached published loop equals the same algorithm written without a cache (every step a
+    full recompute under the block mask), and its first block completes the prompt's partial block."""
+    from clover.models.reference_generate import sdar_generate, transfer_counts
+
+    write_family(tmp_path, "sdar")
+    loaded = confident(tmp_path, "sdar")
+    model, mask = loaded.model, loaded.mask_token_id
+    prompt = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
+    out, forwards = sdar_generate(model, prompt, mask, gen_length=10, block_length=4, threshold=0.5)
+    x = torch.full((1, 16), mask)
+    x[:, :6] = prompt
+    naive_forwards = 0
+    for b in range(1, 4):
+        for step in range(5):
+            cur = x[:, 4 * b:4 * b + 4]
+            if not (cur == mask).any():
+                break
+            logits = model(x[:, :4 * b + 4], block_size=4)[:, -4:]
+            probs = logits.index_fill(-1, torch.tensor([mask]), float("-inf")).softmax(-1)
+            naive_forwards += 1
+            p, x0 = probs.max(-1)
+            conf = torch.where(cur == mask, p, float("-inf"))[0]
+            n = transfer_counts(4, 4)[step]
+            pick = conf > 0.5 if int((conf > 0.5).sum()) >= n else torch.zeros(4, dtype=torch.bool).index_fill(0, conf.topk(n).indices, True)
+            cur[0, pick] = x0[0, pick]
+    assert torch.equal(out, x) and torch.equal(out[:, :6], prompt)
+    assert forwards == naive_forwards + 1 + 3  # + the prefill and one clean commit per block
+    assert naive_forwards < 10  # the threshold filled several tokens per forward
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence_static", "sequential"])
+def test_sdar_static_strategies_fill_one_per_step(tmp_path, strategy):
+    from clover.models.reference_generate import sdar_generate
+
+    write_family(tmp_path, "sdar")
+    loaded = load_family(tmp_path, dtype=torch.float32)
+    prompt = torch.randint(4, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2))
+    out, forwards = sdar_generate(loaded.model, prompt, loaded.mask_token_id, 8, 4, strategy=strategy)
+    assert not (out == loaded.mask_token_id).any() and forwards == 1 + 2 * (4 + 1)
+
+
+def test_llada2_generate_equals_cached_block_decoding(tmp_path):
+    """LLaDA2's published loop (the whole prefix recomputed each step, no cache) and SDAR's (cached,
+    committed clean per block) publish the same threshold rule: on one model they give the same
+    tokens, the cached one with fewer positions computed."""
+    from clover.models.reference_generate import llada2_generate, sdar_generate
+
+    write_family(tmp_path, "llada2_moe")
+    loaded = confident(tmp_path, "llada2_moe")
+    model, mask = loaded.model, loaded.mask_token_id
+    prompt = torch.randint(4, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    out, forwards = llada2_generate(model, prompt, mask, gen_length=11, block_length=4, steps=4, threshold=0.6)
+    cached, cached_forwards = sdar_generate(model, prompt, mask, gen_length=11, block_length=4, threshold=0.6)
+    assert torch.equal(out, cached) and not (out == mask).any() and torch.equal(out[:, :5], prompt)
+    assert forwards < 12 and cached_forwards == forwards + 1 + 3  # prefill + one commit per block
+
+
+def test_fast_dllm_generate_shift_and_sub_blocks(tmp_path):
+    from clover.models.reference_generate import fast_dllm_generate
+
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    loaded = confident(tmp_path, "Fast_dLLM_Qwen")
+    model, mask = loaded.model, loaded.mask_token_id
+    prompt = torch.randint(4, VOCAB, (1, 8), generator=torch.Generator().manual_seed(6))  # one whole block
+    out, forwards = fast_dllm_generate(model, prompt, mask, max_new_tokens=16, block_size=8, small_block_size=4,
+                                       threshold=0.9)
+    assert out.shape[1] == 8 + 1 + 16 and not (out == mask).any()
+    # the token after the prompt is the AR prediction of the prompt's last position (shift)
+    assert int(out[0, 8]) == int(model(prompt, block_size=8)[0, -1].argmax())  # the published AR step
+    # threshold above any probability: one token per forward (the most confident), plus the commits
+    _, slow = fast_dllm_generate(model, prompt, mask, max_new_tokens=16, block_size=8, small_block_size=4,
+                                 threshold=1.0)
+    assert slow == 1 + 2 * (7 + 1) and forwards < slow
+
+
+# ------------------------------------------------------------------------------------------------
+# presets, exact counts, clover info
+# ------------------------------------------------------------------------------------------------
+# Published figures (model cards): (total, non-embedding, active, active non-embedding), in the
+# precision the card states; None where the card gives none.
+PUBLISHED = {
+    "sdar-1.7b": ("1.7B", "1.4B", None, None),  # Qwen3-1.7B card
+    "sdar-4b": ("4.0B", "3.6B", None, None),  # Qwen3-4B card
+    "sdar-8b": ("8.2B", "6.95B", None, None),  # Qwen3-8B card
+    "sdar-30b-a3b": ("30.5B", "29.9B", "3.3B", None),  # Qwen3-30B-A3B card
+    "llada2-mini": ("16B", None, "1.4B", "789M"),  # LLaDA2.0-mini / Ling-mini-2.0 cards
+    "fast-dllm-v2-7b": ("7.61B", "6.53B", None, None),  # Qwen2.5-7B-Instruct card
+    "fast-dllm-v2-1.5b": ("1.54B", "1.31B", None, None),  # Qwen2.5-1.5B-Instruct card
+}
+
+
+def _rounds_to(count: int, figure: str) -> bool:
+    """The card's figure is the count rounded or cut to the digits it shows (cards do both)."""
+    unit = {"B": 1e9, "M": 1e6}[figure[-1]]
+    digits = len(figure[:-1].partition(".")[2])
+    value = count / unit
+    return float(figure[:-1]) in (round(value, digits), math.floor(value * 10**digits) / 10**digits)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_match_published_counts(name):
+    from clover.presets import FAMILY_PRESETS
+    from clover.sizes import family_stats
+
+    values = FAMILY_PRESETS[name]
+    stats = family_stats(family_of(values).config_class().from_dict(values))
+    keys = ("total_params", "non_embedding_params", "active_params", "active_non_embedding_params")
+    for key, figure in zip(keys, PUBLISHED[name]):
+        if figure is not None:
+            assert _rounds_to(stats[key], figure), (name, key, stats[key], figure)
+    assert not _rounds_to(stats["total_params"] + stats["total_params"] // 20, PUBLISHED[name][0])  # can fail
+
+
+def test_counts_equal_the_loaded_model(tmp_path):
+    from clover.sizes import family_stats
+
+    for model_type in TINY:
+        write_family(tmp_path / model_type, model_type)
+        fam, config = read_family_config(tmp_path / model_type)
+        model = load_family(tmp_path / model_type, with_tokenizer=False).model
+        assert family_stats(config)["total_params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_info_on_a_family_folder_and_preset(tmp_path, capsys):
+    from clover.cli import main
+
+    write_family(tmp_path, "sdar_moe")
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["family"], info["block_size"], info["mask_token_id"], info["shift"]) == ("sdar_moe", 4, 3, False)
+    assert info["total_params"] > info["active_params"] and info["memory_plan"]["total_bytes"] > 0
+    assert main(["info", "--preset", "llada2-mini"]) == 0
+    out = capsys.readouterr().out
+    assert "16,255,638,528" in out and "mask id 156895" in out and "block 32" in out
+    assert main(["info", "--preset", "fast-dllm-v2-7b", "--quant", "int4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "bf16 plan only" in err

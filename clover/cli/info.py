@@ -13,7 +13,8 @@ from .options import add_threads_arg
 def register(sub) -> None:
     p = sub.add_parser("info", help="parameter counts and memory plan of a preset or a checkpoint")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a built-in preset (default: clover-35b-a3b)")
+    src.add_argument("--preset", help="a built-in preset (default: clover-35b-a3b; also the public families': "
+                     "sdar-1.7b, sdar-30b-a3b, llada2-mini, fast-dllm-v2-7b, ...)")
     src.add_argument("--model", help="a checkpoint folder with config.json")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_threads_arg(p)
@@ -59,6 +60,9 @@ def load_config(args):
 def run(args) -> int:
     from ..sizes import model_stats
 
+    target = _family_target(args)
+    if target is not None:
+        return _family_info(args, *target)
     name, config = load_config(args)
     stats = {"model": name, **model_stats(config)}
     if args.plan:
@@ -91,7 +95,7 @@ def run(args) -> int:
         print(f"  runtime overhead    {plan['runtime_overhead_bytes'] / gib:>15.2f} GiB  ({plan['runtime_overhead_note']})")
         print(f"  total               {plan['total_bytes'] / gib:>15.2f} GiB  "
               f"({plan['weight_ratio_vs_bf16']:.3f}x the bf16 weights for the weights)")
-        print(f"  fits in {plan['budget_bytes'] / gib:.0f} GiB? {plan['answer']}")
+        print(f"  fits in {plan['budget_bytes'] / gib:.0f} GiB? {plan['answer'].replace(' per GPU', '')}")
     return 0
 
 
@@ -163,5 +167,61 @@ def _parallel_plan(args, name, config, stats) -> int:
     for key in rows + ["runtime_overhead_bytes", "total_bytes"]:
         label = key.removesuffix("_bytes").replace("_", " ")
         print(f"  {label:<18} {plan[key] / gib:>9.2f} GiB  {notes.get(key, '')}")
-    print(f"  fits? {plan['answer']}")
+    print(f"  fits? {plan['answer'].replace(' per GPU', '')}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Public block-diffusion families (clover/models/families.py)
+# ------------------------------------------------------------------------------------------------
+def _family_target(args):
+    """(name, family, config, folder) when --model is a family's folder or --preset a family preset."""
+    from ..models.families import family_of, is_family_folder, read_family_config
+    from ..presets import FAMILY_PRESETS
+
+    if args.model and is_family_folder(args.model):
+        try:
+            fam, config = read_family_config(args.model)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        return args.model, fam, config, args.model
+    if args.preset in FAMILY_PRESETS:
+        values = FAMILY_PRESETS[args.preset]
+        fam = family_of(values)
+        return args.preset, fam, fam.config_class().from_dict(values), None
+    return None
+
+
+def _family_info(args, name, fam, config, folder) -> int:
+    from ..models.families import family_settings
+    from ..sizes import GIB, family_memory_plan, family_stats
+
+    if args.quant or args.plan:
+        raise UserError(f"--quant / --plan are Clover-model plans; {fam.title} has the bf16 plan only")
+    if (args.context is not None and args.context < 1) or args.batch < 1:
+        raise UserError("--context and --batch must be >= 1")
+    cls = fam.model_class()
+    settings = family_settings(folder, cls, config)
+    budget = args.gpu_memory if args.gpu_memory is not None else 16.0
+    if budget <= 0:
+        raise UserError(f"--gpu-memory must be > 0 GiB, got {budget}")
+    plan = family_memory_plan(config, settings["block_size"], args.context, args.batch, int(budget * GIB))
+    info = {"model": name, "family": fam.name, "architecture": fam.architectures[0], **family_stats(config),
+            "block_size": settings["block_size"], "mask_token_id": settings["mask_token_id"],
+            "threshold": settings["threshold"], "shift": cls.shift, "block_align": cls.block_align,
+            "modes": list(cls.modes), "memory_plan": plan}
+    if args.json:
+        print_json(info)
+        return 0
+    print(f"{name}: {fam.title}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}")
+    print(f"  total params        {info['total_params']:>18,}  (non-embedding {info['non_embedding_params']:,})")
+    print(f"  active params/token {info['active_params']:>18,}")
+    print(f"  bf16 weights        {info['bf16_weight_bytes'] / GIB:>15.2f} GiB")
+    print(f"  KV cache            {info['kv_bytes_per_token']:>15,} B/token (bf16)")
+    print(f"  decoding            block {info['block_size']} ({cls.block_align} positions), mask id "
+          f"{info['mask_token_id']}, threshold {info['threshold']}, "
+          f"{'shift (logits at i predict i+1)' if cls.shift else 'no shift (logits at a mask predict it)'}")
+    print(f"  modes               {', '.join(cls.modes)}")
+    print(f"  memory plan         {plan['total_bytes'] / GIB:.2f} GiB at {plan['context']:,} tokens x {plan['batch']} "
+          f"(weights {plan['weight_bytes'] / GIB:.2f}, KV {plan['kv_cache_bytes'] / GIB:.2f}); {plan['answer'].replace(' per GPU', '')}")
     return 0

@@ -108,22 +108,40 @@ class LoadedFamily:
     eos_token_ids: tuple[int, ...]
 
 
+def family_settings(folder, model_class, config) -> dict:
+    """The decoding settings a folder publishes (torch-free): mask token id, block size, threshold,
+    end-of-sequence ids; each falls back to the family's published default."""
+    gen = generation_settings(folder) if folder is not None else {}
+    mask = config.raw.get("mask_token_id")
+    if mask is None and folder is not None:
+        mask = _token_id(Path(folder) / "tokenizer.json", model_class.mask_token)
+    block = config.raw.get("block_size") or config.raw.get("bd_size") or gen.get("block_size") \
+        or gen.get("block_length") or model_class.default_block_size
+    eos = gen.get("eos_token_id", config.raw.get("eos_token_id"))
+    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return {"mask_token_id": model_class.mask_token_id if mask is None else int(mask), "block_size": int(block),
+            "threshold": float(gen.get("threshold", model_class.default_threshold)), "eos_token_ids": eos}
+
+
+def _token_id(path: Path, token: str) -> int | None:
+    """The id of `token` in a tokenizer.json (added tokens, then the vocabulary); None if absent."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    for added in data.get("added_tokens") or []:
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (data.get("model") or {}).get("vocab")
+    return int(vocab[token]) if isinstance(vocab, dict) and token in vocab else None
+
+
 def load_family(folder, dtype=None, device=None, with_tokenizer: bool = True) -> LoadedFamily:
     fam, config = read_family_config(folder)
     cls = fam.model_class()
     model = cls.from_state_dict(config, _read_weights(folder), dtype, device)
     tokenizer = load_tokenizer(folder) if with_tokenizer else None
-    gen = generation_settings(folder)
-    mask = config.raw.get("mask_token_id")
-    if mask is None and tokenizer is not None:
-        mask = tokenizer.convert_tokens_to_ids(cls.mask_token)
-        mask = None if mask == tokenizer.unk_token_id else mask
-    block = config.raw.get("block_size") or config.raw.get("bd_size") or gen.get("block_size") \
-        or gen.get("block_length") or cls.default_block_size
-    eos = gen.get("eos_token_id", config.raw.get("eos_token_id"))
-    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return LoadedFamily(fam, model, tokenizer, cls.mask_token_id if mask is None else int(mask), int(block),
-                        float(gen.get("threshold", cls.default_threshold)), eos)
+    return LoadedFamily(fam, model, tokenizer, **family_settings(folder, cls, config))
 
 
 def _read_weights(folder):

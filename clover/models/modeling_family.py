@@ -224,7 +224,9 @@ class BlockFamilyModel(nn.Module):
     i+1, as in Clover and Fast-dLLM v2; False: they predict token i itself, the mask's own
     position), `block_align` ("absolute": blocks at k*B from the first prompt token, the prompt's
     last partial block completed by generation), `mask_token` / `mask_token_id` (published),
-    `default_block_size`, `default_threshold`, `modes` (the decoding modes that mean something)."""
+    `default_block_size`, `default_threshold`, `modes` (Clover's decoding modes that mean something
+    for the family: `ar` and `self_spec` need the shift, where block size 1 is the AR model),
+    `published_decoding` (the strategies its own generate code offers)."""
 
     config_class = None
     family = ""
@@ -235,6 +237,7 @@ class BlockFamilyModel(nn.Module):
     default_block_size = 32
     default_threshold = 0.9
     modes = ("low_confidence",)
+    published_decoding: tuple = ()
     embed_name = "embed_tokens"
 
     def __init__(self, config):

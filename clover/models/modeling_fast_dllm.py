@@ -22,7 +22,8 @@ class FastDLLMForCausalLM(BlockFamilyModel):
     default_block_size = 32
     default_sub_block_size = 8
     default_threshold = 0.9
-    modes = ("low_confidence", "ar")
+    modes = ("low_confidence", "ar", "self_spec")  # with shift, block size 1 is its AR model
+    published_decoding = ("sub_block_threshold",)
 
     @property
     def block_size(self) -> int:

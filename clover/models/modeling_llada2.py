@@ -87,7 +87,8 @@ class LLaDA2MoeModelLM(BlockFamilyModel):
     mask_token_id = 156895
     default_block_size = 32
     default_threshold = 0.95
-    modes = ("low_confidence",)
+    modes = ("low_confidence", "edit")  # edit: LLaDA2.1's token-to-token editing
+    published_decoding = ("threshold", "edit")
     embed_name = "word_embeddings"
 
     def build_layer(self, i: int) -> nn.Module:

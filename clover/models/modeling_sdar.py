@@ -68,8 +68,9 @@ class SDARForCausalLM(BlockFamilyModel):
     mask_token = "<|MASK|>"
     mask_token_id = 151669
     default_block_size = 4
-    default_threshold = 0.9
-    modes = ("low_confidence", "low_confidence_dynamic", "low_confidence_static", "sequential")
+    default_threshold = 0.85  # generate.py's confidence_threshold
+    modes = ("low_confidence",)
+    published_decoding = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
     def build_layer(self, i: int) -> nn.Module:
         c = self.config
