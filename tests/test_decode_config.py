@@ -1,5 +1,6 @@
-"""One settings object: DecodeConfig is frozen and holds every decoding default once; the server's
-Settings and EngineKey, the lm-eval model and the tuner's fallback take theirs from it."""
+"""One settings object: DecodeConfig (clover.settings, torch-free) is frozen and holds every decoding
+default once; the server's Settings holds one whole, its engine keys are DecodeConfigs, the lm-eval
+model and the tuner's fallback take theirs from it; one infill threshold default."""
 
 import dataclasses
 import inspect
@@ -9,7 +10,8 @@ import pytest
 from clover.engine import DEFAULTS, DecodeConfig
 from clover.engine.tuning import DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD
 from clover.eval.generation import generate_until
-from clover.server import EngineKey, Settings
+from clover.server import Settings
+from clover.settings import INFILL_THRESHOLD
 
 
 def test_decode_config_is_frozen_and_derives_variants():
@@ -23,10 +25,10 @@ def test_decode_config_is_frozen_and_derives_variants():
 
 
 def test_every_default_comes_from_the_one_config():
-    for obj in (Settings(), EngineKey()):
+    for obj in (Settings().decode, DEFAULTS.engine_key()):
         assert (obj.mode, obj.block_size, obj.threshold) == (DEFAULTS.mode, DEFAULTS.block_size, DEFAULTS.threshold)
-    assert Settings().runner == DEFAULTS.runner
-    key = EngineKey()
+    assert Settings().decode.runner == DEFAULTS.runner
+    key = DEFAULTS.engine_key().sampling
     assert (key.temperature, key.top_p, key.top_k) == (DEFAULTS.sampling.temperature, DEFAULTS.sampling.top_p,
                                                        DEFAULTS.sampling.top_k)
     assert (DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD) == (DEFAULTS.block_size, DEFAULTS.threshold)
@@ -79,3 +81,42 @@ def test_api_takes_a_config_or_keyword_settings():
     assert (cfg.block_size, cfg.threshold) == (4, 0.5) and cfg.eos_token_ids
     with pytest.raises(TypeError):
         decode_config(model, tok, 16, 4)  # the settings are keyword-only
+
+
+def test_settings_are_torch_free_and_name_the_engines_policies_and_runners():
+    import subprocess
+    import sys
+
+    code = "import sys, clover.settings; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    from clover.engine.policies import SCORES
+    from clover.engine.runner import RUNNERS
+    from clover.settings import POLICIES, RUNNERS as NAMES
+
+    assert tuple(SCORES) == POLICIES and tuple(RUNNERS) == NAMES
+
+
+def test_one_infill_default_and_one_block_size_check():
+    """decide, structured output, the server and the CLI share INFILL_THRESHOLD; a server given a
+    threshold commits slots at it too. The block size is checked against the model in one place."""
+    import re
+    from pathlib import Path
+
+    import clover
+    from clover.cli import build_parser
+    from clover.decide import decide
+    from clover.structured import generate_json
+    from clover.structured.generate import infill_json
+
+    for fn in (decide, generate_json, infill_json):
+        assert inspect.signature(fn).parameters["threshold"].default == INFILL_THRESHOLD
+    assert build_parser().parse_args(["decide", "--material", "m", "--questions", "q"]).threshold == INFILL_THRESHOLD
+    assert Settings().infill_threshold == INFILL_THRESHOLD and Settings(threshold=0.5).infill_threshold == 0.5
+    assert Settings(threshold=0.5).decode.threshold == 0.5
+    root = Path(clover.__file__).parent
+    checks = [str(p.relative_to(root)) for p in root.rglob("*.py") if "block_size must be in [" in p.read_text()
+              or "block-size must be in [" in p.read_text()]
+    assert checks == ["settings.py"], checks
+    literal = [f"{p.relative_to(root)}" for p in root.rglob("*.py")
+               if re.search(r"threshold(: float)? ?= ?0\.9\b", p.read_text())]
+    assert literal == []

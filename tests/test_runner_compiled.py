@@ -314,10 +314,11 @@ def test_fused_diffusion_step_equals_eager(mode):
 
 def test_server_settings_choose_the_runner(model):
     """`clover serve --runner compiled` reaches every engine the scheduler builds (not slot jobs)."""
-    from clover.server.scheduler import EngineKey, Scheduler
+    from clover.server.scheduler import Scheduler
+    from clover.settings import DecodeConfig
 
     for name, cls in (("eager", EagerRunner), ("compiled", CompiledRunner)):
-        engine = Engine(model, Scheduler(model, (), runner=name).config(EngineKey(block_size=4)))
+        engine = Engine(model, Scheduler(model, (), runner=name).config(DecodeConfig(block_size=4).engine_key()))
         assert type(engine.runner) is cls
 
 

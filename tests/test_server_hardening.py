@@ -26,7 +26,8 @@ from clover.cli import serve as serve_cli
 from clover.cli.chat import ReplyView
 from clover.engine import Engine
 from clover.server import Settings, create_app
-from clover.server.scheduler import EngineKey, Job, Ticket
+from clover.server.scheduler import Job, Ticket
+from clover.settings import DecodeConfig
 from helpers import save_tiny_model
 from server_utils import RunningServer, client, metric, raw
 
@@ -278,7 +279,7 @@ def test_after_a_failed_step_only_the_suspect_leaves_the_batch(loaded):
     model, tokenizer = loaded
     app = make_app(Wrapped(model, poisoned), tokenizer)
     sched, loop = app.state.scheduler, asyncio.new_event_loop()
-    key = EngineKey(block_size=BLOCK, threshold=THRESH)
+    key = DecodeConfig(block_size=BLOCK, threshold=THRESH).engine_key()
     good = [Job(Ticket(loop), 0, tokenizer(p).input_ids, n, key) for p, n in STREAMS[:3]]
     bad = Job(Ticket(loop), 0, [30, 31, POISON], 16, key)
     try:
@@ -361,9 +362,9 @@ def test_admission_failures_end_only_their_own_job(loaded):
             stream = await c.completions.create(model="tiny", prompt="apple pie", max_tokens=40, stream=True)
             text = ""
             loop = asyncio.get_running_loop()
-            bad_seed = Job(Ticket(loop), 0, [5, 6], 8, EngineKey(block_size=BLOCK, threshold=THRESH, temperature=0.5,
-                                                                 seed=2**64))
-            key = EngineKey(block_size=BLOCK, threshold=THRESH)
+            bad_seed = Job(Ticket(loop), 0, [5, 6], 8, DecodeConfig.from_settings(
+                block_size=BLOCK, threshold=THRESH, temperature=0.5, seed=2**64).engine_key())
+            key = DecodeConfig(block_size=BLOCK, threshold=THRESH).engine_key()
             too_long = Job(Ticket(loop), 0, [5] * 10, model.config.max_position_embeddings, key)
             good = Job(Ticket(loop), 1, tokenizer("Bob said").input_ids, 36, key)
             async for ch in stream:

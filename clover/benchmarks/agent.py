@@ -340,7 +340,7 @@ def run(args) -> int:
     import torch
 
     from ..api import load
-    from ..engine import MODES, DecodeConfig
+    from ..settings import MODES, DecodeConfig, check_block_size
 
     modes = [m for m in args.mode.split(",") if m]
     if not modes:
@@ -354,8 +354,10 @@ def run(args) -> int:
         raise UserError("--n and --batch must be >= 1")
     set_threads(args.threads)
     model, tokenizer = load(args.model, args.device)
-    if not 1 <= args.block_size <= model.config.max_block_size:
-        raise UserError(f"--block-size must be in [1, {model.config.max_block_size}]")
+    try:
+        check_block_size(args.block_size, model)
+    except ValueError as e:
+        raise UserError(f"--{e}") from None
     from tqdm import tqdm
 
     bar = tqdm(total=args.n * len(modes), desc="bench agent", file=sys.stderr, leave=False,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from ..errors import UserError
+from ..settings import check_block_size
 from .report import markdown_table, progress_iter, set_threads, write_json
 
 
@@ -26,8 +27,11 @@ def run(args) -> int:
         raise UserError(f"--plot must name a .png file, got {args.plot}")
     set_threads(args.threads)
     model, tokenizer = load(args.model, args.device)
-    if max(blocks) > model.config.max_block_size or min(blocks) < 2:
-        raise UserError(f"block sizes must be in [2, {model.config.max_block_size}]")
+    try:
+        for b in blocks:
+            check_block_size(b, model, low=2)
+    except ValueError as e:
+        raise UserError(f"--block-sizes: {e}") from None
     exs = pareto.examples(args.per_task)
     eos = eos_ids(model, tokenizer)
     settings = [("low_confidence", b, t) for b in blocks for t in thresholds] + ([] if args.no_ar else [("ar", 1, 0.0)])

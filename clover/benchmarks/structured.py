@@ -26,6 +26,7 @@ from typing import Callable
 from ..chat import CALL_END, CALL_HEAD
 from ..data import tasks
 from ..errors import UserError
+from ..settings import INFILL_THRESHOLD, check_block_size
 from ..structured.generate import JsonResult, generate_json, infill_json
 from ..structured.grammar import grammar_json
 from ..structured.normalize import normalize
@@ -152,7 +153,7 @@ def case_prompt(tokenizer, case: dict):
     return prompt_renderer(tokenizer)(case["messages"], case["tools"])
 
 
-def answer(model, tokenizer, case: dict, method: str, threshold: float = 0.9, block_size: int = 32,
+def answer(model, tokenizer, case: dict, method: str, threshold: float = INFILL_THRESHOLD, block_size: int = 32,
            max_new_tokens: int = 64) -> JsonResult:
     """The case answered by `method` ("infill", "grammar" or "free")."""
     from ..api import encode
@@ -200,7 +201,7 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
-def run_benchmark(model, tokenizer, n: int = 10, seed: int = BENCH_SEED, threshold: float = 0.9,
+def run_benchmark(model, tokenizer, n: int = 10, seed: int = BENCH_SEED, threshold: float = INFILL_THRESHOLD,
                   block_size: int = 32, max_new_tokens: int = 64,
                   progress: Callable[[int], None] | None = None) -> dict:
     """The whole benchmark: settings, {method: metrics overall and per kind}, and one record per case
@@ -249,8 +250,10 @@ def run(args) -> int:
         raise UserError("--threshold must be in [0, 1]")
     set_threads(args.threads)
     model, tokenizer = load(args.model, args.device)
-    if not 2 <= args.block_size <= model.config.max_block_size:
-        raise UserError(f"--block-size must be in [2, {model.config.max_block_size}]")
+    try:
+        check_block_size(args.block_size, model, low=2)
+    except ValueError as e:
+        raise UserError(f"--{e}") from None
     with progress(args.n * len(KINDS), "bench structured") as bar:
         out = run_benchmark(model, tokenizer, args.n, args.seed, args.threshold, args.block_size,
                             args.max_new_tokens, progress=bar.update)

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import sys
 
+from ..settings import INFILL_THRESHOLD
 from . import UserError
 from .options import add_decode_args, add_model_args, add_threads_arg, fill_decode_defaults
 
@@ -68,7 +69,7 @@ def add_decide_flags(p) -> None:
     add_model_flags(p)
     p.add_argument("--groups", type=int, default=500, help="held-out groups (default 500)")
     p.add_argument("--seed", type=int, default=0, help="benchmark seed (clover.data.tasks.decision_benchmark)")
-    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--threshold", type=float, default=INFILL_THRESHOLD)
     add_decode_args(p, "block_size")
 
 
@@ -103,7 +104,7 @@ def add_structured_flags(p) -> None:
     add_model_flags(p)
     p.add_argument("--n", type=int, default=10, help="cases of each of the 7 kinds (default 10)")
     p.add_argument("--seed", type=int, default=1000, help="benchmark seed (default 1000)")
-    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--threshold", type=float, default=INFILL_THRESHOLD)
     add_decode_args(p, "block_size")
     p.add_argument("--max-new-tokens", type=int, default=64, help="budget of free generation (default 64)")
     p.add_argument("--records", metavar="JSONL", help="write every case's record (every method) as JSONL")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..settings import INFILL_THRESHOLD, check_threshold
 from . import UserError, print_json
 from .options import add_model_args, utf8
 
@@ -17,8 +18,8 @@ def register(sub) -> None:
     p.add_argument("--material", required=True, metavar="FILE", help="a text file: the material the questions are about")
     p.add_argument("--questions", required=True, metavar="FILE.jsonl", help="one question per line (JSON)")
     p.add_argument("--mode", default="joint", help="joint (default) or independent")
-    p.add_argument("--threshold", type=float, default=0.9, metavar="T",
-                   help="commit every slot whose confidence is > T per forward (default 0.9)")
+    p.add_argument("--threshold", type=float, default=INFILL_THRESHOLD, metavar="T",
+                   help=f"commit every slot whose confidence is > T per forward (default {INFILL_THRESHOLD})")
     p.add_argument("--block-size", type=int, default=32, metavar="B", help="max tokens per answer window (default 32)")
     p.add_argument("--split", action="store_true", help="more than 8 questions: answer them in groups of 8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -54,8 +55,10 @@ def run(args) -> int:
         raise UserError(f"{material_file}: material is empty")
     questions = read_questions(args.questions)
     parse_questions(questions, args.split)  # every mistake reported before the model loads
-    if not 0 <= args.threshold <= 1:
-        raise UserError(f"--threshold must be in [0, 1], got {args.threshold}")
+    try:
+        check_threshold(args.threshold)
+    except ValueError as e:
+        raise UserError(f"--{e}") from None
     model, tokenizer = load(args.model, args.device)
     result = decide(model, tokenizer, material, questions, mode=args.mode, threshold=args.threshold,
                     block_size=args.block_size, split=args.split)

@@ -10,6 +10,7 @@ import os
 import sys
 
 from ..api import SEED_MAX, SEED_MIN  # light (no torch); one home for the bounds the server checks too
+from ..settings import RUNNERS
 
 
 def seed_type(text: str) -> int:
@@ -70,7 +71,7 @@ def add_model_args(p, threads: bool = True, model_group=None) -> None:
 
 # ---- decoding ------------------------------------------------------------------------------------------
 MODE_HELP = "low_confidence (default), topk, entropy, margin, self_spec or ar"  # engine.MODES (a test checks)
-RUNNER_CHOICES = ("eager", "compiled")  # engine.runner.RUNNERS (a test checks)
+RUNNER_CHOICES = RUNNERS  # clover.settings (torch-free)
 
 
 def block_size_arg(text: str):
@@ -127,8 +128,8 @@ def resolve_auto_block_size(args) -> None:
 def decode_config(args, **settings):
     """The DecodeConfig of the decoding flags a command has (those not given keep DecodeConfig's
     defaults), with `settings` on top; --block-size auto resolved. Checked once, by DecodeConfig: a
-    bad setting is a one-line UserError, before any model loads. Imports torch."""
-    from ..engine import DecodeConfig
+    bad setting is a one-line UserError, before any model loads."""
+    from ..settings import DecodeConfig
     from ..errors import UserError
 
     resolve_auto_block_size(args)
@@ -174,8 +175,8 @@ def setup_process(args) -> None:
 
 def fill_decode_defaults(args, *names: str) -> None:
     """For the benchmarks, which read their flags themselves: --block-size auto resolved, and the named
-    decoding flags that were not given set to DecodeConfig's defaults. Imports torch."""
-    from ..engine import DEFAULTS
+    decoding flags that were not given set to DecodeConfig's defaults."""
+    from ..settings import DEFAULTS
 
     resolve_auto_block_size(args)
     for name in names:

@@ -106,14 +106,15 @@ def run(args) -> int:
 
     # clover.load in one process (ranks > 0 never return), or the llama.cpp runner for up to --max-batch rows
     model, tokenizer = load_model(args, args.max_batch)
-    block_size = args.block_size or model.config.block_size  # --block-size auto was resolved by check_args
-    if block_size > model.config.max_block_size:
-        raise UserError(f"--block-size must be in [1, {model.config.max_block_size}], got {block_size}")
+    cfg = cfg.with_(block_size=args.block_size or model.config.block_size)  # --block-size auto was resolved by check_args
+    try:
+        cfg.check(model)
+    except ValueError as e:
+        raise UserError(f"--{e}") from None
     name, *aliases = served_names(args)
     key = api_key(args)
     settings = Settings(model_id=name, aliases=tuple(aliases), api_key=key, max_batch=args.max_batch,
-                        max_queue=args.max_queue, block_size=block_size, threshold=cfg.threshold, mode=cfg.mode,
-                        runner=cfg.runner,
+                        max_queue=args.max_queue, decode=cfg, infill_threshold=args.threshold,
                         default_max_tokens=args.default_max_tokens, max_tool_calls=args.max_tool_calls)
     if args.max_body_bytes is not None:
         settings.max_body_bytes = args.max_body_bytes

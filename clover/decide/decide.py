@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
 from ..engine.infill import Row, Slot, TextRule, denoise, pieces, token_ids
 
 MAX_QUESTIONS = 8
@@ -179,7 +180,7 @@ def _rows(model, tokenizer, material: str, questions: list[Question], mode: str,
     return rows
 
 
-def decide(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float = 0.9,
+def decide(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float = INFILL_THRESHOLD,
            block_size: int = 32, split: bool = False) -> Decision:
     """Answer questions about `material`. Each question is {"question": str, "options": [str, ...]}
     or {"question": str, "type": "boolean" | "integer" | "text", "max_tokens": N} (or a Question).
@@ -191,10 +192,8 @@ def decide(model, tokenizer, material: str, questions, mode: str = "joint", thre
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     if not isinstance(material, str) or not material.strip():
         raise ValueError("material is empty")
-    if not 0 <= threshold <= 1:
-        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
-    if not 2 <= block_size <= model.config.max_block_size:
-        raise ValueError(f"block_size must be in [2, {model.config.max_block_size}], got {block_size}")
+    check_threshold(threshold)
+    check_block_size(block_size, model, low=2)
     qs = parse_questions(questions, split)
     rows = _rows(model, tokenizer, material.strip(), qs, mode, block_size)
     # rows batch together when their windows have the same sizes (one block size per forward, no

@@ -17,104 +17,25 @@ requests may join between steps (`add`), so a server can batch continuously.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-
 import torch
 
+from ..settings import DEFAULTS, MODES, DecodeConfig  # noqa: F401 - re-exported (clover.engine)
 from .batch import RowBatch
 from .modes import make_mode
-from .policies import SCORES, make_policy
-from .runner import RUNNERS, make_runner
-from .sampling import SamplingParams, make_generator
+from .runner import make_runner
+from .sampling import make_generator
 from .sequence import Sequence
-
-MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar")
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """How to decode: every decoding default lives here once (`DEFAULTS`); the API, the CLI, the
-    server's Settings and EngineKey, the lm-eval model and the benchmarks take theirs from it, and
-    build one from flat settings the same way (`from_settings`). Frozen and checked when made (a bad
-    setting is a ValueError naming it): derive a variant with `dataclasses.replace` / `with_`."""
-
-    mode: str = "low_confidence"
-    block_size: int = 32
-    threshold: float = 0.95
-    steps: int | None = None  # per block, for topk / entropy / margin
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    eos_token_ids: tuple[int, ...] = ()
-    prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
-    runner: str = "eager"  # how the model is called: "eager" or "compiled" (engine/runner.py)
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def with_(self, **changes) -> "DecodeConfig":
-        return replace(self, **changes)
-
-    @classmethod
-    def from_settings(cls, base: "DecodeConfig | None" = None, **settings) -> "DecodeConfig":
-        """`base` (default: the defaults) with flat settings: any field, and the sampling's
-        `temperature`, `top_p`, `top_k`, `seed`. A setting given as None keeps the base's value;
-        numbers may come as text (lm-eval's model_args; "" / "None" = None). ValueError names a bad
-        or unknown setting."""
-        base = DEFAULTS if base is None else base
-        fields, sampling = {}, {}
-        for name, value in settings.items():
-            if isinstance(value, str) and name in _NUMBERS:
-                try:
-                    value = None if value in ("", "None") else _NUMBERS[name](value)
-                except ValueError:
-                    raise ValueError(f"{name} must be a number, got {value!r}") from None
-            if value is None:
-                continue
-            if name in _SAMPLING:
-                sampling[name] = value
-            elif name in cls.__dataclass_fields__:
-                fields[name] = value
-            else:
-                raise ValueError(f"unknown decoding setting {name!r}")
-        if sampling:
-            fields["sampling"] = replace(fields.get("sampling", base.sampling), **sampling)
-        return replace(base, **fields)
-
-    def validate(self) -> None:
-        """Checks that need no model (so a CLI can fail before loading one)."""
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r} (known: {', '.join(MODES)})")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        self.sampling.validate()
-        if self.runner not in RUNNERS:
-            raise ValueError(f"unknown runner {self.runner!r} (known: {', '.join(RUNNERS)})")
-        if self.mode == "self_spec" and not self.sampling.greedy:
-            raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
-        if self.mode in SCORES:
-            make_policy(self.mode, self.block_size, self.threshold, self.steps)
-
-
-DEFAULTS = DecodeConfig()
-_SAMPLING = ("temperature", "top_p", "top_k", "seed")  # flat names of DecodeConfig.sampling's fields
-_NUMBERS = {"block_size": int, "threshold": float, "steps": int, "max_new_tokens": int, "prefill_chunk": int,
-            "temperature": float, "top_p": float, "top_k": int, "seed": int}  # settings that may come as text
-
 
 class Engine:
     def __init__(self, model, config: DecodeConfig, defer_compile: bool = False):
         """`defer_compile` (runner "compiled"): a step of a shape with no graph yet runs eagerly and the
         shape waits for `runner.compile_deferred` (the server compiles when idle)."""
-        cfg, mc = config, model.config
-        if cfg.block_size > mc.max_block_size:
-            raise ValueError(f"block_size must be in [1, {mc.max_block_size}], got {cfg.block_size}")
+        cfg, mc = config.check(model), model.config
         self.model, self.cfg = model, cfg
         self.runner = make_runner(cfg.runner, model, defer=defer_compile)
         self.mask_id = mc.mask_token_id
         self.device = model.device
-        self.eos = set(cfg.eos_token_ids)
+        self.eos = set(cfg.eos)
         self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device))
         cap = self.runner.prefill_chunk  # a compiled runner takes prompts in chunks its graphs fit
         if cap:  # the prompt's last chunk rides with the first window: both fit, a 60-token tail + 4 columns is 64, not 68

@@ -45,7 +45,7 @@ class Mode:
     def __init__(self, cfg, mask_id: int, device, generator):
         self.cfg, self.block_size, self.mask_id, self.device = cfg, cfg.block_size, mask_id, device
         self.generator = generator
-        self.eos = set(cfg.eos_token_ids)
+        self.eos = set(cfg.eos)
         self.banned = banned_ids(cfg.sampling, mask_id, device)  # never chosen, by `sample` or the greedy pick
 
     def sample(self, logits):

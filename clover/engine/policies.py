@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from ..settings import DEFAULTS, check_threshold, policy_steps
+
 NEG_INF = float("-inf")
 
 
@@ -79,15 +81,11 @@ class Policy:
 SCORES = {"low_confidence": probability, "topk": probability, "entropy": neg_entropy, "margin": margin}
 
 
-def make_policy(mode: str, block_size: int, threshold: float = 0.95, steps: int | None = None) -> Policy:
+def make_policy(mode: str, block_size: int, threshold: float = DEFAULTS.threshold, steps: int | None = None) -> Policy:
     """`steps` (per block, for topk/entropy/margin) defaults to block_size // 4: ~4 tokens per step."""
     if mode not in SCORES:
         raise ValueError(f"unknown diffusion policy {mode!r} (known: {', '.join(SCORES)})")
     if mode == "low_confidence":
-        if not 0 <= threshold <= 1:
-            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        check_threshold(threshold)
         return Policy(mode, probability, threshold=threshold)
-    steps = steps or max(1, block_size // 4)
-    if not 1 <= steps <= block_size:
-        raise ValueError(f"steps must be in [1, block_size={block_size}], got {steps}")
-    return Policy(mode, SCORES[mode], steps=steps)
+    return Policy(mode, SCORES[mode], steps=policy_steps(block_size, steps))

@@ -6,30 +6,9 @@ policies score positions by that distribution (probability, entropy, margin).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = argmax
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no limit
-    seed: int | None = None
-    suppress: tuple[int, ...] = ()  # token ids never chosen, in every mode (e.g. a tool-call frame without tools)
-
-    def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from ..settings import SamplingParams  # noqa: F401 - re-exported (clover.engine)
 
 
 def make_generator(params: SamplingParams, device) -> torch.Generator | None:

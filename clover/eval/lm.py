@@ -46,7 +46,7 @@ class CloverLM(TemplateLM):
                  device=None, dtype=None, batch_size=None, max_batch_size=None, max_gen_toks: int = 256, **kwargs):
         super().__init__()
         from ..api import eos_ids, load
-        from ..engine import DecodeConfig
+        from ..settings import DecodeConfig, check_block_size
 
         if likelihood not in LIKELIHOODS:
             raise ValueError(f"likelihood must be one of {', '.join(LIKELIHOODS)}, got {likelihood!r}")
@@ -72,10 +72,11 @@ class CloverLM(TemplateLM):
         self.eos = eos_ids(self.model, self.tokenizer)
         self.stats = {"generated_tokens": 0, "forward_passes": 0, "seconds": 0.0}
         CloverLM.last = self
-        if not 1 <= self.block_size <= self.model.config.max_block_size:
-            raise ValueError(f"block_size must be in [1, {self.model.config.max_block_size}], got {block_size}")
-        if not 1 <= self.lik_block <= self.model.config.max_block_size:
-            raise ValueError(f"likelihood_block_size must be in [1, {self.model.config.max_block_size}]")
+        self.decoding = decoding.check(self.model)
+        try:
+            check_block_size(self.lik_block, self.model)
+        except ValueError as e:
+            raise ValueError(f"likelihood_{e}") from None
 
     # ---- basics --------------------------------------------------------------------------------------
     @property

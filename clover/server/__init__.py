@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server with continuous batching (`clover serve`)."""
 
 from .app import Settings, create_app
-from .scheduler import EngineKey, Scheduler
+from .scheduler import Scheduler
 
-__all__ = ["EngineKey", "Scheduler", "Settings", "create_app"]
+__all__ = ["Scheduler", "Settings", "create_app"]

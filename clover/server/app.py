@@ -7,14 +7,14 @@ large prompt."""
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import DEFAULTS
+from ..settings import DEFAULTS, INFILL_THRESHOLD, DecodeConfig
 from .choice import Choice
 from .metrics import Metrics
 from .protocol import APIError, error_body
@@ -30,20 +30,31 @@ MAX_BODY_BYTES = 4 * 2**20  # default request-body limit: many times what fills 
 DRAIN_BYTES = 64 * 2**20  # of a body over the limit, read (and dropped) this much more before the 413
 
 
-@dataclass
+@dataclass(init=False)
 class Settings:
+    """The server's settings. `decode`: every request's decoding defaults (a request's own fields
+    override them); built from flat settings too (`Settings(block_size=4, threshold=0.5)`, as
+    DecodeConfig.from_settings). `infill_threshold`: what slots commit at (structured replies, forced
+    calls, /v1/decide) unless a request says: the threshold given here, else INFILL_THRESHOLD."""
+
     model_id: str = "clover"
     aliases: tuple[str, ...] = ()  # more names clients may ask for (`--served-model-name A B ...`)
     api_key: str | None = None
     max_batch: int = 32
     max_queue: int = 256
-    block_size: int = DEFAULTS.block_size
-    threshold: float = DEFAULTS.threshold
-    mode: str = DEFAULTS.mode
-    runner: str = DEFAULTS.runner  # how every request's decode and slot jobs call the model (engine/runner.py)
+    decode: DecodeConfig = DEFAULTS
+    infill_threshold: float = INFILL_THRESHOLD
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
     max_tool_calls: int = MAX_TOOL_CALLS  # calls in one reply under tool_choice "required" + parallel_tool_calls
+
+    def __init__(self, decode: DecodeConfig | None = None, infill_threshold: float | None = None, **settings):
+        own = {f.name for f in fields(self)}
+        for f in fields(self):
+            setattr(self, f.name, settings.pop(f.name, f.default))
+        self.decode = DecodeConfig.from_settings(decode, **{k: v for k, v in settings.items() if k not in own})
+        given = settings.get("threshold")
+        self.infill_threshold = next(t for t in (infill_threshold, given, INFILL_THRESHOLD) if t is not None)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -125,7 +136,8 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     from contextlib import asynccontextmanager
 
     metrics = Metrics()
-    scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics, settings.runner)
+    scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics,
+                          settings.decode.runner)
     routes = Routes(model, tokenizer, settings, scheduler, metrics)
 
     @asynccontextmanager

@@ -190,7 +190,7 @@ class DecideRequest(BaseModel):
     material: str
     questions: list[DecideQuestion]
     mode: Literal["joint", "independent"] = "joint"
-    threshold: float = Field(0.9, ge=0.0, le=1.0)
+    threshold: float | None = Field(None, ge=0.0, le=1.0)  # None: the server's infill threshold
     block_size: int = Field(32, ge=2)
     split: bool = False
 

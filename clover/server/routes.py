@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..chat import call_frame_ids
-from ..engine import MODES
+from ..settings import MODES, DecodeConfig
 from .choice import Choice
 from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, now, usage
-from .scheduler import Cancelled, EngineKey, Job, Live, QueueFull, Ticket
+from .scheduler import Cancelled, Job, Live, QueueFull, Ticket
 from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
 from .structured import Infilled, format_plan, infill_format, infill_tool_call
 
@@ -110,27 +110,30 @@ class Routes:
                            "Unicode (send UTF-8 text, or a surrogate pair for characters beyond U+FFFF)",
                            param=where or None, code="invalid_value")
 
-    def check_common(self, req, suppress: tuple[int, ...] = ()) -> EngineKey:
-        settings = self.settings
+    def check_common(self, req, suppress: tuple[int, ...] = ()) -> DecodeConfig:
+        """The request's decoding (the server's defaults, the request's fields over them) as an engine key."""
         self.check_model(req)
         if getattr(req, "logprobs", None):
             raise APIError(400, "logprobs are not supported", param="logprobs")
         if getattr(req, "echo", False):
             raise APIError(400, "echo is not supported", param="echo")
-        mode = req.mode or settings.mode
+        mode = req.mode or self.settings.decode.mode
         if mode not in MODES:
             raise APIError(400, f"unknown mode {mode!r} (known: {', '.join(MODES)})", param="mode")
-        key = EngineKey(mode=mode, block_size=req.block_size or settings.block_size,
-                        threshold=settings.threshold if req.threshold is None else req.threshold, steps=req.steps,
-                        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                        seed=req.seed if req.temperature > 0 else None, ignore_eos=req.ignore_eos,
-                        suppress=suppress)
         try:
-            self.scheduler.config(key)
+            cfg = DecodeConfig.from_settings(
+                self.settings.decode, mode=mode, block_size=req.block_size or None, threshold=req.threshold,
+                steps=req.steps, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                seed=req.seed if req.temperature > 0 else None, ignore_eos=req.ignore_eos, suppress=suppress)
+            self.scheduler.config(cfg)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0] if str(e).split()[0] in
                            ("block_size", "threshold", "steps", "temperature", "top_p", "top_k") else None)
-        return key
+        return cfg.engine_key()
+
+    def infill_threshold(self, req) -> float:
+        """What a request's slots commit at: its own threshold, else the server's infill threshold."""
+        return self.settings.infill_threshold if req.threshold is None else req.threshold
 
     def budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         ctx = self.ctx
@@ -146,7 +149,7 @@ class Routes:
                            f"model's context of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    def submit(self, request: Request, req, prompts: list[list[int]], max_tokens: int | None, key: EngineKey):
+    def submit(self, request: Request, req, prompts: list[list[int]], max_tokens: int | None, key: DecodeConfig):
         ticket = Ticket(asyncio.get_running_loop())
         budgets = [self.budget(p, max_tokens) for p in prompts]  # every check before any work
         jobs = [Job(ticket, i * req.n + k, p, b, key, live=req.clover_live and req.stream)
@@ -331,9 +334,10 @@ class Routes:
         if infill:
             key = self.check_common(req)
             room = budget(ids, max_tokens)
-            job = (partial(infill_tool_call, model, tokenizer, ids, plan, key.threshold, key.block_size, room,
+            threshold = self.infill_threshold(req)
+            job = (partial(infill_tool_call, model, tokenizer, ids, plan, threshold, key.block_size, room,
                            self.settings.max_tool_calls)
-                   if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, key.threshold,
+                   if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, threshold,
                                                key.block_size, room))
             done = await self.structured(request, job)
             return self.respond_infilled(req, len(ids), done)
@@ -395,5 +399,5 @@ class Routes:
         except ValueError as e:
             raise APIError(400, str(e), param="questions")
         result = await self.structured(request, partial(decide, self.model, self.tokenizer, req.material, questions,
-                                                        req.mode, req.threshold, req.block_size, req.split))
+                                                        req.mode, self.infill_threshold(req), req.block_size, req.split))
         return result.to_dict()

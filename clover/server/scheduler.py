@@ -2,7 +2,7 @@
 
 * A request becomes one `Job` per choice (row). Jobs wait in a bounded FIFO (`max_queue` rows;
   a full queue is refused up front, the HTTP layer answers 503 + Retry-After).
-* Jobs are grouped by `EngineKey` (mode, block size, threshold, steps, sampling, ignore_eos): rows
+* Jobs are grouped by engine key (`DecodeConfig.engine_key`: all the decoding settings but the budget): rows
   that decode the same way share one `Engine`, so one batched forward serves them all. Each row
   has its own token budget (`Engine.add(..., max_new_tokens=[...])`).
 * Loop: apply cancellations -> admit waiting jobs while fewer than `max_batch` rows run (each
@@ -45,25 +45,11 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from ..engine import DEFAULTS, DecodeConfig, Engine, SamplingParams, Sequence
+from ..engine import DEFAULTS, DecodeConfig, Engine, Sequence
 from ..engine.runner import compile_deferred, deferred
 from ..engine.slots import Job as SlotJob
 from ..engine.slots import SlotMode, driving
 from .metrics import Metrics
-
-
-@dataclass(frozen=True)
-class EngineKey:
-    mode: str = DEFAULTS.mode
-    block_size: int = DEFAULTS.block_size
-    threshold: float = DEFAULTS.threshold
-    steps: int | None = DEFAULTS.steps
-    temperature: float = DEFAULTS.sampling.temperature
-    top_p: float = DEFAULTS.sampling.top_p
-    top_k: int = DEFAULTS.sampling.top_k
-    seed: int | None = None
-    ignore_eos: bool = False
-    suppress: tuple[int, ...] = ()  # token ids never generated (the tool-call frame, without tools)
 
 
 # ---- what the scheduler posts to a request (typed; tuples underneath, so `event[0]` is the kind) ----
@@ -132,13 +118,13 @@ class Job:
     index: int  # choice index within the request
     prompt_ids: list[int]
     max_new_tokens: int
-    key: EngineKey
+    key: DecodeConfig  # its engine's key (DecodeConfig.engine_key)
     live: bool = False  # post the current block's view after every step (the playground)
     arrived: float = field(default_factory=time.perf_counter)
     seq: Sequence | None = None
     state: str = "waiting"  # waiting -> running -> done
     first_block: bool = False
-    slot: object = None  # its engine's key in Scheduler.engines: the EngineKey, or (EngineKey, id) when solo
+    slot: object = None  # its engine's key in Scheduler.engines: the engine key, or (key, id) when solo
     proven: bool = False  # has taken part in a step of its current engine that did not raise
 
 
@@ -151,7 +137,7 @@ class Scheduler:
         self.cv = threading.Condition()
         self.waiting: deque[Job] = deque()
         self.to_cancel: list[tuple[Job, str]] = []
-        self.engines: dict[object, Engine] = {}  # EngineKey: shared engine; (EngineKey, id(job)): solo
+        self.engines: dict[object, Engine] = {}  # engine key: shared engine; (key, id(job)): solo
         self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -164,16 +150,10 @@ class Scheduler:
         self.planner = ThreadPoolExecutor(max_workers=max(max_batch, 1), thread_name_prefix="clover-plan")
 
     # ---- called from request handlers ----------------------------------------------------------
-    def config(self, key: EngineKey, max_new_tokens: int = 1) -> DecodeConfig:
-        """The engine config for a key; raises ValueError (-> 400) for settings the model can't run."""
-        cfg = DecodeConfig(mode=key.mode, block_size=key.block_size, threshold=key.threshold, steps=key.steps,
-                           max_new_tokens=max_new_tokens, eos_token_ids=() if key.ignore_eos else self.eos,
-                           runner=self.runner,
-                           sampling=SamplingParams(key.temperature, key.top_p, key.top_k, key.seed,
-                                                  suppress=key.suppress))
-        if key.block_size > self.model.config.max_block_size:
-            raise ValueError(f"block_size must be in [1, {self.model.config.max_block_size}], got {key.block_size}")
-        return cfg
+    def config(self, key: DecodeConfig, max_new_tokens: int = 1) -> DecodeConfig:
+        """The engine config for a key (`DecodeConfig.engine_key`): this server's EOS ids and runner;
+        raises ValueError (-> 400) for settings the model can't run."""
+        return key.with_(max_new_tokens=max_new_tokens, eos_token_ids=self.eos, runner=self.runner).check(self.model)
 
     def submit(self, jobs: list[Job]) -> None:
         with self.cv:
@@ -314,7 +294,7 @@ class Scheduler:
             self.metrics.graphs_deferred = deferred(self.model)
 
     def _admit(self, jobs: list[Job]) -> None:
-        groups: dict[EngineKey, list[Job]] = {}
+        groups: dict[DecodeConfig, list[Job]] = {}
         for job in jobs:
             groups.setdefault(job.key, []).append(job)
         for key, group in groups.items():

@@ -23,6 +23,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from ..settings import INFILL_THRESHOLD
+
 HERE = Path(__file__).parent / "corpus"
 SOURCES = ("schemastore", "metaschema", "pydantic", "bfcl", "openapi")
 
@@ -269,7 +271,7 @@ def prompt_for(entry: dict, chars: int = 160) -> list[dict]:
              + json.dumps(entry.get("normalized", entry["schema"]))[:chars]}]
 
 
-def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: float = 0.9,
+def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: float = INFILL_THRESHOLD,
            block_size: int = 32) -> dict:
     """One entry as the server answers a json_schema response_format: normalised, then infilled or
     decoded under its grammar, or refused (a 400 naming the keyword and path). The record: id, source,

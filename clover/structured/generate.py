@@ -20,6 +20,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 
 from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise, ends_after, in_context, pieces, token_ids,
                              vocab_mask)
+from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
 from . import schema as sk
 from .grammar import grammar_json
 from .normalize import normalize
@@ -29,7 +30,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?")
 
 
-def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float = 0.9,
+def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float = INFILL_THRESHOLD,
                   block_size: int = 32, max_string_tokens: int = 16, max_new_tokens: int = 256,
                   method: str = "auto") -> JsonResult:
     """A JSON value for `prompt` (a string, or chat messages) that follows `schema`: the schema is
@@ -68,7 +69,7 @@ def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, th
 
 
 def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
-                threshold: float = 0.9, block_size: int = 32, max_string_tokens: int = 16) -> JsonResult:
+                threshold: float = INFILL_THRESHOLD, block_size: int = 32, max_string_tokens: int = 16) -> JsonResult:
     """Infill the JSON of `schema` (a dict, normalised here, or a `Skeleton` of a normalised one)
     after `prompt_ids`, between the fixed texts `prefix` and `suffix` (tokenized together with the
     JSON's scaffold). ValueError for a bad schema or argument, `Unsupported` for a schema the
@@ -77,10 +78,8 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
     skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(normalize(schema))
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if not 0 <= threshold <= 1:
-        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
-    if not 2 <= block_size <= model.config.max_block_size:
-        raise ValueError(f"block_size must be in [2, {model.config.max_block_size}], got {block_size}")
+    check_threshold(threshold)
+    check_block_size(block_size, model, low=2)
     if max_string_tokens < 1:
         raise ValueError(f"max_string_tokens must be >= 1, got {max_string_tokens}")
     parts = _framed(skel.parts, prefix, suffix)

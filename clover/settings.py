@@ -1,0 +1,148 @@
+"""The one decoding settings object, torch-free: `DecodeConfig` holds every decoding default once
+(`DEFAULTS`) and the infill default (`INFILL_THRESHOLD`); the CLI, the server, the lm-eval model, the
+benchmarks and the Python API build one and pass it whole. Frozen and checked when made (a bad
+setting is a ValueError naming it); `check(model)` adds the checks that need a model (the block size
+against the model's largest block: `check_block_size`, the one place that check is written).
+
+The server's engine key is a `DecodeConfig` too (`engine_key`): rows whose configs are equal but for
+their token budget share one engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar")
+POLICIES = ("low_confidence", "topk", "entropy", "margin")  # the diffusion fill policies (engine/policies.py)
+RUNNERS = ("eager", "compiled")  # how the model is called (engine/runner.py; a test checks they agree)
+INFILL_THRESHOLD = 0.9  # slots (decide, structured output, forced tool calls) commit above this confidence
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = argmax
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    seed: int | None = None
+    suppress: tuple[int, ...] = ()  # token ids never chosen, in every mode (e.g. a tool-call frame without tools)
+
+    def validate(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def check_threshold(threshold: float) -> None:
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+
+
+def policy_steps(block_size: int, steps: int | None) -> int:
+    """A fixed-budget policy's steps per block: `steps`, by default block_size // 4 (~4 tokens a step)."""
+    steps = steps or max(1, block_size // 4)
+    if not 1 <= steps <= block_size:
+        raise ValueError(f"steps must be in [1, block_size={block_size}], got {steps}")
+    return steps
+
+
+def check_block_size(block_size: int, model, low: int = 1) -> None:
+    """`block_size` in [low, the model's largest block] (infilling needs 2: an anchor and a slot)."""
+    top = model.config.max_block_size
+    if not low <= block_size <= top:
+        raise ValueError(f"block_size must be in [{low}, {top}], got {block_size}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode. Derive a variant with `dataclasses.replace` / `with_`, build one from flat
+    settings with `from_settings`."""
+
+    mode: str = "low_confidence"
+    block_size: int = 32
+    threshold: float = 0.95
+    steps: int | None = None  # per block, for topk / entropy / margin
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # decode past EOS (every row runs its whole budget)
+    prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
+    runner: str = "eager"  # how the model is called: "eager" or "compiled" (engine/runner.py)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def with_(self, **changes) -> "DecodeConfig":
+        return replace(self, **changes)
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        """The ids that end a row (none with `ignore_eos`)."""
+        return () if self.ignore_eos else self.eos_token_ids
+
+    @classmethod
+    def from_settings(cls, base: "DecodeConfig | None" = None, **settings) -> "DecodeConfig":
+        """`base` (default: the defaults) with flat settings: any field, and the sampling's
+        `temperature`, `top_p`, `top_k`, `seed`, `suppress`. A setting given as None keeps the base's
+        value; numbers may come as text (lm-eval's model_args; "" / "None" = None). ValueError names a
+        bad or unknown setting."""
+        base = DEFAULTS if base is None else base
+        fields, sampling = {}, {}
+        for name, value in settings.items():
+            if isinstance(value, str) and name in _NUMBERS:
+                try:
+                    value = None if value in ("", "None") else _NUMBERS[name](value)
+                except ValueError:
+                    raise ValueError(f"{name} must be a number, got {value!r}") from None
+            if value is None:
+                continue
+            if name in _SAMPLING:
+                sampling[name] = value
+            elif name in cls.__dataclass_fields__:
+                fields[name] = value
+            else:
+                raise ValueError(f"unknown decoding setting {name!r}")
+        if sampling:
+            fields["sampling"] = replace(fields.get("sampling", base.sampling), **sampling)
+        return replace(base, **fields)
+
+    def validate(self) -> None:
+        """Checks that need no model (so a CLI can fail before loading one)."""
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r} (known: {', '.join(MODES)})")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.sampling.validate()
+        if self.runner not in RUNNERS:
+            raise ValueError(f"unknown runner {self.runner!r} (known: {', '.join(RUNNERS)})")
+        if self.mode == "self_spec" and not self.sampling.greedy:
+            raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
+        if self.mode == "low_confidence":
+            check_threshold(self.threshold)
+        elif self.mode in POLICIES:
+            policy_steps(self.block_size, self.steps)
+
+    def check(self, model) -> "DecodeConfig":
+        """The checks that need the model (its largest block); returns self."""
+        check_block_size(self.block_size, model)
+        return self
+
+    def engine_key(self) -> "DecodeConfig":
+        """What rows must share to decode in one engine: everything but their token budget (and the
+        seed of greedy rows, which draw nothing)."""
+        sampling = self.sampling if not self.sampling.greedy else replace(self.sampling, seed=None)
+        return replace(self, max_new_tokens=DEFAULTS.max_new_tokens, sampling=sampling)
+
+
+DEFAULTS = DecodeConfig()
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "suppress")  # flat names of DecodeConfig.sampling's fields
+_NUMBERS = {"block_size": int, "threshold": float, "steps": int, "max_new_tokens": int, "prefill_chunk": int,
+            "temperature": float, "top_p": float, "top_k": int, "seed": int}  # settings that may come as text
