@@ -267,9 +267,9 @@ def test_cached_block_by_block_equals_full_recompute(tmp_path, model_type):
         got = []
         for start in range(0, total, block):
             chunk = ids[:, start:start + block]
-            draft = model(chunk, cache=cache, block_size=block)  # not committed
-            lens, keys = cache.lens.clone(), [k.clone() for k in cache.key]
-            assert torch.equal(cache.lens, lens) and all(torch.equal(a, b) for a, b in zip(cache.key, keys))
+            lens, keys = cache.lens.clone(), [k.clone() for k in cache.key.values()]
+            draft = model(chunk, cache=cache, block_size=block)  # not committed: the cache is as it was
+            assert torch.equal(cache.lens, lens) and all(torch.equal(a, b) for a, b in zip(cache.key.values(), keys))
             clean = model(chunk, cache=cache, commit=True, block_size=block)
             assert (draft - clean).abs().max() < 1e-5  # same tokens: the draft pass equals the commit pass
             got.append(draft)
@@ -485,3 +485,62 @@ def test_info_on_a_family_folder_and_preset(tmp_path, capsys):
     assert main(["info", "--preset", "fast-dllm-v2-7b", "--quant", "int4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "bf16 plan only" in err
+
+
+@pytest.mark.parametrize("model_type", ["sdar", "Fast_dLLM_Qwen"])
+def test_commit_and_draft_in_one_forward(tmp_path, model_type):
+    """[finished block ; next draft] in one forward (commit = the block's length) equals the clean
+    commit pass followed by the draft pass, and commits the block only."""
+    write_family(tmp_path, model_type)
+    model = load_family(tmp_path, dtype=torch.float32).model
+    ids = torch.randint(4, VOCAB, (2, 12), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        one, two = model.new_cache(2), model.new_cache(2)
+        model(ids[:, :4], cache=one, commit=True, block_size=4)
+        model(ids[:, :4], cache=two, commit=True, block_size=4)
+        model(ids[:, 4:8], cache=one, commit=True, block_size=4)
+        apart = model(ids[:, 8:], cache=one, block_size=4)
+        fused = model(ids[:, 4:], cache=two, commit=4, block_size=4)
+        assert two.lens.tolist() == [8, 8] and (fused[:, 4:] - apart).abs().max() < 1e-5
+        assert (model(ids[:, 8:], cache=two, block_size=4) - apart).abs().max() < 1e-5
+
+
+def test_cache_rollback_copy_and_pad_rows(tmp_path):
+    """The CloverCache calls the engine makes: a recorded commit rolled back to `keep` tokens per row
+    leaves the cache a commit of those tokens would; copy_rows is independent; pad_rows writes through."""
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    model = load_family(tmp_path, dtype=torch.float32).model
+    ids = torch.randint(4, VOCAB, (2, 10), generator=torch.Generator().manual_seed(9))
+    nxt = ids[:, 7:9]
+    with torch.no_grad():
+        cache = model.new_cache(2)
+        model(ids[:, :4], cache=cache, commit=True, block_size=1)
+        cache.start_recording()
+        model(ids[:, 4:8], cache=cache, commit=True, block_size=1)
+        cache.rollback(torch.tensor([3, 1]))
+        assert cache.lens.tolist() == [7, 5]
+        fork = cache.copy_rows([0])
+        got = model(nxt[:1], cache=fork, block_size=1)
+        ref = model.new_cache(1)
+        model(ids[:1, :7], cache=ref, commit=True, block_size=1)
+        assert (got - model(nxt[:1], cache=ref, block_size=1)).abs().max() < 1e-5
+        assert cache.lens.tolist() == [7, 5]  # the fork's reads left the original alone
+        padded = cache.pad_rows(4)
+        model(torch.cat([nxt, nxt]), cache=padded, commit=True, block_size=1)
+        assert padded.lens.tolist() == [9, 7, 2, 2]
+        assert torch.equal(cache.key[0][:, :, 7:9], padded.key[0][:2, :, 7:9])  # written through the views
+
+
+@pytest.mark.parametrize("field, value", [("use_sliding_window", True), ("rope_scaling", {"rope_type": "yarn"}),
+                                          ("hidden_act", "gelu")])
+def test_unsupported_variants_are_refused_in_one_line(tmp_path, field, value, capsys):
+    from clover.cli import main
+
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ValueError):
+        load_family(tmp_path)
+    assert main(["info", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err

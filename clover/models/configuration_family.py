@@ -33,6 +33,11 @@ class FamilyConfig:
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
         if kind != "default":
             raise ValueError(f"rope_scaling type {kind!r} is not supported (only the default RoPE)")
+        kinds = set(self.raw.get("layer_types") or ["full_attention"])
+        if self.raw.get("use_sliding_window") or kinds != {"full_attention"}:
+            raise ValueError("sliding-window attention is not supported (every layer must be full attention)")
+        if self.raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {self.raw.get('hidden_act')!r} is not supported (only silu)")
 
     @classmethod
     def from_dict(cls, values: dict) -> "FamilyConfig":

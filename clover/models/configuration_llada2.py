@@ -25,6 +25,8 @@ class LLaDA2MoeConfig(FamilyConfig):
         super().finish()
         if not self.num_key_value_heads:
             raise ValueError("num_key_value_heads must be > 0")
+        if self.raw.get("score_function", "sigmoid") != "sigmoid":
+            raise ValueError(f"score_function {self.raw.get('score_function')!r} is not supported (only sigmoid)")
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts is not None and i >= self.first_k_dense_replace

@@ -12,6 +12,7 @@ modeling_fast_dllm.py, modeling_llada2.py) and in how their logits are read (`sh
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 
@@ -28,18 +29,25 @@ from .modeling_clover import apply_partial_rope, rope_cos_sin
 # Cache
 # ------------------------------------------------------------------------------------------------
 class FamilyCache:
-    """Committed K/V of every attention layer, one row per sequence ([B, Hkv, capacity, D]); `lens`
-    holds each row's committed length (rows advance independently)."""
+    """Committed K/V of every attention layer, one row per sequence ({layer: [B, Hkv, capacity, D]});
+    `lens` holds each row's committed length (rows advance independently). The method names are
+    CloverCache's (clover/models/cache_clover.py), so the engine's calls work on either; attention
+    alone needs no records: a rollback is a length."""
+
+    STORES = ("key", "value")
 
     def __init__(self, config, batch_size: int, capacity: int = 256, device=None, dtype=torch.float32):
+        self.config = config
         self.device = torch.device(device or "cpu")
         self.dtype = dtype
         self.batch_size = batch_size
         self.capacity = capacity
         self.lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
-        self.key = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
-        self.value = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self.key = {i: torch.zeros(shape, dtype=dtype, device=self.device) for i in range(config.num_hidden_layers)}
+        self.value = {i: torch.zeros(shape, dtype=dtype, device=self.device) for i in range(config.num_hidden_layers)}
+        self.recording = False
+        self._record_lens: torch.Tensor | None = None
 
     def max_len(self) -> int:
         return int(self.lens.max()) if self.batch_size else 0
@@ -51,21 +59,45 @@ class FamilyCache:
             return
         grow = max(need, 2 * self.capacity) - self.capacity
         for store in (self.key, self.value):
-            for i, t in enumerate(store):
+            for i, t in store.items():
                 store[i] = F.pad(t, (0, 0, 0, grow))
         self.capacity += grow
 
+    def advance(self, committed) -> None:
+        """After a forward wrote its committed columns: each row's length grows by `committed`."""
+        self.lens = self.lens + committed
+
+    # ---- what the layers read and write ------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
               slots: torch.Tensor) -> None:
         """k, v [B, Hkv, L, D]: column cols[n] of row rows[n] goes to slot slots[n]."""
         self.key[layer].permute(0, 2, 1, 3)[rows, slots] = k.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
         self.value[layer].permute(0, 2, 1, 3)[rows, slots] = v.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
 
+    def kv(self, layer: int, dtype, prefix: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V in `dtype`: the first `prefix` slots, or the whole capacity when None."""
+        k, v = self.key[layer], self.value[layer]
+        if prefix is not None:
+            k, v = k[:, :, :prefix], v[:, :, :prefix]
+        return k.to(dtype), v.to(dtype)
+
+    def tensors(self) -> dict[tuple, torch.Tensor]:
+        """Every tensor of the cache by path: ("lens", None) and (store, layer)."""
+        out = {("lens", None): self.lens}
+        for name in self.STORES:
+            out.update({(name, i): t for i, t in getattr(self, name).items()})
+        return out
+
+    def get(self, path: tuple) -> torch.Tensor:
+        name, i = path
+        return self.lens if name == "lens" else getattr(self, name)[i]
+
+    # ---- rows (continuous batching) ------------------------------------------------------------
     def select_rows(self, rows) -> None:
-        """Keep only `rows`, in that order (sequences leaving the batch; a row copied twice forks it)."""
+        """Keep only `rows`, in that order (sequences leaving the batch; a row named twice forks)."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
         for store in (self.key, self.value):
-            for i, t in enumerate(store):
+            for i, t in store.items():
                 store[i] = t.index_select(0, rows)
         self.lens = self.lens.index_select(0, rows)
         self.batch_size = len(rows)
@@ -74,13 +106,60 @@ class FamilyCache:
         """Add the rows of another cache (freshly prefilled requests) after ours."""
         cap = max(self.capacity, other.capacity)
         for store, ostore in ((self.key, other.key), (self.value, other.value)):
-            for i in range(len(store)):
+            for i in store:
                 a = F.pad(store[i], (0, 0, 0, cap - store[i].shape[2]))
                 b = F.pad(ostore[i], (0, 0, 0, cap - ostore[i].shape[2]))
                 store[i] = torch.cat([a, b])
         self.lens = torch.cat([self.lens, other.lens])
         self.capacity = cap
         self.batch_size += other.batch_size
+
+    def copy_rows(self, rows=None) -> "FamilyCache":
+        """A cache of its own holding `rows` of this one (all rows when None)."""
+        out = copy.copy(self)
+        out.key, out.value = dict(self.key), dict(self.value)
+        out.select_rows(rows if rows is not None else torch.arange(self.batch_size, device=self.device))
+        return out
+
+    def pad_rows(self, rows: int) -> "FamilyCache":
+        """A cache of `rows` rows whose first rows are this cache's, as views (a forward on it writes
+        this cache's rows in place); the spare rows have length 0."""
+        real, out = self.batch_size, copy.copy(self)
+        for name in self.STORES:
+            store, full = getattr(self, name), {}
+            for i, t in store.items():
+                base = t._base
+                if base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:] \
+                        or base.data_ptr() != t.data_ptr():
+                    base = t.new_zeros((rows, *t.shape[1:]))
+                    base[:real].copy_(t)
+                    store[i] = base[:real]
+                full[i] = base
+            setattr(out, name, full)
+        out.lens = F.pad(self.lens, (0, rows - real))
+        out.batch_size = rows
+        return out
+
+    # ---- snapshot / rollback (self-speculation) ------------------------------------------------
+    def snapshot(self) -> dict:
+        return {"lens": self.lens.clone()}
+
+    def restore(self, snap: dict) -> None:
+        self.lens = snap["lens"].clone()
+
+    def start_recording(self) -> None:
+        self.recording = True
+        self._record_lens = self.lens.clone()
+
+    def trim_records(self, rows: int) -> None:
+        """Nothing is recorded (attention forgets a tail by its length)."""
+
+    def rollback(self, keep: torch.Tensor) -> None:
+        """After a recorded forward that committed n tokens per row, keep only the first `keep[b]`."""
+        if not self.recording:
+            raise RuntimeError("rollback() needs a forward recorded after start_recording()")
+        self.lens = self._record_lens + keep.to(self.device)
+        self.recording = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,7 +180,9 @@ class Step:
         return self.rope
 
 
-def block_step(input_ids, block_size: int, positions=None, cache=None, commit=False, pad=None) -> Step:
+def block_step(input_ids, block_size: int, positions=None, cache=None, commit: bool | int = False, pad=None) -> Step:
+    """`commit`: True commits every new column, an int the first `commit` columns (a clean segment
+    before a draft window in one forward; the draft sees them, being in a later block)."""
     batch, length = input_ids.shape
     device = input_ids.device
     lens = cache.lens if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
@@ -118,11 +199,12 @@ def block_step(input_ids, block_size: int, positions=None, cache=None, commit=Fa
         old = (torch.arange(prefix, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
         new = torch.cat([old, new], dim=-1)
     committed = None
-    if commit:
+    if commit is not False and commit != 0:
         if cache is None:
-            raise ValueError("commit=True needs a cache")
-        cache.reserve(length)
-        rows, cols = valid.nonzero(as_tuple=True)
+            raise ValueError("commit needs a cache")
+        upto = length if commit is True else int(commit)
+        cache.reserve(upto)
+        rows, cols = (valid & (torch.arange(length, device=device) < upto)).nonzero(as_tuple=True)
         committed = (rows, cols, lens[rows] + order[rows, cols])
     return Step(positions, new[:, None], prefix, cache, committed)
 
@@ -173,9 +255,8 @@ def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
     keys, values = k, v
     if step.prefix:
-        cache = step.cache
-        keys = torch.cat([cache.key[layer][:, :, : step.prefix].to(k.dtype), k], dim=2)
-        values = torch.cat([cache.value[layer][:, :, : step.prefix].to(v.dtype), v], dim=2)
+        old_k, old_v = step.cache.kv(layer, k.dtype, step.prefix)
+        keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
     if step.commit is not None:
         step.cache.write(layer, k, v, *step.commit)
     out = masked_attention(q, keys, values, step.mask, q.shape[-1] ** -0.5)
@@ -263,17 +344,19 @@ class BlockFamilyModel(nn.Module):
         p = self.head_weight()
         return FamilyCache(self.config, batch_size, capacity, p.device, p.dtype)
 
-    def forward(self, input_ids, positions=None, cache=None, commit: bool = False, block_size: int | None = None,
-                pad=None, hidden_only: bool = False):
+    def forward(self, input_ids, positions=None, cache=None, commit: bool | int = False,
+                block_size: int | None = None, pad=None, hidden_only: bool = False):
         """Logits [B, L, V] of `input_ids` [B, L] (see the module docstring); `pad` [B, L] bool marks
-        left padding; `hidden_only` returns the final hidden states instead."""
+        left padding; `commit` True commits every column, an int the first `commit` (a finished
+        block and the next draft window in one forward); `hidden_only` returns the final hidden
+        states instead."""
         step = block_step(input_ids, block_size or self.block_size, positions, cache, commit, pad)
         x = self.model.embed(input_ids)
         for layer in self.model.layers:
             x = layer(x, step)
         x = self.model.norm(x)
-        if commit:
-            cache.lens = cache.lens + (~pad).sum(1) if pad is not None else cache.lens + input_ids.shape[1]
+        if step.commit is not None:
+            cache.advance(torch.bincount(step.commit[0], minlength=cache.batch_size))
         return x if hidden_only else F.linear(x, self.head_weight())
 
     # ---- loading ---------------------------------------------------------------------------------
