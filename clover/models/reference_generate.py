@@ -174,3 +174,32 @@ def _stopped(x, plen, stop_token, mask_id, whole: bool = False) -> bool:
     if not len(hits):
         return False
     return whole or not (x[:, plen:plen + int(hits[0, 1])] == mask_id).any()
+
+
+class TransformersBlockLM:
+    """transformers' own Qwen3 / Qwen3-MoE / Qwen2 causal LM (the published SDAR and Fast-dLLM v2
+    layouts) behind the calls the loops above make: `new_cache`, and a forward with the block mask
+    as a 4D additive mask over its DynamicCache, a draft pass cropped off again. The published
+    algorithm over transformers' model: the baseline Clover's engine is timed against. Rows of
+    equal length only (no padding)."""
+
+    def __init__(self, hf_model):
+        self.hf = hf_model
+
+    def new_cache(self, batch_size: int, capacity: int = 0):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf.config)
+
+    def __call__(self, ids, cache=None, commit=False, block_size: int = 4):
+        done = cache.get_seq_length() if cache is not None else 0
+        pos = torch.arange(done, done + ids.shape[1], device=ids.device)
+        keys = torch.arange(done + ids.shape[1], device=ids.device)
+        visible = (keys[None, :] // block_size <= pos[:, None] // block_size) | (keys[None, :] < done)
+        mask = torch.zeros(visible.shape, dtype=self.hf.dtype, device=ids.device).masked_fill(~visible, float("-inf"))
+        out = self.hf(input_ids=ids, attention_mask=mask[None, None].expand(ids.shape[0], 1, -1, -1),
+                      position_ids=pos[None].expand(ids.shape[0], -1), past_key_values=cache, use_cache=cache is not None)
+        drop = 0 if commit is True else ids.shape[1] - (int(commit) if commit else 0)
+        if cache is not None and drop:
+            cache.crop(-drop)
+        return out.logits
