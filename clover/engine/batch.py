@@ -6,12 +6,26 @@ model, and only `RowBatch.forward` and `prefill` call the runner here."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from .sequence import Sequence
 
 Pending = tuple[torch.Tensor, torch.Tensor | None]  # clean ids [rows, L], left padding [rows, L] or None
+
+
+class Forward(NamedTuple):
+    """The forward a job plans next: [pending ; window], `draft_len` of it draft (0: all committed as
+    fed), logits of the last `keep` columns (`index`: of those columns only). A window of width 0
+    commits the pending segment only."""
+
+    window: torch.Tensor
+    draft_len: int
+    keep: int
+    block_size: int | None = None
+    index: torch.Tensor | None = None
 
 
 class RowBatch:
@@ -85,6 +99,10 @@ class RowBatch:
                                 keep=1)
         a = cuts[-2]
         return ids[:, a:], pad[:, a:] if pad[:, a:].any() else None
+
+    def run(self, need: Forward) -> torch.Tensor:
+        """The logits of a planned forward."""
+        return self.forward(need.window, need.draft_len, need.keep, need.block_size, need.index)
 
     def forward(self, window: torch.Tensor, draft_len: int, keep: int, block_size: int | None = None,
                 index: torch.Tensor | None = None) -> torch.Tensor:

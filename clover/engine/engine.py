@@ -109,7 +109,9 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Advance every running row; returns (sequence, new tokens) for rows that produced output."""
-        events = self.mode.step(self.batch)
+        events = None
+        while events is None:  # one round: one forward, two for a self_spec draft + verify
+            events = self.mode.consume(self.batch, self.batch.run(self.mode.plan(self.batch)))
         self._drop_finished()
         return events
 

@@ -1,6 +1,9 @@
 """Decoding modes: how one step advances a `RowBatch` (engine/batch.py). Each mode holds only its
-own typed per-row state, keeps it in row order when rows join (`join`) or leave (`select`), and
-returns (sequence, new tokens) events from `step`.
+own typed per-row state, keeps it in row order when rows join (`join`) or leave (`select`). No mode
+calls the model: `plan(batch)` says the forward it needs next (a `Forward`), `consume(batch, logits)`
+takes that forward's logits and returns the (sequence, new tokens) events of a finished round, or
+None while the round needs another forward (self_spec's draft before its verify). Whoever holds the
+batch runs the forward (`RowBatch.run`: Engine.step, or the server's scheduler beside other jobs).
 
 * `DiffusionMode` (`low_confidence`, `topk`, `entropy`, `margin`): the draft window is
   [last known token, MASK x (B-1)]; column j predicts target j; a fill policy (engine/policies.py)
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.greedy_pick import greedy_pick
-from .batch import RowBatch
+from .batch import Forward, RowBatch
 from .policies import SCORES, make_policy
 from .sampling import banned_ids, sample
 from .sequence import Sequence
@@ -66,15 +69,21 @@ class Mode:
     def block_view(self, row: int) -> list[tuple[int | None, int]]:
         return []
 
-    def step(self, batch: RowBatch) -> Events:
+    def plan(self, batch: RowBatch) -> Forward:
+        raise NotImplementedError
+
+    def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events | None:
         raise NotImplementedError
 
 
 class ARMode(Mode):
     commits_window = True
 
-    def step(self, batch: RowBatch) -> Events:
-        tokens = self.tokens(batch.forward(batch.window, 0, 1)[:, -1])
+    def plan(self, batch: RowBatch) -> Forward:
+        return Forward(batch.window, 0, 1)
+
+    def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        tokens = self.tokens(logits[:, -1])
         batch.window = tokens[:, None]
         events = []
         for seq, t in zip(batch.seqs, tokens.tolist()):
@@ -87,6 +96,8 @@ class ARMode(Mode):
 class SpecState:
     ready_draft: torch.Tensor | None = None  # the next block's draft, made by the last verify forward
     whole_last_round: bool = False  # every running row accepted its whole block last round
+    draft: torch.Tensor | None = None  # this round's draft, once drafted (the verify forward comes next)
+    fuse: bool = False  # the verify forward planned also drafts the next block
 
 
 class SelfSpecMode(Mode):
@@ -96,31 +107,44 @@ class SelfSpecMode(Mode):
         self.state = SpecState()
 
     def join(self, seqs: list[Sequence], first: bool) -> None:
-        self.state.ready_draft = None  # a draft fused into the last verify covers the old rows only
+        self.state.ready_draft = self.state.draft = None  # a draft made before covers the old rows only
         if first:
             self.state.whole_last_round = False
 
     def select(self, idx: torch.Tensor) -> None:
         if self.state.ready_draft is not None:
             self.state.ready_draft = self.state.ready_draft[idx]
+        if self.state.draft is not None:
+            self.state.draft = self.state.draft[idx]
 
-    def step(self, batch: RowBatch) -> Events:
+    def plan(self, batch: RowBatch) -> Forward:
         """Draft (unless the last verify already drafted this block), then verify causally. When the
         last round accepted whole blocks, the next block's draft rides along in the verify forward,
         assuming this block is accepted whole too; it is used only if it was (otherwise the prefix
         it assumed has been rolled back)."""
         B, st, window = self.block_size, self.state, batch.window
-        draft = st.ready_draft
-        if draft is None:
-            draft = self.tokens(batch.forward(window, B, B, B))  # draft[:, j] = guess for target j
+        if st.draft is None and st.ready_draft is None:
+            return Forward(window, B, B, B)  # the draft: draft[:, j] = guess for target j
+        draft = st.draft = st.draft if st.draft is not None else st.ready_draft
         batch.cache.start_recording()
         verify_ids = torch.cat([window[:, :1], draft[:, :-1]], dim=1)
-        fuse = st.ready_draft is not None or st.whole_last_round
-        if fuse:
+        st.fuse = st.ready_draft is not None or st.whole_last_round
+        if st.fuse:
             next_window = torch.cat([draft[:, -1:], window[:, 1:]], dim=1)  # [d_B, MASK...]
-            tokens = self.tokens(batch.forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B, B))
-        else:
-            tokens = self.tokens(batch.forward(verify_ids, 0, B))
+            return Forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B, B)
+        return Forward(verify_ids, 0, B)
+
+    def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events | None:
+        st = self.state
+        if st.draft is None and st.ready_draft is None:
+            st.draft = self.tokens(logits)
+            return None
+        draft, fuse, st.draft = st.draft, st.fuse, None
+        return self._verified(batch, draft, fuse, self.tokens(logits))
+
+    def _verified(self, batch: RowBatch, draft: torch.Tensor, fuse: bool, tokens: torch.Tensor) -> Events:
+        """Keep each row's agreeing prefix and its AR correction; roll the cache back to it."""
+        B, st, window = self.block_size, self.state, batch.window
         ar, next_draft = tokens[:, :B], tokens[:, B:]  # ar[:, j] = greedy AR token for target j
         agree = (draft == ar).long().cumprod(1).sum(1)
         # the agreeing prefix equals ar[:, :agree]; ar[:, agree] is the correction (when agree < B)
@@ -173,6 +197,7 @@ class DiffusionMode(Mode):
         self.width = self.clean_bs = cfg.block_size
         self.eos_t = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.state: BlockState | None = None
+        self.cols: torch.Tensor | None = None  # the head's columns of the forward planned last (None: all)
         # `advance`, `sample_and_score`, `pick_and_advance` as the runner calls them (`fuse`), made when first used
         self._advance = self._scored = self._pick_advance = None
 
@@ -196,13 +221,17 @@ class DiffusionMode(Mode):
         filled, tokens, steps = (t[row, :n].tolist() for t in (st.filled, st.targets, st.fill_step))
         return [(t if f else None, s) for f, t, s in zip(filled, tokens, steps)]
 
-    def step(self, batch: RowBatch) -> Events:
-        B, st, runner = self.block_size, self.state, batch.runner
+    def plan(self, batch: RowBatch) -> Forward:
+        B, st = self.block_size, self.state
         cols = None
-        if not runner.full_head:  # the head runs only on columns some row still has masked; the others can't be chosen
+        if not batch.runner.full_head:  # the head runs only on columns some row still has masked; the others can't be chosen
             cols = (st.eligible & ~st.filled).any(0).nonzero().squeeze(1)
             cols = None if cols.numel() == B else cols
-        logits = batch.forward(batch.window, B, B, B, cols)
+        self.cols = cols
+        return Forward(batch.window, B, B, B, cols)
+
+    def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        st, runner, cols = self.state, batch.runner, self.cols
         if cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
             if self._pick_advance is None:  # the greedy pick and `advance` as one call
                 self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy),

@@ -22,21 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Generator, NamedTuple
+from typing import Callable, Generator
 
 import torch
 
-from .batch import RowBatch, merge, split
-
-
-class Forward(NamedTuple):
-    """The forward a job needs: [pending ; window], `draft_len` of it draft (0: all committed as
-    fed), logits of the last `keep` columns. A window of width 0 commits the pending segment only."""
-
-    window: torch.Tensor
-    draft_len: int
-    keep: int
-    block_size: int | None = None
+from .batch import Forward, RowBatch, merge, split
 
 
 Steps = Generator[Forward, torch.Tensor, object]
