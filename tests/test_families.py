@@ -565,3 +565,23 @@ def test_published_loops_over_transformers_equal_clover(tmp_path, model_type):
     ours, n_ours = run(loaded.model)
     theirs, n_theirs = run(TransformersBlockLM(hf))
     assert torch.equal(ours, theirs) and n_ours == n_theirs and not (ours == loaded.mask_token_id).any()
+
+
+def test_llada21_editing_decode(tmp_path):
+    """Editing off (or a threshold no probability passes) is LLaDA2.0's loop; editing on replaces
+    decoded tokens the model now predicts otherwise, never the prompt's, and stops a block once a
+    forward changes nothing."""
+    from clover.models.reference_generate import llada2_generate
+
+    write_family(tmp_path, "llada2_moe")
+    loaded = confident(tmp_path, "llada2_moe", peak=3.0)
+    model, mask = loaded.model, loaded.mask_token_id
+    prompt = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(12))
+    base, n_base = llada2_generate(model, prompt, mask, 10, 4, 4, threshold=0.3)
+    never, n_never = llada2_generate(model, prompt, mask, 10, 4, 4, threshold=0.3, editing_threshold=1.0,
+                                     max_post_steps=4)
+    assert torch.equal(base, never) and n_never == n_base + 3  # one post step per block finds nothing to edit
+    edited, n_edit = llada2_generate(model, prompt, mask, 10, 4, 4, threshold=0.3, editing_threshold=0.0,
+                                     max_post_steps=4)
+    assert torch.equal(edited[:, :6], prompt) and not (edited == mask).any() and n_edit >= n_never
+    assert not torch.equal(edited, base)  # with every change allowed, some decoded token was revised

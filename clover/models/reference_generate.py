@@ -8,7 +8,9 @@ the baseline the engine is compared with (parity and speed). Written from the pu
   the block by confidence), `low_confidence_static` or `sequential`.
 * `llada2_generate`: LLaDA2.0's `LLaDA2MoeModelLM.generate`: the same block layout, each step
   recomputing the whole prefix under the block mask (no cache, as published); tokens above the
-  threshold, else the most confident ones.
+  threshold, else the most confident ones. With `editing_threshold`, LLaDA2.1's editing decode
+  (mask-to-token plus token-to-token edits, `max_post_steps`), as the block-refinement pipeline
+  published for LLaDA2.1 runs it.
 * `fast_dllm_generate`: Fast-dLLM v2's `generate` (no sub-block cache): blocks of 32 at absolute
   positions decoded in sub-blocks of 8 with the token shift; every masked token above the
   threshold plus the most confident one per step; a finished block is committed clean and its
@@ -91,32 +93,54 @@ def sdar_generate(model, prompt, mask_id: int, gen_length: int, block_length: in
 
 @torch.no_grad()
 def llada2_generate(model, prompt, mask_id: int, gen_length: int, block_length: int = 32, steps: int = 32,
-                    threshold: float = 0.95, eos_id: int | None = None, minimal_topk: int = 1):
+                    threshold: float = 0.95, eos_id: int | None = None, minimal_topk: int = 1,
+                    editing_threshold: float | None = None, max_post_steps: int = 0):
+    """LLaDA2.0's loop; with `editing_threshold`, LLaDA2.1's editing decode: every step also replaces
+    an already decoded (not prompt) token of the block whose prediction differs from it with
+    probability above `editing_threshold`, and after the block's last mask up to `max_post_steps`
+    more forwards edit until one changes nothing."""
     steps = min(steps, gen_length // minimal_topk)
+    editing = editing_threshold is not None and editing_threshold >= 0
     plen = prompt.shape[1]
     nblocks = -(-(plen + gen_length) // block_length)
     x = torch.full((1, nblocks * block_length), mask_id, dtype=torch.long, device=prompt.device)
     x[:, :plen] = prompt
     counts, forwards = transfer_counts(block_length, steps), 0
     for b in range(plen // block_length, nblocks):
-        end = (b + 1) * block_length
-        for step in range(steps):
-            active = x[:, end - block_length:end] == mask_id
+        end, start = (b + 1) * block_length, b * block_length
+        fixed = torch.arange(start, end, device=x.device)[None] < plen  # prompt columns: never edited
+        step = post = 0
+        while step < steps or (editing and post <= max_post_steps):
+            active = x[:, start:end] == mask_id
             if not active.any():
-                break
-            logits = model(x[:, :end], block_size=block_length)[:, -block_length:]
+                post += 1
+                if not editing or post > max_post_steps:
+                    break
+            x0, p = _greedy(model(x[:, :end], block_size=block_length)[:, -block_length:], mask_id)
             forwards += 1
-            x0, p = _greedy(logits, mask_id)
-            conf = torch.where(active, p, float("-inf"))[0]
-            pick = torch.zeros_like(active)
-            if int((conf > threshold).sum()) >= counts[step]:
-                pick[0] = conf > threshold
-            else:
-                pick[0, conf.topk(min(counts[step], int(active.sum()))).indices] = True
-            x[:, end - block_length:end][pick] = x0[pick]
+            pick = _fill_pick(active, p, counts[min(step, steps - 1)], threshold) if active.any() and step < steps \
+                else torch.zeros_like(active)
+            edit = (~active & ~fixed & (p > editing_threshold) & (x0 != x[:, start:end])) if editing \
+                else torch.zeros_like(active)
+            x[:, start:end][pick | edit] = x0[pick | edit]
+            if not active.any() and not edit.any():
+                break
+            step += int(bool(active.any()))
         if eos_id is not None and (x[0, plen:end] == eos_id).any():
             break
     return x, forwards
+
+
+def _fill_pick(active, p, count: int, threshold: float):
+    """LLaDA2's mask-to-token rule: every masked token above the threshold if there are `count` of
+    them, else the `count` most confident."""
+    conf = torch.where(active, p, float("-inf"))[0]
+    pick = torch.zeros_like(active)
+    if int((conf > threshold).sum()) >= count:
+        pick[0] = conf > threshold
+    else:
+        pick[0, conf.topk(min(count, int(active.sum()))).indices] = True
+    return pick
 
 
 @torch.no_grad()
