@@ -585,3 +585,17 @@ def test_llada21_editing_decode(tmp_path):
                                      max_post_steps=4)
     assert torch.equal(edited[:, :6], prompt) and not (edited == mask).any() and n_edit >= n_never
     assert not torch.equal(edited, base)  # with every change allowed, some decoded token was revised
+
+
+def test_bf16_checkpoint_loads_in_bf16(tmp_path):
+    """A published bf16 folder (the router's expert bias kept in fp32) loads in bf16 unless told."""
+    state = write_family(tmp_path, "llada2_moe")
+    save_file({k: (v if k.endswith("expert_bias") else v.to(torch.bfloat16)) for k, v in state.items()},
+              str(tmp_path / "model.safetensors"))
+    model = load_family(tmp_path, with_tokenizer=False).model
+    assert model.head_weight().dtype == torch.bfloat16
+    ids = torch.randint(4, VOCAB, (1, 7))
+    full = load_family(tmp_path, dtype=torch.float32, with_tokenizer=False).model
+    with torch.no_grad():
+        diff = (model(ids, block_size=4).float() - full(ids, block_size=4)).abs()
+    assert diff.mean() < 0.1  # bf16 rounding (an expert choice may flip on a near tie)

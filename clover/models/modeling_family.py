@@ -372,7 +372,7 @@ class BlockFamilyModel(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         mapped = map_published(state, config)
-        dtype = dtype or next(iter(mapped.values())).dtype
+        dtype = dtype or mapped[f"model.{cls.embed_name}.weight"].dtype  # the weights' (a router bias may be fp32)
         mapped = {k: v.to(device=device or "cpu", dtype=dtype if v.is_floating_point() else v.dtype)
                   for k, v in mapped.items()}
         missing = [k for k in model.state_dict() if k not in mapped]
