@@ -27,16 +27,17 @@ from .sampling import make_generator
 from .sequence import Sequence
 
 class Engine:
-    def __init__(self, model, config: DecodeConfig, defer_compile: bool = False):
+    def __init__(self, model, config: DecodeConfig, defer_compile: bool = False, hook=None):
         """`defer_compile` (runner "compiled"): a step of a shape with no graph yet runs eagerly and the
-        shape waits for `runner.compile_deferred` (the server compiles when idle)."""
+        shape waits for `runner.compile_deferred` (the server compiles when idle). `hook`: constrains
+        `ar` decoding (modes.TokenHook: a grammar)."""
         cfg, mc = config.check(model), model.config
         self.model, self.cfg = model, cfg
         self.runner = make_runner(cfg.runner, model, defer=defer_compile)
         self.mask_id = mc.mask_token_id
         self.device = model.device
         self.eos = set(cfg.eos)
-        self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device))
+        self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device), hook)
         cap = self.runner.prefill_chunk  # a compiled runner takes prompts in chunks its graphs fit
         if cap:  # the prompt's last chunk rides with the first window: both fit, a 60-token tail + 4 columns is 64, not 68
             cap = max(cap - self.mode.width, self.mode.clean_bs)
@@ -114,6 +115,15 @@ class Engine:
             events = self.mode.consume(self.batch, self.batch.run(self.mode.plan(self.batch)))
         self._drop_finished()
         return events
+
+    def steps(self):
+        """This engine as a job (engine/slots.py): yields each forward its mode plans and takes the
+        logits back, until every row has finished."""
+        while self.running:
+            events = None
+            while events is None:
+                events = self.mode.consume(self.batch, (yield self.mode.plan(self.batch)))
+            self._drop_finished()
 
     def _drop_finished(self) -> None:
         idx = self.batch.drop_finished()

@@ -29,7 +29,7 @@ Slots:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -375,26 +375,34 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
                        stops: set[int], max_new_tokens: int, generator: torch.Generator | None = None,
                        closers: Callable[[list[int]], list[int]] | None = None,
                        wrap_up: int = 0) -> tuple[list[int], bool, int]:
-    """Next-token decoding (the engine's `ar` mode) where `allow(logits [1, V])` masks, in place, the
-    tokens a grammar forbids and `accept(token)` advances it (False: the grammar is done or broken):
-    greedy, or sampled at temperature 1 with `generator`. Returns (tokens without the stop token,
-    ended with a stop token or the grammar's end, forwards). In the last `wrap_up` tokens of the
-    budget the first of `closers(tokens so far)` (e.g. a closing quote, brackets, EOS) the grammar
-    allows is taken before the model's choice, so a document is likelier to close within the budget.
-    One job of the slot mode (engine/slots.py): alone, or batched by the server's scheduler."""
+    """The engine's `ar` mode with a grammar as its token hook (`Constraint`): `allow(logits [1, V])`
+    masks, in place, the tokens a grammar forbids and `accept(token)` advances it (False: the grammar
+    is done or broken): greedy, or sampled at temperature 1 with `generator`. Returns (tokens without
+    the stop token, ended with a stop token or the grammar's end, forwards). In the last `wrap_up`
+    tokens of the budget the first of `closers(tokens so far)` (e.g. a closing quote, brackets, EOS)
+    the grammar allows is taken before the model's choice, so a document is likelier to close within
+    the budget. One job of the slot mode (engine/slots.py): alone, or batched by the server's scheduler."""
+    if max_new_tokens < 1:
+        return [], False, 0
+    rule = Constraint(allow, accept, stops, generator, closers, wrap_up, max_new_tokens, model.config.mask_token_id)
+
     def start(runner: str = "eager", defer: bool = False):
         engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1, runner=runner),
-                        defer_compile=defer)
+                        defer_compile=defer, hook=rule)
         engine.add([prompt])
-        rule = Constraint(allow, accept, stops, generator, closers, wrap_up)
-        return engine.batch, _constrained_steps(engine.batch, rule, max_new_tokens, model.config.mask_token_id)
+        return engine.batch, _constrained(engine, rule)
 
     return run(Job(start))
 
 
+def _constrained(engine: Engine, rule: "Constraint"):
+    yield from engine.steps()
+    return rule.tokens, rule.complete, rule.forwards
+
+
 @dataclass
 class Constraint:
-    """The grammar of one row: see `decode_constrained`."""
+    """The grammar of one row, as `ar`'s token hook (engine/modes.TokenHook): see `decode_constrained`."""
 
     allow: Callable[[torch.Tensor], None]
     accept: Callable[[int], bool]
@@ -402,6 +410,26 @@ class Constraint:
     generator: torch.Generator | None
     closers: Callable[[list[int]], list[int]] | None
     wrap_up: int
+    max_new_tokens: int
+    mask: int
+    tokens: list[int] = field(default_factory=list)
+    complete: bool = False
+    forwards: int = 0
+
+    def choose(self, logits: torch.Tensor, seq) -> tuple[int | None, bool]:
+        self.forwards += 1
+        logits[:, self.mask] = float("-inf")
+        self.allow(logits)
+        t = self.pick(logits, self.tokens, self.max_new_tokens - len(self.tokens))
+        if not torch.isfinite(logits[0, t]):
+            return None, True  # the grammar allows nothing here
+        ok = self.accept(t)
+        if t in self.stops:
+            self.complete = True
+            return None, True
+        self.tokens.append(t)
+        self.complete = not ok
+        return t, not ok or len(self.tokens) >= self.max_new_tokens
 
     def pick(self, logits: torch.Tensor, tokens: list[int], left: int) -> int:
         late = self.closers is not None and left <= self.wrap_up
@@ -411,24 +439,3 @@ class Constraint:
         if self.generator is None:
             return int(logits.argmax(-1))
         return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=self.generator))
-
-
-def _constrained_steps(batch, rule: Constraint, max_new_tokens: int, mask: int):
-    tokens, forwards = [], 0
-    while len(tokens) < max_new_tokens:
-        # [1, V]; the last token is committed as fed
-        logits = (yield Forward(batch.window, 0, 1))[:, -1].float()
-        forwards += 1
-        logits[:, mask] = float("-inf")
-        rule.allow(logits)
-        t = rule.pick(logits, tokens, max_new_tokens - len(tokens))
-        if not torch.isfinite(logits[0, t]):
-            return tokens, False, forwards  # the grammar allows nothing here
-        ok = rule.accept(t)
-        if t in rule.stops:
-            return tokens, True, forwards
-        tokens.append(t)
-        if not ok:
-            return tokens, True, forwards
-        batch.window = torch.tensor([[t]], device=batch.device)
-    return tokens, False, forwards

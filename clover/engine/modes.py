@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -76,19 +77,47 @@ class Mode:
         raise NotImplementedError
 
 
+class TokenHook(Protocol):
+    """What constrains `ar` (a grammar, engine/infill.Constraint): the next token of a row from its
+    logits [1, V], and whether the row ends there (the token is None when it ends without one)."""
+
+    def choose(self, logits: torch.Tensor, seq: Sequence) -> tuple[int | None, bool]: ...
+
+
 class ARMode(Mode):
     commits_window = True
+
+    def __init__(self, cfg, mask_id: int, device, generator, hook: TokenHook | None = None):
+        super().__init__(cfg, mask_id, device, generator)
+        self.hook = hook
 
     def plan(self, batch: RowBatch) -> Forward:
         return Forward(batch.window, 0, 1)
 
     def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        if self.hook is not None:
+            return self._hooked(batch, logits[:, -1].float())
         tokens = self.tokens(logits[:, -1])
         batch.window = tokens[:, None]
         events = []
         for seq, t in zip(batch.seqs, tokens.tolist()):
             seq.append([t], [0], self.eos)
             events.append((seq, [t]))
+        return events
+
+
+    def _hooked(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        """Each row's token as the hook chooses it; a row the hook ends finishes ("stop")."""
+        events, window = [], batch.window.clone()
+        for r, seq in enumerate(batch.seqs):
+            t, done = self.hook.choose(logits[r: r + 1], seq)
+            if t is not None:
+                seq.append([t], [0], self.eos)
+                window[r, 0] = t
+            if done and not seq.finished:
+                seq.finish("stop")
+            events.append((seq, [] if t is None else [t]))
+        batch.window = window
         return events
 
 
@@ -330,11 +359,13 @@ def sample_and_score(policy, sampling, mask_id, logits):
     return tokens, policy.score(probs, tokens)
 
 
-def make_mode(cfg, mask_id: int, device, generator) -> Mode:
+def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = None) -> Mode:
+    if hook is not None and cfg.mode != "ar":
+        raise ValueError(f"a token hook constrains ar decoding, not {cfg.mode}")
     if cfg.mode in SCORES:
         return DiffusionMode(cfg, mask_id, device, generator)
     if cfg.mode == "self_spec":
         return SelfSpecMode(cfg, mask_id, device, generator)
     if cfg.mode == "ar":
-        return ARMode(cfg, mask_id, device, generator)
+        return ARMode(cfg, mask_id, device, generator, hook)
     raise ValueError(f"unknown mode {cfg.mode!r}")
