@@ -222,7 +222,7 @@ class TransformersBlockLM:
         visible = (keys[None, :] // block_size <= pos[:, None] // block_size) | (keys[None, :] < done)
         mask = torch.zeros(visible.shape, dtype=self.hf.dtype, device=ids.device).masked_fill(~visible, float("-inf"))
         out = self.hf(input_ids=ids, attention_mask=mask[None, None].expand(ids.shape[0], 1, -1, -1),
-                      position_ids=pos[None].expand(ids.shape[0], -1), past_key_values=cache, use_cache=cache is not None)
+                      position_ids=pos[None].expand(ids.shape[0], -1), cache=cache, use_cache=cache is not None)
         drop = 0 if commit is True else ids.shape[1] - (int(commit) if commit else 0)
         if cache is not None and drop:
             cache.crop(-drop)
