@@ -1,7 +1,7 @@
 """Expert dispatch inside a compiled step: gathered (weights gathered into the graph), the opaque
-grouped-GEMM op and the tiled C++ op on packed expert weights (what a CPU fp32 graph runs:
-`TILED_EXPERTS`), per token count, at a model's MoE dims. Sets where `GATHER_PAIRS`
-(clover/models/modeling_clover.py) should sit where the tiled op is not used; outputs are checked
+grouped-GEMM op and the tiled C++ op on packed expert weights (what a CPU fp32 graph runs from
+`TILED_PAIRS` pairs), per token count, at a model's MoE dims. Sets where `GATHER_PAIRS`
+(clover/ops/moe/__init__.py, `experts`) should sit where the tiled op is not used; outputs are checked
 against the naive reference first.
 
     python bench/moe_dispatch.py [--model DIR] [--threads 1] [--tokens 1,2,4,8,16,32,48,64]
@@ -17,9 +17,8 @@ import torch
 def main() -> None:
     from clover.api import DEFAULT_MODEL
     from clover.models import CloverConfig
-    from clover.models.modeling_clover import GATHER_PAIRS
     from clover.ops.linear import tiled_experts
-    from clover.ops.moe import gathered_experts, grouped_experts_op, naive_experts
+    from clover.ops.moe import GATHER_PAIRS, gathered_experts, grouped_experts_op, naive_experts
     from clover.utils.timing import time_alternately
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

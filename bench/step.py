@@ -19,7 +19,7 @@ the caches (pessimistic for a model that fits in the last-level cache).
     python bench/update.py step-c-shims -- python bench/step.py --threads 1 --repeats 10 --burst 8 --runners compiled,compiled-dispatcher
 
 sets the compiled graphs beside a second copy of the model whose graphs call the clover_cpu ops through
-the dispatcher instead of their C entry points (engine/runner.C_SHIMS).
+the dispatcher instead of their C entry points (`CompiledRunner(c_shims=False)`).
 
     python bench/step.py --profile [--sizes 1,32]
 
@@ -38,7 +38,6 @@ import time
 import torch
 
 from clover.api import DEFAULT_MODEL
-from clover.engine import runner as runner_module
 from clover.engine.runner import CompiledRunner, make_runner
 from clover.models import CloverForBlockDiffusion
 from clover.utils.timing import time_alternately
@@ -184,15 +183,11 @@ def _extra(args) -> str:
 def make(kind: str, model, args):
     """The runner of a --runners kind: eager, compiled, compiled-dynamo (the compiled graphs called
     through dynamo's guards), compiled-dispatcher (a second copy of the model whose graphs call the
-    clover_cpu ops through the dispatcher, not their C entry points: runner.C_SHIMS)."""
+    clover_cpu ops through the dispatcher, not their C entry points: `c_shims=False`)."""
     if kind == "compiled-dynamo":
         return CompiledRunner(model, replay=False)  # shares the graphs
     if kind == "compiled-dispatcher":
-        runner_module.C_SHIMS = False  # read as the copy's step is made: its graphs are its own
-        try:
-            return CompiledRunner(load_model(args))
-        finally:
-            runner_module.C_SHIMS = True
+        return CompiledRunner(load_model(args), c_shims=False)  # a copy of the model: its graphs are its own
     return make_runner(kind, model)
 
 

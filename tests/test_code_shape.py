@@ -44,9 +44,9 @@ FIGURE = re.compile(
     r"|\b(?:previously|formerly|Before these)\b"  # history
 )
 # Files whose comments their owners are still rewriting in parallel work; empty this when they land.
-CLEANED_ELSEWHERE = ("engine/", "ops/", "compile/", "structured/", "cli/", "training/", "utils/",
+CLEANED_ELSEWHERE = ("engine/", "structured/", "cli/", "training/", "utils/",
                      "server/scheduler.py", "server/structured.py", "server/protocol.py", "server/routes.py",
-                     "server/metrics.py", "models/cache_clover.py", "models/modeling_clover.py")
+                     "server/metrics.py")
 
 
 def comment_lines(source: str) -> list[tuple[int, str]]:
@@ -86,3 +86,72 @@ def test_the_check_sees_figures_and_history_but_not_shapes(tmp_path):
 
 def test_no_timing_ratio_or_history_in_comments():
     assert figures_in_comments(ROOT, skip=CLEANED_ELSEWHERE) == []
+    runner = [ROOT / "engine" / "runner.py", ROOT / "engine" / "batch.py"]  # cleaned; the rest of engine/ is not yet
+    assert [f"{p.name}:{n}" for p in runner for n, line in comment_lines(p.read_text()) if FIGURE.search(line)] == []
+
+
+# The runner and the compile machinery behind it: shorter functions still, and no process-wide
+# mutable state in the runner (what is compiled for a model lives in its compile.CompileState).
+RUNNER = (ROOT / "engine" / "runner.py", ROOT / "compile")
+RUNNER_LIMIT = 60
+MUTABLE = {"dict", "list", "set", "defaultdict", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet",
+           "local", "deque", "Counter"}
+
+
+def module_state(path: Path) -> list[str]:
+    """Module-level names bound to a mutable container, and module-level statements that are neither
+    definitions, imports, constants nor the docstring (e.g. a loop registering hooks at import)."""
+    out = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if [getattr(t, "id", None) for t in targets] == ["__all__"]:
+                continue
+            value = node.value
+            call = value.func if isinstance(value, ast.Call) else None
+            name = call.attr if isinstance(call, ast.Attribute) else call.id if isinstance(call, ast.Name) else None
+            if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or name in MUTABLE:
+                out.append(f"{path.name}:{node.lineno} mutable module state")
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+                out.append(f"{path.name}:{node.lineno} statement run at import")
+    return out
+
+
+def test_the_state_check_sees_registries_and_import_time_code(tmp_path):
+    (tmp_path / "m.py").write_text('"""doc"""\nimport weakref\nN = 3\nNAMES = ("a",)\nseen = {}\n'
+                                   'cache = weakref.WeakKeyDictionary()\nfor f in ():\n    f(1)\n')
+    assert module_state(tmp_path / "m.py") == ["m.py:5 mutable module state", "m.py:6 mutable module state",
+                                               "m.py:7 statement run at import"]
+
+
+def test_no_function_over_60_lines_in_the_runner_and_compile_package():
+    found = []
+    for path in RUNNER:
+        if path.is_dir():
+            found += long_functions(path, RUNNER_LIMIT)
+        else:
+            found += [f for f in long_functions(path.parent, RUNNER_LIMIT) if f.startswith(f"engine/{path.name}:")]
+    assert found == []
+
+
+def test_the_runner_holds_no_module_level_state():
+    assert module_state(ROOT / "engine" / "runner.py") == []
+    # the compile package: one registry, model -> its CompileState
+    found = [f for path in sorted((ROOT / "compile").glob("*.py")) for f in module_state(path)]
+    assert found == [f"state.py:{_line_of(ROOT / 'compile' / 'state.py', '_states')} mutable module state"]
+
+
+def _line_of(path: Path, name: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith(f"{name}:"))
+
+
+def test_no_eval_and_no_process_wide_module_hooks():
+    """Nothing in clover/ builds code with eval or hooks every nn.Module of the process."""
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                builtin_eval = isinstance(f, ast.Name) and f.id == "eval"
+                assert not builtin_eval and not name.startswith("register_module_"), f"{path}:{node.lineno} {name}"

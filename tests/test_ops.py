@@ -170,6 +170,28 @@ def test_gathered_experts_compiled_match_naive():
     torch.testing.assert_close(got, naive_experts(x, top_idx, top_w, gate_up, down), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens, tiled_pairs", [(1, 4), (1, 1), (3, 4), (70, 200)])
+def test_expert_dispatch_matches_naive_eagerly_and_traced(tokens, tiled_pairs):
+    """`ops.moe.experts`, the one dispatch: eagerly the grouped form, traced (dynamo) the tiled op,
+    the gathered products or the opaque grouped op by pair count; every choice equals the spec."""
+    from clover.ops.linear import tiled
+    from clover.ops.moe import experts as dispatch
+
+    tiled.available()  # built before tracing, as a compiled runner does (tiled or not, the results are equal)
+    n_experts, topk, hidden, inter = 6, 2, 16, 8
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, hidden)
+    gate_up, down = torch.randn(n_experts, 2 * inter, hidden) * 0.3, torch.randn(n_experts, hidden, inter) * 0.3
+    top_w, top_idx = torch.softmax(torch.randn(tokens, n_experts), -1).topk(topk, dim=-1)
+    want = naive_experts(x, top_idx, top_w, gate_up, down)
+    with torch.inference_mode():
+        eager = dispatch(x, top_idx, top_w, gate_up, down, tiled_pairs)
+        traced = torch.compile(dispatch, backend="eager", fullgraph=True, dynamic=False)(
+            x, top_idx, top_w, gate_up, down, tiled_pairs)
+    torch.testing.assert_close(eager, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(traced, want, atol=1e-5, rtol=1e-5)
+
+
 def _tiled():
     from clover.ops.linear import tiled
 
@@ -334,7 +356,7 @@ def test_tiled_linear_takes_weights_made_under_inference_mode():
 
 @pytest.mark.parametrize("rows", [1, 9])
 def test_compiled_graphs_route_linears_to_the_tiled_op(rows):
-    from clover.engine.runner import route_linears
+    from clover.compile import route_linears
 
     _tiled()
     torch.manual_seed(0)
@@ -370,7 +392,7 @@ def test_unit_lower_solve_matches_torch(batch, size, width):
 
 
 def test_compiled_graphs_route_unit_lower_solves():
-    from clover.engine.runner import route_solves
+    from clover.compile import route_solves
 
     _tiled()
     counts = []
@@ -389,7 +411,7 @@ def test_compiled_graphs_route_unit_lower_solves():
 
 
 def test_compiled_graphs_call_the_ops_c_entry_points():
-    """A graph compiled as the runner compiles it (inductor's C++ wrapper, runner._c_shim_config) calls
+    """A graph compiled as the runner compiles it (inductor's C++ wrapper, compile.c_shim_config) calls
     the ops' C entry points (aoti_torch_cpu_<op>) instead of the dispatcher, with the ops' values; the
     entry points' declarations pickle (inductor's FX graph cache keys on its config)."""
     import io
@@ -400,11 +422,11 @@ def test_compiled_graphs_call_the_ops_c_entry_points():
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from clover.engine import runner
+    from clover.compile import c_shim_config
     from clover.ops.linear import naive_linear
 
     tiled = _tiled()
-    shims = runner._c_shim_config()["aot_inductor.custom_ops_to_c_shims"]
+    shims = c_shim_config()["aot_inductor.custom_ops_to_c_shims"]
     assert set(pickle.loads(pickle.dumps(shims))) == set(shims) == {
         torch.ops.clover_cpu.linear.default, torch.ops.clover_cpu.experts.default,
         torch.ops.clover_cpu.unit_lower_solve.default}
@@ -427,7 +449,7 @@ def test_compiled_graphs_call_the_ops_c_entry_points():
     output_code_log.setLevel(logging.DEBUG)
     try:
         with torch.no_grad(), torch._inductor.config.patch(cpp_wrapper=True, debug=True, fx_graph_cache=False,
-                                                             **runner._c_shim_config()):
+                                                             **c_shim_config()):
             got = compile_fx(make_fx(fn, tracing_mode="fake")(*args), list(args))(*args)
     finally:
         output_code_log.setLevel(level)
@@ -561,5 +583,7 @@ def test_tiled_linears_are_routed_only_with_vector_tiles():
     cap = torch.backends.cpu.get_cpu_capability()
     if cap in ("AVX2", "AVX512"):  # -march=native: the build follows this CPU
         assert tiled.simd() == cap.lower()
-    assert tiled.worth_routing(torch.randn(8, 8)) == (tiled.simd() != "none")
-    assert not tiled.worth_routing(torch.randn(8, 8, dtype=torch.float64))
+    from clover.ops.linear import worth_routing
+
+    assert worth_routing(torch.randn(8, 8)) == (tiled.simd() != "none")
+    assert not worth_routing(torch.randn(8, 8, dtype=torch.float64))

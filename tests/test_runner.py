@@ -184,8 +184,7 @@ def test_replay_checks_the_captured_shapes_and_strides():
 
     m = torch.nn.Linear(3, 1, bias=False)
     w = m.weight
-    replay = Replay(lambda a, b: (a * b, a), [None, w], lambda ids, layout, cache: (ids,), [(0, (2, 3), (3, 1))], m,
-                    {1: "weight"})
+    replay = Replay(lambda a, b: (a * b, a), [None, w], ["ids"], [(0, (2, 3), (3, 1))], m, {1: "weight"})
     x = torch.randn(2, 3)
     torch.testing.assert_close(replay(x, None, None), x * w)
     assert replay(torch.randn(3, 2).t(), None, None) is None  # same shape, other strides

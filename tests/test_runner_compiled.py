@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from clover.engine import DecodeConfig, Engine
+from clover.compile import RECOMPILE_LIMIT, CompileState, Fused, state_of
 from clover.engine import runner as runner_module
 from clover.engine.runner import CompiledRunner, EagerRunner
 from helpers import tiny_model
@@ -71,8 +72,8 @@ def eager_flags():
         CompiledRunner.forward = real
 
 
-def graphs():  # the model steps' graphs (dynamo) and the modes' fused step functions (`Fused`)
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + runner_module.fused_compiles[0]
+def graphs(model):  # the model steps' graphs (dynamo) and the modes' fused step functions (`Fused`)
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + state_of(model).fused_compiles
 
 
 def assert_same_logits(got, ref):
@@ -92,10 +93,10 @@ def check_equal(model, mode, prompts, late=(), block=4):
     assert [s.forward_passes for s in got] == [s.forward_passes for s in ref]
     assert_same_logits(got_logits, ref_logits)
     assert runner.compiled_calls > runner.eager_calls  # the steps ran compiled, not the eager fallback
-    before = graphs()
+    before = graphs(model)
     for replay in (True, False):  # warm: the same shapes replay (the captured graphs), then through dynamo
         again_logits, again, warm = decode(model, "compiled", mode, prompts, late, replay=replay, block=block)
-        assert graphs() == before, "recompiled in a warm steady decode"
+        assert graphs(model) == before, "recompiled in a warm steady decode"
         assert [s.token_ids for s in again] == [s.token_ids for s in ref]
         assert_same_logits(again_logits, ref_logits)
         # replay on: the warm decode's compiled calls skipped dynamo (all of them, but self_spec's
@@ -118,15 +119,15 @@ def test_a_batch_between_buckets_replays_the_bucket_graphs(model, mode):
             [3, 1, 4, 1, 5, 9, 2, 6, 5]]
     decode(model, "compiled", mode, four, budgets=(10, 8, 6, 4))  # rows 4, 3, 2 and 1 (compiled here when run alone)
     three = [[6, 2, 8, 3, 1, 8, 5, 3, 0], [2, 7, 1, 8, 2, 8, 1, 8, 2], [9, 9, 8, 7, 6, 5, 4, 3, 2]]
-    before = graphs()
+    before = graphs(model)
     ref_logits, ref, _ = decode(model, "eager", mode, three, budgets=(10, 8, 6))
     got_logits, got, runner = decode(model, "compiled", mode, three, budgets=(10, 8, 6))
     # every graph is made for 1, 2 or 4 rows; ar's steps are the same shapes whatever the tokens, so
     # it compiles nothing (a diffusion decode's window widths depend on when its rows finish blocks)
-    assert {key[0][0] for key in runner._replays} <= {1, 2, 4}
-    assert {layouts[0][0][0] for _, layouts, *_ in runner_module._fused_graphs} <= {1, 2, 4}
+    assert {key[0][0] for key in runner.state.replays} <= {1, 2, 4}
+    assert {layouts[0][0][0] for _, layouts, *_ in runner.state.fused_graphs} <= {1, 2, 4}
     if mode == "ar":
-        assert graphs() == before, "compiled a graph for 3 rows"
+        assert graphs(model) == before, "compiled a graph for 3 rows"
         assert runner.replayed_calls == runner.compiled_calls > 0
     assert runner.eager_calls == 0
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
@@ -140,16 +141,16 @@ def test_deferred_shapes_run_eagerly_until_compiled_when_idle(model):
     prompts = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6], [40, 41, 42, 9, 9, 9, 1]]
     budgets = (11, 7, 9)  # block 5: shapes no other test compiles
     ref_logits, ref, _ = decode(model, "eager", "low_confidence", prompts, budgets=budgets, block=5)
-    before = graphs()
+    before = graphs(model)
     got_logits, got, runner = decode(model, "compiled", "low_confidence", prompts, budgets=budgets, block=5, defer=True)
-    assert graphs() == before and runner.compiled_calls == 0 and runner.eager_calls > 0  # nothing compiled mid-decode
+    assert graphs(model) == before and runner.compiled_calls == 0 and runner.eager_calls > 0  # nothing compiled mid-decode
     assert [s.token_ids for s in got] == [s.token_ids for s in ref]
     assert_same_logits(got_logits, ref_logits)
     waiting = runner_module.deferred(model)
     assert waiting > 0
     while runner_module.compile_deferred(model):
         pass
-    assert runner_module.deferred(model) == 0 and graphs() > before
+    assert runner_module.deferred(model) == 0 and graphs(model) > before
     again_logits, again, warm = decode(model, "compiled", "low_confidence", prompts, budgets=budgets, block=5, defer=True)
     assert warm.eager_calls == 0 and warm.replayed_calls == warm.compiled_calls > 0
     assert runner_module.deferred(model) == 0
@@ -162,9 +163,9 @@ def test_prompt_chunks_cut_from_longer_prompts_replay(model):
     with another row stride: they must still replay the graphs made for the shorter one (no dynamo
     call, no new graph)."""
     decode(model, "compiled", "ar", [[5, 9, 2, 7, 7, 1, 3, 11, 4, 6]], budgets=(3,))
-    before = graphs()
+    before = graphs(model)
     _, _, warm = decode(model, "compiled", "ar", [[8, 3, 30, 2, 6, 1, 1, 4, 9, 12, 5, 2, 7, 3]], budgets=(3,))
-    assert graphs() == before
+    assert graphs(model) == before
     assert warm.replayed_calls == warm.compiled_calls > 0
 
 
@@ -192,12 +193,12 @@ def test_compiled_equals_eager_on_bf16_valued_weights(model):
     # bf16 activations (`--linear-dtype bfloat16`, where the CPU has bf16 products): the same graphs
     # follow them, read per call (no recompile), within bf16 rounding of the exact logits
     ref_logits, ref, _ = decode(bf, "compiled", "ar", prompts, budgets=(1, 1))  # one token: no divergence
-    before, was = graphs(), tiled.use_bf16_activations(True)
+    before, was = graphs(bf), tiled.use_bf16_activations(True)
     try:
         got_logits, got, _ = decode(bf, "compiled", "ar", prompts, budgets=(1, 1))
     finally:
         tiled.use_bf16_activations(was)
-    assert graphs() == before
+    assert graphs(bf) == before
     assert len(got_logits) == len(ref_logits)
     diffs = [(a - b).abs().max().item() for (a, _), (b, _) in zip(got_logits, ref_logits)]
     scale = max(b.abs().max().item() for b, _ in ref_logits)
@@ -242,9 +243,9 @@ def test_new_shapes_run_eagerly_once_the_recompile_limit_is_hit(model):
                 got_logits, got, runner = decode(model, "compiled", "ar", three, budgets=(10, 6, 5))
         assert [s.token_ids for s in got] == [s.token_ids for s in ref]
         assert_same_logits(got_logits, ref_logits)
-        assert runner.eager_calls > 0 and model in runner_module._graphs_full
+        assert runner.eager_calls > 0 and state_of(model).full
     finally:
-        runner_module._graphs_full.discard(model)  # the other tests compile new shapes of this model
+        state_of(model).full = False  # the other tests compile new shapes of this model
 
 
 def test_replay_follows_a_replaced_weight(model):
@@ -280,14 +281,15 @@ def test_fused_diffusion_step_equals_eager(mode):
 
     policy, sampling = make_policy(mode, 5, 0.3, 2), SamplingParams(suppress=(2,))
     step = functools.partial(advance, policy)
-    fused_step = runner_module.Fused(step, ("test-advance", policy), shared=(8,))  # 3 rows: run as 4 (a bucket)
+    state = CompileState()
+    fused_step = Fused(step, ("test-advance", policy), state, shared=(8,))  # 3 rows: run as 4 (a bucket)
     score = functools.partial(sample_and_score, policy, sampling, 1)
-    fused_score = runner_module.Fused(score, ("test-score", policy, sampling, 1)) if not policy.by_probability else None
+    fused_score = Fused(score, ("test-score", policy, sampling, 1), state) if not policy.by_probability else None
     pick = functools.partial(pick_and_advance, policy)  # probability-scored: the greedy pick and `advance` in one
-    fused_pick = runner_module.Fused(pick, ("test-pick", policy), shared=(1, 8)) if policy.by_probability else None
+    fused_pick = Fused(pick, ("test-pick", policy), state, shared=(1, 8)) if policy.by_probability else None
     g = torch.Generator().manual_seed(0)
     rows, block, vocab = 3, 5, 37
-    before = runner_module.fused_compiles[0]
+    before = state.fused_compiles
     for trial in range(6):
         logits = torch.randn(rows, block, vocab, generator=g) * 3
         tokens, scores = score(logits)
@@ -309,7 +311,7 @@ def test_fused_diffusion_step_equals_eager(mode):
             got, ref = fused_pick(*pick_args), pick(*pick_args)
             assert len(got) == len(ref) == 7 and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref))
         # compiled at the first call, replayed after
-        assert runner_module.fused_compiles[0] == before + 2
+        assert state.fused_compiles == before + 2
 
 
 def test_server_settings_choose_the_runner(model):
@@ -416,5 +418,5 @@ def test_recompile_limits_hold_in_every_thread_that_compiles(model):
     thread = threading.Thread(target=other)
     thread.start()
     thread.join()
-    assert seen[0] == 8 and seen[1] >= runner_module.RECOMPILE_LIMIT  # dynamo's default there, then raised
-    assert runners[0].eager_calls == 0 and model not in runner_module._graphs_full
+    assert seen[0] == 8 and seen[1] >= RECOMPILE_LIMIT  # dynamo's default there, then raised
+    assert runners[0].eager_calls == 0 and not state_of(model).full

@@ -30,8 +30,7 @@ from ..ops.gated_delta_rule import (
     chunk_gated_delta_rule_from_states,
     gated_delta_rule,
 )
-from ..ops.linear import experts_fit, tiled_experts
-from ..ops.moe import gathered_experts, grouped_experts, grouped_experts_op
+from ..ops.moe import TILED_PAIRS, experts, tiled_from
 from ..ops.short_conv import block_short_conv
 from ..ops.utils import cast
 from ..quant import apply_quantization
@@ -46,7 +45,7 @@ def window_ids(length: int, block: int, device=None) -> torch.Tensor:
     """Window index per position, windows anchored at the END (the first window may be partial).
     Counted with a cumsum over window starts rather than divided: inductor keeps a scan's result as
     a buffer its kernels load, where a division would be recomputed per element of every kernel
-    that reads the ids (scalar integer division in the GDN conv: ~10% of a 64-token prefill)."""
+    that reads the ids (scalar integer division in the GDN conv)."""
     pad = (-length) % block
     starts = (torch.arange(length, device=device) + pad) % block == 0
     return starts.long().cumsum(0) - (0 if pad else 1)
@@ -301,8 +300,7 @@ class CloverGatedDeltaNet(nn.Module):
 
     def _qkv(self, conv_out, b, a):
         """Conv output [B, C, L] -> per-v-head q, k (L2-normed), v, decay g and beta. SiLU runs
-        before the transpose to [B, L, C]: on the transposed view its backward takes a strided path
-        ~3x slower."""
+        before the transpose to [B, L, C]: on the transposed view its backward takes a slow strided path."""
         act = F.silu(conv_out).transpose(1, 2)
         batch, length, _ = act.shape
         qk, v = act.split((2 * self.key_dim, self.value_dim), dim=-1)
@@ -418,7 +416,7 @@ class CloverGatedDeltaNet(nn.Module):
 def _left_context(ext: torch.Tensor, pad: torch.Tensor, kernel: int) -> torch.Tensor:
     """[conv_state ; pads ; tokens] -> [pads ; conv_state ; tokens] per row (pads are a left prefix,
     their columns already zero). Masks and K-1 broadcast products rather than a gather: a gather's
-    index, computed per element, kept inductor's fused kernel scalar (~0.25 ms a layer at 20 columns)."""
+    index, computed per element, keeps inductor's fused kernel scalar."""
     batch, length = pad.shape
     npad = pad.sum(1, keepdim=True)[:, None, :]  # [B, 1, 1]
     i = torch.arange(kernel - 1 + length, device=pad.device)
@@ -454,43 +452,22 @@ class CloverSparseMoe(nn.Module):
         return out.reshape(shape)
 
 
-# (token, expert) pairs up to which a compiled step gathers the experts' weights into its graph (inductor
-# fuses the gather into the batched matrix-vector products, no copy) instead of calling the opaque
-# grouped-GEMM op, whose sort, host sync and per-expert GEMMs cost a fixed ~150 us a layer. On the
-# default dims (1 CPU thread) gathered is 2x faster at 8-16 tokens, 0.78x of the op at 48 tokens (96
-# pairs) and even at 64 (128 pairs: a prompt's tail fused with its first window, a 32-token commit
-# with its next window); `python bench/moe_dispatch.py` measures the crossover.
-GATHER_PAIRS = 128
-# A compiled step on a CPU in fp32 runs the experts as one C++ op over packed expert weights instead
-# (ops/linear/tiled.py: each used expert's rows through its two projections, weights read once):
-# in a step ~0.9x the time of the gathered products at 8-64 tokens; alone, 0.63-0.79x at 16-64 tokens
-# (bench/moe_dispatch.py).
-TILED_EXPERTS = True
-TILED_PAIRS = 4  # (token, expert) pairs from which the tiled op runs them: an AR step (2 pairs) gathers, ~10% faster
-# ... unless the experts' packed panels are bf16 (bf16 values held in fp32, as a bf16 checkpoint loads: half the
-# bytes), where the tiled op is ~0.9x of the gathered products at 2 pairs too: the compiled runner then sets
-# CloverExperts.tiled_pairs = 1 (engine/runner.compiled_step)
-
-
 class CloverExperts(nn.Module):
     """Routed SwiGLU experts, fused weights. Owns its dispatch so a quantised twin can replace it."""
 
-    tiled_pairs = TILED_PAIRS  # pairs from which a compiled CPU step runs the tiled op (see TILED_PAIRS)
+    tiled_pairs = TILED_PAIRS  # pairs from which a compiled CPU graph runs the tiled op (ops.moe.experts)
 
     def __init__(self, num_experts, hidden, inter):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
+    def prepare_for_graphs(self) -> None:
+        """Before a compiled runner traces the model: the kernel choice that depends on the weights' values."""
+        self.tiled_pairs = tiled_from(self.gate_up_proj, self.down_proj)
+
     def forward(self, x, top_idx, top_w):
-        dispatch = grouped_experts
-        if torch.compiler.is_compiling():
-            pairs = top_idx.numel()
-            if TILED_EXPERTS and pairs >= self.tiled_pairs and experts_fit(x, self.gate_up_proj):
-                dispatch = tiled_experts
-            else:  # up to a draft window's tokens: gathered into the graph; more: one opaque op
-                dispatch = gathered_experts if pairs <= max(GATHER_PAIRS, self.gate_up_proj.shape[0]) else grouped_experts_op
-        return dispatch(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
+        return experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj, self.tiled_pairs)
 
 
 class CloverMLP(nn.Module):

@@ -1,4 +1,4 @@
-"""Tiny helpers for dispatch-bound code paths (a CPU decode step runs ~1000 small ops)."""
+"""Tiny helpers for dispatch-bound code paths (a CPU decode step runs many small ops)."""
 
 import torch
 

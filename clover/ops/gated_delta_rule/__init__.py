@@ -2,6 +2,9 @@
 with a_t = exp(g_t). Shapes: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv]
 in fp32. q and k arrive L2-normalised and already expanded to the value heads."""
 
+import torch
+
+from ..linear import tiled
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_from_states
 from .fused_recurrent import fused_recurrent_gated_delta_rule
 from .naive import naive_gated_delta_rule
@@ -21,10 +24,25 @@ def gated_delta_rule(q, k, v, g, beta, scale, initial_state=None, output_final_s
     return out, state if output_final_state else None
 
 
+def graph_solve_kernel(system, rhs, upper=None, unitriangular=None, left=True, **other):
+    """The op a compiled graph's `torch.linalg.solve_triangular(system, rhs, **kwargs)` runs: the
+    chunk systems' unit lower-triangular solves on fp32 CPU tensors go to `clover_cpu::unit_lower_solve`
+    (row-by-row forward substitution, unit_lower_solve.cpp) where the op is built; None (torch's
+    solve) otherwise. Takes example values (fake tensors) or None."""
+    if other or upper is not False or unitriangular is not True or left is not True:
+        return None
+    if not (isinstance(system, torch.Tensor) and isinstance(rhs, torch.Tensor)):
+        return None
+    if not (tiled.fp32_cpu(system, rhs) and tiled.available()):
+        return None
+    return torch.ops.clover_cpu.unit_lower_solve.default
+
+
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_from_states",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule",
+    "graph_solve_kernel",
     "naive_gated_delta_rule",
 ]

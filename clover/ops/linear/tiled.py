@@ -1,53 +1,41 @@
 """fp32 linear for the few rows of a decode step, on a weight packed once (CPU; `tiled.cpp`).
 
-On these CPUs neither of torch's fp32 GEMMs suits a decode step's 1-64 rows: MKL repacks the weight
-on every call and on AMD runs its AVX2 kernels (30-90 GFLOP/s), oneDNN pays ~10 us a call before
-any work. `clover_cpu::linear` packs each weight once into panels of 16 output columns and runs
-tiles of up to 8 rows x 2 panels in vector registers, the panel pair in L1 while every row tile
-passes over it: the weight is read once per call. At 8-32 rows that is 2-3x faster than MKL and
-up to 2x faster than oneDNN (about even with oneDNN on the LM head at 32+ rows), and no slower than
-MKL at one row (bench/linear.py). Weights whose values are all bf16 numbers (a bf16 checkpoint
-loaded as fp32: the shipped models) are packed as bf16 and widened exactly as they are loaded:
-the same products in the same order, half the bytes (AR and 8-token steps ~0.9x). On CPUs with
-AMX-BF16 (Sapphire Rapids on), calls of 6+ rows on bf16 panels run on AMX tiles instead: x is split
-into three bf16 terms (x = x1 + x2 + x3 to 2^-27 relative, finer than fp32's own rounding), each
-product with a bf16 weight is exact in fp32 and AMX sums them in fp32, so the result has fp32
-accuracy (tests: within 1e-6 of the summed |products| of an fp64 reference) at 0.4-0.6x the AVX-512
-time from 8 rows (bench/linear.py); `use_amx(False)` turns it off. The compiled CPU runner routes its graphs' fp32 linears here
-(engine/runner.route_linears); eager never does.
+Why: torch's fp32 GEMMs suit large products; for a decode step's 1-64 rows MKL repacks the weight on
+every call and oneDNN has a fixed cost per call. `clover_cpu::linear` packs each weight once into
+panels of 16 output columns and runs tiles of up to 8 rows x 2 panels in vector registers, the
+panel pair in L1 while every row tile passes over it: the weight is read once per call
+(measurements: bench/linear.py, BENCHMARKS.md).
 
-CPUs without AVX-512 (AMD Zen 3, Intel before Ice Lake) build AVX2 + FMA tiles: 16 registers of 8
-floats, so a panel is two halves and every tile holds 8 accumulators, enough independent FMA chains
-for both FMA pipes (12 spilled): 1 row x 4 panels, 2 rows x 2, or up to 4 rows x 1 panel, row tiles
-split evenly; bf16 panels are widened by a shift and a mask. Standalone, K = 256, an AMD EPYC (Zen
-3): 40-95 GFLOP/s from 1 to 64 rows (fp32 GEMM peak ~93), where 4 x 1 tiles for every row count ran
-11 (1 row) to 45; per call at the default model's dims, 0.4-0.9x MKL's time from 2 to 32 rows,
-about even at 1 and 64 (bench/linear.py, fp32 panels; bf16 panels a little faster). Every output is one FMA chain
-in k order whatever the tile, so a row's result does not depend on the rows it shares a call with.
-Before these tiles such a CPU ran the plain C++ loops (what a CPU with neither still builds), 5-8x
-MKL's time: `worth_routing` routes only where `simd()` names vector tiles.
-
-bf16 activations (opt-in: `use_bf16_activations(True)`, `CLOVER_LINEAR_DTYPE=bfloat16`, `--linear-dtype
-bfloat16` on the CLI): bf16 panels take x rounded to bf16, as llama.cpp's bf16 matmuls do, on
-AVX512-BF16's vdpbf16ps (32 products an instruction where the exact tile does 16, no widening) and,
-on AMX, one term instead of three. Products are exact, so the error is x's rounding (2^-9 relative;
-tests: within 1e-6 of an fp64 reference on the rounded x). Only these weight linears: torch's own
-matmuls (attention, the delta rule) stay fp32, which is why this is not torch's fp32 matmul precision
-"medium" (under it, torch's small CPU bmm take oneDNN's bf16 path: 1.8x slower here, and less exact).
-On the shipped model's dims (AMD EPYC, 1 thread) linears take 0.53x the exact time from 4 rows,
-0.8x at 1 row. Read on every call, so a compiled graph follows it without recompiling; a CPU without
-bf16 products keeps the exact kernel (`bf16_dot()`).
+* bf16 panels: weights whose values are all bf16 numbers (a bf16 checkpoint loaded as fp32) are
+  packed as bf16 and widened exactly as they are loaded: the same products in the same order, half
+  the bytes. On CPUs with AMX-BF16, calls of 6+ rows on bf16 panels run on AMX tiles: x is split
+  into three bf16 terms (x = x1 + x2 + x3 to 2^-27 relative, finer than fp32's own rounding), each
+  product with a bf16 weight is exact in fp32 and AMX sums them in fp32, so the result keeps fp32
+  accuracy (tests: within 1e-6 of the summed |products| of an fp64 reference); `use_amx(False)`
+  turns it off.
+* CPUs without AVX-512 build AVX2 + FMA tiles (16 registers of 8 floats: a panel is two halves, every
+  tile holds 8 accumulators: 1 row x 4 panels, 2 rows x 2, or up to 4 rows x 1). Every output is one
+  FMA chain in k order whatever the tile, so a row's result does not depend on the rows it shares a
+  call with. A CPU with neither builds plain C++ loops, which `ops.linear.worth_routing` never routes to.
+* bf16 activations (opt-in: `use_bf16_activations(True)`, `CLOVER_LINEAR_DTYPE=bfloat16`,
+  `--linear-dtype bfloat16`): bf16 panels take x rounded to bf16, as llama.cpp's bf16 matmuls do, on
+  AVX512-BF16's vdpbf16ps and, on AMX, one term instead of three. Products are exact, so the error
+  is x's rounding (2^-9 relative; tests: within 1e-6 of an fp64 reference on the rounded x). Only
+  these weight linears: torch's own matmuls (attention, the delta rule) stay fp32, which is why this
+  is not torch's fp32 matmul precision "medium". Read on every call, so a compiled graph follows it
+  without recompiling; a CPU without bf16 products keeps the exact kernel (`bf16_dot()`).
 
 The op keeps the packed copy per weight tensor (weakly: a freed weight's copy goes at the next
 miss) and repacks when the weight's version counter moves (`copy_`, `load_state_dict`, an
 optimizer step), so it never serves a stale weight; it costs one copy of each weight's bytes. A
 weight made under `torch.inference_mode` has no version counter: it runs unpacked (at::linear).
+Eager forwards never call it; compiled CPU graphs do where `ops.linear.graph_linear_kernel` says so.
 
 The same extension holds ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below) and
-ops/greedy_pick/greedy_pick.cpp.
-The C++ source is compiled on first use by torch.utils.cpp_extension (`-O3 -march=native`, ~10 s,
-cached under torch's extensions dir, rebuilt when the source changes). Where that fails (no
-compiler) or the CPU is not x86-64, `available()` is False and graphs keep torch's linear.
+ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled on first use by
+torch.utils.cpp_extension (`-O3 -march=native`, cached under torch's extensions dir, rebuilt when
+the source changes). Where that fails (no compiler) or the CPU is not x86-64, `available()` is
+False and graphs keep torch's ops.
 """
 
 from __future__ import annotations
@@ -114,14 +102,8 @@ def _load() -> bool:
     return True
 
 
-def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+def fp32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
-def worth_routing(weight: torch.Tensor) -> bool:
-    """A 2-D fp32 CPU weight, the op built with vector tiles (`simd()`): every row count of a decode step
-    runs at least as fast tiled (bench/linear.py); the plain C++ build would not (5-8x torch's time)."""
-    return weight.dim() == 2 and _fp32_cpu(weight) and simd() != "none"
 
 
 def simd() -> str:
@@ -135,17 +117,6 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not available():
         raise RuntimeError("the tiled fp32 linear is not available on this machine")
     return torch.ops.clover_cpu.linear(x, weight, bias)
-
-
-def experts_fit(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """Whether `tiled_experts` takes these and is worth it: fp32 CPU activations and experts, the op
-    built with vector tiles (`simd()`)."""
-    return _fp32_cpu(x, gate_up) and simd() != "none"
-
-
-def solve_fits(system, rhs) -> bool:
-    """Whether `unit_lower_solve` takes these: fp32 CPU tensors, the op built."""
-    return isinstance(system, torch.Tensor) and isinstance(rhs, torch.Tensor) and _fp32_cpu(system, rhs) and available()
 
 
 def tiled_experts(x, top_idx, top_w, gate_up, down) -> torch.Tensor:
@@ -162,7 +133,7 @@ def bf16_panels(weight: torch.Tensor) -> bool:
     """Whether the op keeps `weight` (a linear's, or a stack of experts') in bf16 panels: its values
     are all bf16 numbers (a bf16 checkpoint loaded as fp32) and the kernels have vector tiles (AVX-512 or
     AVX2, `simd()`); packs it now."""
-    return _fp32_cpu(weight) and available() and bool(torch.ops.clover_cpu.packed_bf16(weight))
+    return fp32_cpu(weight) and available() and bool(torch.ops.clover_cpu.packed_bf16(weight))
 
 
 def cached_weights() -> int:

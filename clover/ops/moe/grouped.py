@@ -7,8 +7,7 @@ through `_GroupedMM`, whose backward is grouped GEMM for the input gradient and 
 expert for the weight gradient (torch's CPU grouped GEMM has no backward). Where torch lacks grouped
 GEMM or rejects the layout (it wants 16-byte aligned rows), the rows are laid into a zero-padded
 [E, max_group, H] buffer and all experts run as two batched matmuls. Results are scattered back
-with the routing weights. One matmul pair per expert per forward instead would cost hundreds of
-small kernel launches per step, which dominated a 32-token block step on CPU.
+with the routing weights, without one small matmul pair per expert.
 """
 
 import torch
@@ -41,8 +40,8 @@ def grouped_experts(x, top_idx, top_w, gate_up, down):
 
 
 def _grouped_mm_experts(xs, counts, gate_up, down):
-    """Grouped GEMM over the expert-sorted rows (no padding, ~40% faster than the padded bmm on
-    CPU); None where torch lacks it or rejects the layout, so the caller falls back to the padded path."""
+    """Grouped GEMM over the expert-sorted rows (no padding, unlike the bmm path); None where torch
+    lacks it or rejects the layout, so the caller falls back to the padded path."""
     if getattr(torch, "_grouped_mm", None) is None:
         return None
     offs = counts.cumsum(0).to(torch.int32)

@@ -1,0 +1,94 @@
+"""A compiled graph called without dynamo (no frame evaluation, no guards)."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+
+from .shapes import layout_of
+
+
+class Replay:
+    """One compiled graph called directly: the graph's inputs are the model's weights (bound once)
+    and the call's tensors, fetched from (ids, pad, cache) by the paths found at capture time and
+    checked against the captured shapes and strides (a mismatch returns None: the caller goes
+    through dynamo instead). Built only where the compiling call returned nothing but the logits (no
+    side effect outside the graph), so skipping dynamo's bytecode changes nothing.
+    Weights are bound by object: in-place updates are seen; where the model's modules, parameters or
+    buffers were replaced (`Bindings`), a replaced weight laid out like the bound one is rebound and
+    any other change retires the Replay (dynamo takes over)."""
+
+    def __init__(self, fn, args: list, paths: list, dynamic: list, model, weights: dict):
+        self.fn, self.args, self.paths, self.dynamic = fn, args, paths, dynamic  # paths: "ids", "pad" or a cache path
+        self.model, self.weights = weakref.ref(model), weights  # weights: graph input slot -> parameter name
+        self.bindings = Bindings(model)
+
+    @classmethod
+    def build(cls, record, model, result, ids, pad, cache) -> "Replay | None":
+        outputs = record.pop("outputs", None)
+        if outputs is None or cache.recording:  # recording stores tensors on the cache: a side effect
+            return None
+        if len(outputs) != 1 or outputs[0] is not result:  # any other output is a side effect we'd skip
+            return None
+        sources = {id(ids): "ids", **({id(pad): "pad"} if pad is not None else {})}
+        sources.update({id(t): path for path, t in cache.tensors().items()})
+        names = {id(t): n for n, t in named_weights(model).items()}
+        args, paths, dynamic, weights = list(record["inputs"]), [], [], {}
+        for i, t in enumerate(args):
+            if id(t) in sources:
+                dynamic.append((i, tuple(t.shape), t.stride()))
+                paths.append(sources[id(t)])
+                args[i] = None  # fetched per call; holding it would pin this call's tensors
+            elif id(t) in names:
+                weights[i] = names[id(t)]
+            else:
+                return None  # an input we cannot fetch again
+        return cls(record["fn"], args, paths, dynamic, model, weights)
+
+    def current(self) -> bool:
+        """Whether the bound weights are the model's: a replaced one laid out like the bound one is
+        rebound, any other change retires the Replay."""
+        if self.bindings.unchanged():
+            return True
+        model = self.model()
+        now = named_weights(model) if model is not None else {}
+        for i, name in self.weights.items():
+            old, new = self.args[i], now.get(name)
+            if new is None or layout_of(new) != layout_of(old):
+                return False
+            self.args[i] = new
+        self.bindings = Bindings(model)
+        return True
+
+    def fetch(self, ids, pad, cache) -> list:
+        return [ids if p == "ids" else pad if p == "pad" else cache.get(p) for p in self.paths]
+
+    def __call__(self, ids, pad, cache):
+        if not self.current():
+            return None
+        args = list(self.args)
+        for (i, shape, stride), t in zip(self.dynamic, self.fetch(ids, pad, cache)):
+            if t.shape != shape or t.stride() != stride:
+                return None
+            args[i] = t
+        return self.fn(*args)[0]  # the graph's only output (build): the logits
+
+
+class Bindings:
+    """The objects a model's modules hold (submodules, parameters, buffers) at one moment, checked
+    by identity: any of them replaced since shows as changed (held, so no id is reused)."""
+
+    def __init__(self, model):
+        self.slots, self.objects = [], []
+        for m in model.modules() if model is not None else ():
+            for store in (m._modules, m._parameters, m._buffers):
+                for name, obj in store.items():
+                    self.slots.append((store, name))
+                    self.objects.append(obj)
+
+    def unchanged(self) -> bool:
+        return all(map(operator.is_, [store.get(name) for store, name in self.slots], self.objects))
+
+
+def named_weights(model) -> dict:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}

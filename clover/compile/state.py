@@ -1,0 +1,85 @@
+"""What is compiled for one model: its step function, the graphs and Replays of its shapes, the
+shapes and fused-function layouts waiting to be compiled, the fused functions' graphs."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from ..models.modeling_clover import stream_layout
+from ..ops.linear import tiled
+from .backend import capturing_backend
+
+# graphs of the step function per model (shape buckets x variants): `clover tune`'s default grid on
+# all held-out prompts needs ~80; past the limit new shapes run eagerly
+RECOMPILE_LIMIT = 256
+
+
+def _step(model, ids, pad, cache, keep: int, draft_len: int, clean_bs: int, block: int):
+    """One steady step, layout included: its masks and positions are a dozen small ops on the
+    cache's lengths, fused into the graph here."""
+    layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_bs, block, cache, pad,
+                           ids.device, static=True)
+    return model.head(model.model(ids, layout, cache, keep), keep)
+
+
+class CompileState:
+    """Everything compiled for one model (`state_of`), shared by every compiled runner on it.
+
+    `c_shims`: the CPU graphs call the clover_cpu ops' C entry points (False: through the
+    dispatcher); fixed when the step function is made."""
+
+    def __init__(self, model=None, c_shims: bool = True):
+        self.model = weakref.ref(model) if model is not None else None
+        self.c_shims = c_shims
+        self.step_fn = None
+        self.captures: list = []  # graphs the backend compiled in the current call (CPU)
+        self.replays: dict = {}  # ShapeKey -> Replay, or None (compiled, called through dynamo)
+        self.deferred: dict = {}  # ShapeKey -> None, oldest first: ran eagerly, wait for `compile_deferred`
+        self.full = False  # the step hit dynamo's recompile limit: new shapes run eagerly
+        self.fused_graphs: dict = {}  # (key, input layouts, mode flags) -> compiled graph
+        self.fused_deferred: dict = {}  # the same keys -> the Fused that ran them eagerly
+        self.fused_compiles = 0  # graphs compiled for fused functions (tests count recompilation)
+        self._limits = threading.local()  # `raised`: this thread raised dynamo's recompile limits
+
+    def step(self):
+        """The model's compiled step function, made on the first call."""
+        if self.step_fn is None:
+            self.raise_recompile_limits()
+            model = self.model()
+            if model.device.type == "cuda":  # CUDA graphs replay there; dynamo's call stays in front of them
+                self.step_fn = torch.compile(_step, dynamic=False, fullgraph=True, mode="reduce-overhead")
+            else:
+                tiled.available()  # the clover_cpu kernels built (or loaded) before tracing: graphs route to them
+                for m in model.modules():  # modules that choose kernels by what their weights hold
+                    if hasattr(m, "prepare_for_graphs"):
+                        m.prepare_for_graphs()
+                backend = capturing_backend(self.captures, self.c_shims)
+                self.step_fn = torch.compile(_step, dynamic=False, fullgraph=True, backend=backend)
+        return self.step_fn
+
+    def raise_recompile_limits(self) -> None:
+        """dynamo's recompile limits up to RECOMPILE_LIMIT, once per thread: its config is per thread,
+        so a limit raised where the step was made leaves the default to another thread that compiles
+        (a server's scheduler compiling deferred shapes). Once: a lower limit set afterwards stays."""
+        if not getattr(self._limits, "raised", False):
+            for limit in ("recompile_limit", "accumulated_recompile_limit"):  # per code object, and over all
+                setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), RECOMPILE_LIMIT))
+            self._limits.raised = True
+
+    def waiting(self) -> int:
+        """How many shapes and fused-function layouts wait for `compile_deferred`."""
+        return len(self.deferred) + len(self.fused_deferred)
+
+
+_states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its CompileState
+
+
+def state_of(model, c_shims: bool | None = None) -> CompileState:
+    """The model's compile state, made on first use (`c_shims` then: see CompileState)."""
+    state = _states.get(model)
+    if state is None:
+        state = _states[model] = CompileState(model, c_shims=True if c_shims is None else c_shims)
+    return state
