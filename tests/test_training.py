@@ -11,7 +11,8 @@ from clover.data import tasks
 from clover.data.tokenizer import train_tokenizer
 from clover.models import CloverForBlockDiffusion, preset_config
 from clover.models.modeling_clover import window_ids
-from clover.training import Trainer, TrainConfig, checkpoints, lr_factor
+from clover.training import Trainer, TrainConfig, lr_factor
+from clover.utils import checkpoint_dirs as checkpoints
 from clover.training.objectives import (
     ar_loss,
     block_diffusion_loss,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..training.checkpoints import put_in_place
+from ..utils.checkpoint_dirs import put_in_place
 from ..utils.files import keep_umask_mode
 
 STATE = "trainer_state.json"
@@ -66,7 +66,7 @@ def save(trainer, final: Path, tmp: Path, d) -> None:
         trainer.model.config.save_pretrained(str(tmp))
         trainer.tok.save_pretrained(str(tmp))
         (tmp / "train_config.json").write_text(trainer.config_json())
-        put_in_place(tmp, final)  # whole, never half-replaced (clover/training/checkpoints.py)
+        put_in_place(tmp, final)  # whole, never half-replaced (clover/utils/checkpoint_dirs.py)
     if d is not None:
         d.barrier()
 

@@ -4,7 +4,7 @@ Checkpoints (every `ckpt_every` steps, and at the end) are folders
 `<out_dir>/checkpoints/step_NNNNNN/` holding the model in HF format (config.json +
 model.safetensors, fp32 master weights), `trainer_state.pt` (optimizer, scheduler, RNG states, step;
 plain tensors / numbers only, loadable with `torch.load(weights_only=True)`) and `train_config.json`.
-Each is written into a temporary folder and renamed into place whole (clover/training/checkpoints.py
+Each is written into a temporary folder and renamed into place whole (clover/utils/checkpoint_dirs.py
 has the rules), so a run killed at any instant leaves every finished checkpoint intact; `--resume`
 continues from the newest complete one (found by looking, not by trusting `checkpoints/latest`, a
 hint written after each save) bit-for-bit on CPU (the batch order and the noise come from one seeded
@@ -36,7 +36,7 @@ import torch
 
 from ..data.dataset import encode_files, pack
 from ..utils.files import atomic_write
-from . import checkpoints
+from ..utils import checkpoint_dirs as checkpoints
 from .config import TrainConfig  # its home is config.py (torch-free); re-exported here
 from .objectives import ar_loss, block_diffusion_loss, self_spec_loss
 
@@ -193,7 +193,7 @@ class Trainer:
         return (path / "dcp").is_dir()
 
     def save_checkpoint(self) -> Path:
-        """Write the checkpoint of this step (the sequence clover/training/checkpoints.py describes)."""
+        """Write the checkpoint of this step (the sequence clover/utils/checkpoint_dirs.py describes)."""
         name = checkpoints.checkpoint_name(self.step)
         final = self.ckdir / name
         tmp = self.ckdir / f".{name}.tmp"

@@ -79,7 +79,7 @@ def run_stage(name: str, cfg, resume: bool) -> dict:
     if resume and (out / "summary.json").exists():
         log(f"{name}: already done ({out / 'summary.json'})")
         return json.loads((out / "summary.json").read_text())
-    from clover.training.checkpoints import find_checkpoint
+    from clover.utils.checkpoint_dirs import find_checkpoint
 
     has_ckpt = find_checkpoint(out / "checkpoints") is not None
     log(f"{name}: training ({'resuming' if resume and has_ckpt else 'from the start'}) -> {out}")
