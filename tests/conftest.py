@@ -1,9 +1,39 @@
 import pytest
 import torch
 
+pytest_plugins = ["pytester"]  # tests/test_suite_split.py runs the marking on a made-up suite
+
 # Tiny test tensors: one thread avoids OpenMP spin overhead, which on a shared 2-core box made
-# small forwards 10-100x slower with two threads.
+# small forwards many times slower with two threads.
 torch.set_num_threads(1)
+
+# Tests that compile with inductor (or build the C++ kernels for another CPU): most of the suite's
+# time. They carry the `compiled` marker: `make test` leaves them out, `make test-compiled` runs
+# only them, and .ci/run runs both. Whole modules (None), or test functions of a module (where a
+# function has a `compiled` parameter, only its compiled cases). All of them share inductor's
+# on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default one per user under the temp dir), so a graph
+# compiled by one test or run is loaded, not compiled again, by the next.
+COMPILED = {
+    "test_runner_compiled.py": None,
+    "test_ops.py": {"test_local_window_attention_matches_naive_same_window_mask", "test_gathered_experts_compiled_match_naive",
+                    "test_compiled_graphs_call_the_ops_c_entry_points", "test_tiled_kernels_built_for_other_cpus_match_naive"},
+}
+
+
+def is_compiled(item) -> bool:
+    names = COMPILED.get(item.path.name, ())
+    if names is None:
+        return True
+    if item.originalname not in names:
+        return False
+    params = getattr(item, "callspec", None)
+    return params is None or params.params.get("compiled", True) is not False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_compiled(item):
+            item.add_marker(pytest.mark.compiled)
 
 
 @pytest.fixture(autouse=True)
