@@ -28,7 +28,7 @@ import torch
 from clover.api import DEFAULT_MODEL, load
 from clover.backends.gguf_export import export_gguf
 from clover.backends.llamacpp import LlamaCppModel, find_build, greedy_ar
-from clover.backends.llamacpp.runner import LlamaCppRunner
+from clover.backends.llamacpp.model import LlamaCppModel
 from clover.engine.runner import make_runner
 from clover.models import CloverForBlockDiffusion, preset_config
 from clover.ops.linear import tiled
@@ -98,8 +98,8 @@ def step_table(label, folder, tmp, args):
         with torch.inference_mode():
             model(prefix, cache=ccache)
         csnap = ccache.snapshot()
-        cfns = [(lambda: compiled.forward(one, ccache, keep=1))]
-        cfns += [(lambda b=b: compiled.forward(step_ids[:, :b], ccache, block_size=b, draft_len=b, clean_block_size=b, keep=b))
+        cfns = [(lambda: compiled.forward(one, ccache, logits_to_keep=1))]
+        cfns += [(lambda b=b: compiled.forward(step_ids[:, :b], ccache, block_size=b, draft_len=b, clean_block_size=b, logits_to_keep=b))
                  for b in BLOCKS]
         with torch.inference_mode():
             for fn in cfns:  # the first call compiles (or loads inductor's cache), the second captures the replay
@@ -119,7 +119,7 @@ def step_table(label, folder, tmp, args):
                 add(f"{t} {b}", lambda cpp=cpp, b=b: cpp.decode([[], toks[:b]], logits="all"), lambda cpp=cpp: cpp.fork(0, 1))
         runners = []
         for t in ("f32", "bf16"):  # our runner (patched llama.cpp, llama.cpp's default settings) on the same files
-            runner = LlamaCppRunner(files[t], model.config, max_rows=2, threads=threads, n_ctx=args.context + 4 * max(BLOCKS))
+            runner = LlamaCppModel(files[t], model.config, max_rows=2, threads=threads, n_ctx=args.context + 4 * max(BLOCKS))
             runners.append(runner)
             base, live = runner.new_cache(1), runner.new_cache(1)
             runner(prefix, cache=base, logits_to_keep=1)
@@ -173,7 +173,7 @@ def decode_table(tmp, args):
     jobs = [(encode(tok, plain_prompt(ex)), ex["budget"]) for ex in exs]
     eos = eos_ids(model, tok)
     bf16 = tmp / "default-bf16.gguf"
-    runner = LlamaCppRunner(bf16, model.config, max_rows=1, threads=1)
+    runner = LlamaCppModel(bf16, model.config, max_rows=1, threads=1)
     cpp = LlamaCppModel(bf16, threads=1)
     modes = [("ar", 1), ("low_confidence", 2), ("low_confidence", 4), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32),
              ("self_spec", 8)]

@@ -228,10 +228,10 @@ def main() -> None:
         for n in sizes:
             ids = prompt[:, -n:]
             if n == 1:
-                fn = (lambda r=r, c=cache, ids=ids: (r.forward(ids, c, keep=1), _sync(device)))
+                fn = (lambda r=r, c=cache, ids=ids: (r.forward(ids, c, logits_to_keep=1), _sync(device)))
             else:
                 fn = (lambda r=r, c=cache, ids=ids, n=n: (r.forward(ids, c, block_size=n, draft_len=n, clean_block_size=n,
-                                                                    keep=n), _sync(device)))
+                                                                    logits_to_keep=n), _sync(device)))
             candidates[(kind, n)] = fn if args.burst == 1 else (lambda fn=fn: [fn() for _ in range(args.burst)])
     with torch.inference_mode():
         for key, fn in candidates.items():  # first call = compilation (cold, unless inductor's cache has it)

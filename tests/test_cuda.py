@@ -17,11 +17,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def steps(runner, ids, rows):
     """Prefill, then an AR step and a 4-token draft step twice (the second pair replays)."""
     cache = runner.new_cache(rows, 64)
-    out = [runner.forward(ids[:, :-5], cache, keep=1)]
+    out = [runner.forward(ids[:, :-5], cache, logits_to_keep=1)]
     snap = cache.snapshot()
     for _ in range(2):
-        out.append(runner.forward(ids[:, -5:-4], cache, keep=1))
-        out.append(runner.forward(ids[:, -4:], cache, block_size=4, draft_len=4, clean_block_size=4, keep=4))
+        out.append(runner.forward(ids[:, -5:-4], cache, logits_to_keep=1))
+        out.append(runner.forward(ids[:, -4:], cache, block_size=4, draft_len=4, clean_block_size=4, logits_to_keep=4))
         cache.restore(snap)
     return [o.float().cpu() for o in out]
 

@@ -22,7 +22,7 @@ from test_gguf_export import DEFAULT, save_odd_model  # noqa: E402
 def pair(tmp_path_factory):
     """name -> (torch model, tokenizer, llama.cpp runner), the runner in parity settings (f32 K/V)."""
     from clover.api import load
-    from clover.backends.llamacpp.runner import LlamaCppRunner
+    from clover.backends.llamacpp.model import LlamaCppModel
 
     root = tmp_path_factory.mktemp("diffusion")
     out = {}
@@ -30,7 +30,7 @@ def pair(tmp_path_factory):
         path = root / f"{name}.gguf"
         export_gguf(folder, path, "f32")
         model, tok = load(folder, "cpu")
-        out[name] = (model, tok, LlamaCppRunner(path, model.config, max_rows=4, parity=True))
+        out[name] = (model, tok, LlamaCppModel(path, model.config, max_rows=4, parity=True))
     yield out
     for _, _, runner in out.values():
         runner.close()

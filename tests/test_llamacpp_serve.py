@@ -22,13 +22,13 @@ def servers(tmp_path_factory):
     import clover
     from clover.api import eos_ids
     from clover.backends.gguf_export import export_gguf
-    from clover.backends.llamacpp.runner import LlamaCppRunner
+    from clover.backends.llamacpp.model import LlamaCppModel
     from clover.server import Settings, create_app
 
     path = tmp_path_factory.mktemp("serve-gguf") / "default.gguf"
     export_gguf(DEFAULT, path, "f32")
     model, tok = clover.load(DEFAULT, "cpu")
-    runner = LlamaCppRunner(path, model.config, max_rows=4, parity=True)
+    runner = LlamaCppModel(path, model.config, max_rows=4, parity=True)
     settings = dict(model_id="m", block_size=8, threshold=0.9, max_batch=4, max_queue=16)
     apps = [create_app(m, tok, Settings(**settings), eos_ids(m, tok)) for m in (model, runner)]
     with RunningServer(apps[0]) as a, RunningServer(apps[1]) as b:

@@ -72,9 +72,9 @@ def test_runner_forward_equals_model_forward(model):
                           logits_to_keep=4, logits_index=torch.tensor([0, 2, 3])).logits
             else:
                 r = make_runner("eager", model)
-                a = r.forward(ids[:, :5], cache, clean_block_size=5, pad=pad[:, :5], keep=1)
-                b = r.forward(ids[:, 5:], cache, block_size=4, draft_len=4, clean_block_size=4, keep=4,
-                              index=torch.tensor([0, 2, 3]))
+                a = r.forward(ids[:, :5], cache, clean_block_size=5, pad_mask=pad[:, :5], logits_to_keep=1)
+                b = r.forward(ids[:, 5:], cache, block_size=4, draft_len=4, clean_block_size=4, logits_to_keep=4,
+                              logits_index=torch.tensor([0, 2, 3]))
         outs.append((a, b, cache.lens, cache.key[3].clone()))
     for x, y in zip(*outs):
         assert torch.equal(x, y)

@@ -34,7 +34,7 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
 
     def record(self, ids, cache, **kw):
         out = real(self, ids, cache, **kw)
-        logits.append((out.detach().clone(), kw.get("index")))
+        logits.append((out.detach().clone(), kw.get("logits_index")))
         return out
 
     cls.forward = record

@@ -124,16 +124,16 @@ def run_schema(args) -> int:
 
 def load_model(args, rows: int):
     """(model, tokenizer): PyTorch (sharded under torchrun with --tp / --ep), or the llama.cpp
-    runner behind the same interface."""
+    model behind the same interface."""
     if getattr(args, "backend", "torch") != "llamacpp":
         from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
 
         return load_sharded(args)  # clover.load in one process
     from ..backends.llamacpp import LlamaCppError
-    from ..backends.llamacpp.runner import load_runner
+    from ..backends.llamacpp.model import load_llamacpp
 
     try:
-        return load_runner(args.model, args.gguf, max_rows=rows, threads=getattr(args, "threads", None) or 1)
+        return load_llamacpp(args.model, args.gguf, max_rows=rows, threads=getattr(args, "threads", None) or 1)
     except LlamaCppError as e:
         raise UserError(str(e)) from None
 

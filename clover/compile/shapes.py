@@ -18,22 +18,23 @@ class ShapeKey(NamedTuple):
     shape: tuple  # the ids' [rows, columns]
     device: torch.device
     draft_len: int
-    clean_bs: int
+    clean_block_size: int
     block: int
     no_pad: bool
     recording: bool
     capacity: int
     rows: int  # the cache's rows
     dtype: torch.dtype  # the cache's dtype
-    keep: int
+    logits_to_keep: int
     grad: bool
     inference: bool
 
 
-def shape_key(ids, pad, cache, keep: int, draft_len: int, clean_bs: int, block: int) -> ShapeKey:
-    return ShapeKey(tuple(ids.shape), ids.device, draft_len, clean_bs, block, pad is None, cache.recording,
-                    cache.capacity, cache.batch_size, cache.dtype, keep, torch.is_grad_enabled(),
-                    torch.is_inference_mode_enabled())
+def shape_key(ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,
+              block: int) -> ShapeKey:
+    return ShapeKey(tuple(ids.shape), ids.device, draft_len, clean_block_size, block, pad_mask is None,
+                    cache.recording, cache.capacity, cache.batch_size, cache.dtype, logits_to_keep,
+                    torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
 
 def is_steady(num_clean: int, length: int) -> bool:

@@ -17,12 +17,12 @@ from .backend import capturing_backend
 RECOMPILE_LIMIT = 256
 
 
-def _step(model, ids, pad, cache, keep: int, draft_len: int, clean_bs: int, block: int):
+def _step(model, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int, block: int):
     """One steady step, layout included: its masks and positions are a dozen small ops on the
     cache's lengths, fused into the graph here."""
-    layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_bs, block, cache, pad,
-                           ids.device, static=True)
-    return model.head(model.model(ids, layout, cache, keep), keep)
+    layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_block_size, block, cache,
+                           pad_mask, ids.device, static=True)
+    return model.head(model.model(ids, layout, cache, logits_to_keep), logits_to_keep)
 
 
 class CompileState:

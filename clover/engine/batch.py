@@ -95,8 +95,8 @@ class RowBatch:
         chunk = max(bs, self.prefill_chunk // bs * bs)
         cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]
         for a, b in zip(cuts[:-2], cuts[1:-1]):
-            self.runner.forward(ids[:, a:b], cache, clean_block_size=bs, pad=pad[:, a:b] if pad[:, a:b].any() else None,
-                                keep=1)
+            self.runner.forward(ids[:, a:b], cache, clean_block_size=bs,
+                                pad_mask=pad[:, a:b] if pad[:, a:b].any() else None, logits_to_keep=1)
         a = cuts[-2]
         return ids[:, a:], pad[:, a:] if pad[:, a:].any() else None
 
@@ -118,7 +118,8 @@ class RowBatch:
         for s in self.seqs:
             s.forward_passes += 1
         return self.runner.forward(ids, self.cache, block_size=block_size, draft_len=draft_len,
-                                   clean_block_size=self.clean_bs, pad=pad, keep=keep, index=index)
+                                   clean_block_size=self.clean_bs, pad_mask=pad, logits_to_keep=keep,
+                                   logits_index=index)
 
 
 def _stack_pending(a, rows_a: int, b, rows_b: int, device) -> Pending | None:

@@ -31,7 +31,7 @@ class EagerRunner:
 
     name = "eager"
     prefill_chunk = None  # no cap on the prompt tokens per prefill forward
-    # whether the head costs the same for a subset of the kept columns (`index`) as for all of them:
+    # whether the head costs the same for a subset of the kept columns (`logits_index`) as for all of them:
     # then a caller needs not work out which columns it wants
     full_head = False
 
@@ -48,13 +48,13 @@ class EagerRunner:
         depend on another row's inputs. As this runner calls it: eagerly, op by op."""
         return fn
 
-    def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
-                index=None) -> torch.Tensor:
-        """ids [rows, L] = [clean segment ; draft window of `draft_len`]; `keep`/`index` choose the
-        columns whose logits are computed (see CloverForBlockDiffusion.forward)."""
+    def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
+                logits_to_keep=0, logits_index=None) -> torch.Tensor:
+        """ids [rows, L] = [clean segment ; draft window of `draft_len`]; `logits_to_keep` /
+        `logits_index` choose the columns whose logits are computed (see CloverForBlockDiffusion.forward)."""
         return self.model(ids, cache=cache, block_size=block_size, draft_len=draft_len,
-                          clean_block_size=clean_block_size, pad_mask=pad, logits_to_keep=keep,
-                          logits_index=index).logits
+                          clean_block_size=clean_block_size, pad_mask=pad_mask, logits_to_keep=logits_to_keep,
+                          logits_index=logits_index).logits
 
 
 class CompiledRunner(EagerRunner):
@@ -69,7 +69,7 @@ class CompiledRunner(EagerRunner):
 
     name = "compiled"
     prefill_chunk = STEADY_MAX  # prompts are committed in chunks a graph takes (the engine's cap)
-    full_head = True  # a graph runs the head on every kept column (one shape); `index` only slices its logits
+    full_head = True  # a graph runs the head on every kept column (one shape); `logits_index` only slices its logits
 
     def __init__(self, model, replay: bool = True, defer: bool = False, c_shims: bool | None = None):
         super().__init__(model)
@@ -86,12 +86,12 @@ class CompiledRunner(EagerRunner):
         buckets, as the model's steps (`Fused`)."""
         return Fused(fn, key, self.state, shared, defer=self.defer)
 
-    def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad=None, keep=0,
-                index=None) -> torch.Tensor:
-        call = dict(block_size=block_size, draft_len=draft_len, clean_block_size=clean_block_size, pad=pad, keep=keep,
-                    index=index)
+    def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
+                logits_to_keep=0, logits_index=None) -> torch.Tensor:
+        call = dict(block_size=block_size, draft_len=draft_len, clean_block_size=clean_block_size, pad_mask=pad_mask,
+                    logits_to_keep=logits_to_keep, logits_index=logits_index)
         num_clean = ids.shape[1] - draft_len
-        ids, pad = dense(ids), dense(pad)
+        ids, pad = dense(ids), dense(pad_mask)
         steady = cache is not None and is_steady(num_clean, ids.shape[1])
         given = ids  # bucket pads `ids`; the eager fallbacks run the call as given
         if cache is not None and not steady and (padded := bucket(ids, pad, num_clean)) is not None:
@@ -101,7 +101,7 @@ class CompiledRunner(EagerRunner):
         clean_bs, block = self.model.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
         rows = ids.shape[0]
         run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
-        key = shape_key(run_ids, run_pad, run_cache, keep, draft_len, clean_bs, block)
+        key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_bs, block)
         logits = self._compiled(key, run_ids, run_pad, run_cache)
         if logits is None:
             return self._eager(given, cache, call)
@@ -111,7 +111,7 @@ class CompiledRunner(EagerRunner):
             if cache.recording:  # the spare rows' records go: rollback rewinds the real rows
                 cache.trim_records(rows)
         self.model.commit_lens(cache, num_clean, pad)
-        return logits if index is None else logits[:, index]
+        return logits if logits_index is None else logits[:, logits_index]
 
     def _compiled(self, key: ShapeKey, ids, pad, cache) -> torch.Tensor | None:
         """The key's graph on these inputs: its Replay, else through dynamo (which compiles it if it
@@ -145,7 +145,7 @@ class CompiledRunner(EagerRunner):
         del state.captures[:]
         state.raise_recompile_limits()  # in this thread (the step may have been made in another)
         try:
-            logits = step(self.model, ids, pad, cache, key.keep, key.draft_len, key.clean_bs, key.block)
+            logits = step(self.model, ids, pad, cache, key.logits_to_keep, key.draft_len, key.clean_block_size, key.block)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
                           "graphs) reached, new shapes now run eagerly", stacklevel=4)

@@ -116,8 +116,9 @@ def step_ms(model, sizes, context: int = 256, repeats: int = 10, runner: str = "
     with torch.inference_mode():
         model(prompt, cache=cache)
         snap = cache.snapshot()
-        calls = {n: (lambda n=n: r.forward(prompt[:, -n:], cache, block_size=n, draft_len=n, clean_block_size=n, keep=n))
-                 if n > 1 else (lambda: r.forward(prompt[:, -1:], cache, keep=1)) for n in sizes}
+        calls = {n: (lambda n=n: r.forward(prompt[:, -n:], cache, block_size=n, draft_len=n, clean_block_size=n,
+                                              logits_to_keep=n))
+                 if n > 1 else (lambda: r.forward(prompt[:, -1:], cache, logits_to_keep=1)) for n in sizes}
         times = time_alternately(calls, repeats=repeats, warmup=2, setup=lambda _: cache.restore(snap))
     return {n: 1e3 * t for n, t in times.items()}
 

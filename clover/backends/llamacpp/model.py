@@ -1,4 +1,4 @@
-"""`LlamaCppRunner`: the patched llama.cpp behind the decoding engine's model interface.
+"""`LlamaCppModel`: the patched llama.cpp behind the decoding engine's model interface.
 
 The engine (clover/engine/engine.py) calls `model(ids, cache=..., block_size, draft_len,
 clean_block_size, pad_mask, logits_to_keep, logits_index).logits`, `model.new_cache(rows, capacity)`
@@ -33,17 +33,17 @@ class _Out:
 
 
 class LlamaCppCache:
-    """Rows of one runner: the llama.cpp sequence id of each row and its committed length."""
+    """Rows of one model: the llama.cpp sequence id of each row and its committed length."""
 
-    def __init__(self, runner: "LlamaCppRunner", rows: int):
-        self.runner = runner
-        self.seqs = [runner.take_seq() for _ in range(rows)]
+    def __init__(self, model: "LlamaCppModel", rows: int):
+        self.model = model
+        self.seqs = [model.take_seq() for _ in range(rows)]
         self.recording: dict | None = None
 
     def release(self) -> None:
-        """Hand every sequence (and backup) back to the runner; the engine drops a finished cache."""
+        """Hand every sequence (and backup) back to the model; the engine drops a finished cache."""
         for s in self.seqs + list((self.recording or {}).get("backup", {}).values()):
-            self.runner.give_seq(s)
+            self.model.give_seq(s)
         self.seqs, self.recording = [], None
 
     def __del__(self):
@@ -54,13 +54,13 @@ class LlamaCppCache:
 
     @property
     def lens(self) -> torch.Tensor:
-        return torch.tensor([self.runner.cpp.lens[s] for s in self.seqs])
+        return torch.tensor([self.model.cpp.lens[s] for s in self.seqs])
 
     def start_recording(self) -> None:
         backups = {}
         for s in self.seqs:
-            b = backups[s] = self.runner.take_seq()
-            self.runner.cpp.fork(s, b)
+            b = backups[s] = self.model.take_seq()
+            self.model.cpp.fork(s, b)
         self.recording = {"backup": backups, "tokens": {s: [] for s in self.seqs}}
 
     def record(self, seq: int, tokens: list[int]) -> None:
@@ -69,7 +69,7 @@ class LlamaCppCache:
 
     def rollback(self, keep: torch.Tensor) -> None:
         rec, self.recording = self.recording, None
-        cpp = self.runner.cpp
+        cpp = self.model.cpp
         redo_tokens, redo_seqs = [], []
         for s, k in zip(self.seqs, keep.tolist()):
             done = rec["tokens"][s]
@@ -78,15 +78,15 @@ class LlamaCppCache:
                 cpp.fork(backup, s)
                 redo_tokens.append(done[:k])
                 redo_seqs.append(s)
-            self.runner.give_seq(backup)
+            self.model.give_seq(backup)
         if redo_seqs:
-            self.runner.decode(redo_tokens, redo_seqs, 0, [0] * len(redo_seqs))
+            self.model.decode(redo_tokens, redo_seqs, 0, [0] * len(redo_seqs))
 
     def select_rows(self, idx: torch.Tensor) -> None:
         keep = set(idx.tolist())
         for r, s in enumerate(self.seqs):
             if r not in keep:
-                self.runner.give_seq(s)
+                self.model.give_seq(s)
         self.seqs = [self.seqs[r] for r in idx.tolist()]
 
     def append_rows(self, other: "LlamaCppCache") -> None:
@@ -94,7 +94,7 @@ class LlamaCppCache:
         other.seqs = []
 
 
-class LlamaCppRunner:
+class LlamaCppModel:
     """Presents `CloverForBlockDiffusion`'s forward / new_cache to the engine, computed by llama.cpp."""
 
     def __init__(self, gguf_path: str | Path, config, max_rows: int = 8, threads: int = 1, n_ctx: int | None = None,
@@ -118,13 +118,13 @@ class LlamaCppRunner:
 
     def take_seq(self) -> int:
         if not self.free:
-            raise RuntimeError("llama.cpp runner: more rows than max_rows")
+            raise RuntimeError("llama.cpp model: more rows than max_rows")
         seq = self.free.pop(0)
         self.cpp.drop(seq)
         return seq
 
     def give_seq(self, seq: int) -> None:
-        if self.cpp.ctx is None:  # closed: a cache outliving its runner has nothing left to free
+        if self.cpp.ctx is None:  # closed: a cache outliving its model has nothing left to free
             return
         self.cpp.drop(seq)
         self.free.insert(0, seq)  # LIFO: a draft's scratch keeps its id, so llama.cpp can reuse the graph
@@ -175,7 +175,7 @@ class LlamaCppRunner:
     def __call__(self, input_ids, cache: LlamaCppCache | None = None, block_size: int | None = None, draft_len: int = 0,
                  clean_block_size: int | None = None, pad_mask=None, logits_to_keep: int = 0, logits_index=None, **unused):
         if cache is None:
-            raise ValueError("the llama.cpp runner needs a cache (model.new_cache)")
+            raise ValueError("the llama.cpp model needs a cache (model.new_cache)")
         ids = input_ids.tolist()
         rows, length = len(ids), len(ids[0])
         block = block_size or 1
@@ -225,9 +225,9 @@ class LlamaCppRunner:
         return _Out(logits)
 
 
-def load_runner(model_dir: str | Path | None = None, gguf: str | Path | None = None, threads: int = 1, max_rows: int = 8,
+def load_llamacpp(model_dir: str | Path | None = None, gguf: str | Path | None = None, threads: int = 1, max_rows: int = 8,
                 parity: bool = False):
-    """(runner, tokenizer) for a Clover model folder; its GGUF is exported (f32) next to a temp dir
+    """(model, tokenizer) for a Clover model folder; its GGUF is exported (f32) next to a temp dir
     unless `gguf` names one."""
     import tempfile
 
@@ -243,5 +243,5 @@ def load_runner(model_dir: str | Path | None = None, gguf: str | Path | None = N
         tmp = Path(tempfile.mkdtemp(prefix="clover-gguf-"))
         gguf = tmp / "model-f32.gguf"
         export_gguf(folder, gguf, "f32")
-    runner = LlamaCppRunner(gguf, config, max_rows=max_rows, threads=threads, parity=parity)
-    return runner, AutoTokenizer.from_pretrained(folder)
+    model = LlamaCppModel(gguf, config, max_rows=max_rows, threads=threads, parity=parity)
+    return model, AutoTokenizer.from_pretrained(folder)
