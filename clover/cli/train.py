@@ -1,4 +1,5 @@
-"""`clover train`: train a Clover model (objective `ar` or `block_diffusion`).
+"""`clover train`: train a Clover model (objective `ar`, `block_diffusion` or `distill`: self-distillation
+on the model's own greedy answers, clover/training/distill.py).
 
 Options come from a TOML config file (`--config`, keys = TrainConfig fields) and flags; flags win.
 List/dict options take JSON on the command line, e.g. --block-schedule '[[0.2,[1]],[1.0,[4,8]]]'.
@@ -28,7 +29,7 @@ def _fields():
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a model (ar or block_diffusion objective)",
+    p = sub.add_parser("train", help="train a model (ar, block_diffusion or distill objective)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML file with TrainConfig keys")
     p.add_argument("--resume", action="store_true", help="continue from <out_dir>/checkpoints/latest")

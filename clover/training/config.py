@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-OBJECTIVES = ("ar", "block_diffusion")
+OBJECTIVES = ("ar", "block_diffusion", "distill")
 
 
 @dataclass
@@ -53,6 +53,12 @@ class TrainConfig:
                                                          [1.0, [4, 8, 16, 32]]])
     random_phase: bool = True
     eval_block_size: int = 32
+    # self-distillation (objective "distill", clover/training/distill.py): train_files hold prompts
+    teacher: str = ""  # model folder whose greedy ar output is the target (default: init)
+    teacher_cache: str = ""  # folder of the cached teacher outputs (default: <out_dir>/teacher)
+    teacher_max_new_tokens: int = 64  # budget of each teacher answer (a record's own max_new_tokens if smaller)
+    teacher_batch: int = 32  # prompts per engine run (and per cache part)
+    ar_weight: float = 0.0  # distill: weight of the AR loss added to the block loss of every block > 1 step
     self_spec_frac: float = 0.0  # share of steps on causal-prefix + one-noisy-window samples (self_spec_loss)
     # bookkeeping
     log_every: int = 10
@@ -85,6 +91,13 @@ class TrainConfig:
             raise ValueError(f"suffix_frac must be in [0, 1], got {self.suffix_frac}")
         if self.conf_weight < 0:
             raise ValueError(f"conf_weight must be >= 0, got {self.conf_weight}")
+        if self.ar_weight < 0:
+            raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
+        if self.objective == "distill":
+            if not (self.teacher or self.init):
+                raise ValueError("objective distill needs a teacher model: set init (or teacher)")
+            if self.teacher_max_new_tokens < 1 or self.teacher_batch < 1:
+                raise ValueError("teacher_max_new_tokens and teacher_batch must be >= 1")
         if self.chat_eos_pad < 0:
             raise ValueError(f"chat_eos_pad must be >= 0, got {self.chat_eos_pad}")
         if not 0 < self.t_min <= self.t_max <= 1:

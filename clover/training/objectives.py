@@ -22,6 +22,11 @@ mean entropy of the predicted distribution over the masked targets the model alr
 (argmax = target). The ELBO gives little incentive to push a right answer from p = 0.8 to 0.99, but
 low_confidence decoding fills only what clears 0.95: sharpening right answers is what lets it fill
 several tokens per step. Wrong predictions are left alone, so uncertainty stays where it is earned.
+It is also dParallel's certainty forcing (arXiv 2509.26488: minimise the entropy where argmax = target).
+
+Self-distillation (`distill_loss`, objective "distill", clover/training/distill.py): the same block
+objective, with its confidence term, on the teacher's greedy `ar` output, plus `ar_weight` x the AR
+loss of the same rows, so block size 1 keeps predicting what the teacher predicted.
 """
 
 from __future__ import annotations
@@ -127,6 +132,18 @@ def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, gen
         x0, xt, masked, weight = (shard.take(t, copies) for t in (x0, xt, masked, weight))
     logits = model(x0, noisy_input_ids=xt, block_size=block).logits
     return diffusion_loss_from_logits(logits, x0, masked, weight, n, conf_weight, stats, shard), n
+
+
+def distill_loss(model, ids, loss_mask, block, ar_weight=0.0, stats=None, **bd) -> tuple[torch.Tensor, int]:
+    """block_diffusion_loss (keywords `bd`: noise, confidence term) + ar_weight x ar_loss on the same
+    rows; their parts go to `stats` as bd_loss / ar_loss."""
+    loss, n = block_diffusion_loss(model, ids, loss_mask, block, stats=stats, **bd)
+    if not ar_weight or block == 1:
+        return loss, n
+    ar, _ = ar_loss(model, ids, loss_mask, bd.get("shard"))
+    if stats is not None:
+        stats["bd_loss"], stats["ar_loss"] = float(loss.detach()), float(ar.detach())
+    return loss + ar_weight * ar, n
 
 
 def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible):

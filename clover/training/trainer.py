@@ -1,4 +1,5 @@
-"""`clover train`: one loop for the `ar` and `block_diffusion` objectives.
+"""`clover train`: one loop for the `ar`, `block_diffusion` and `distill` objectives (distill: the
+block objective on the teacher's cached greedy answers, clover/training/distill.py).
 
 Checkpoints (every `ckpt_every` steps, and at the end) are folders
 `<out_dir>/checkpoints/step_NNNNNN/` holding the model in HF format (config.json +
@@ -38,7 +39,7 @@ from ..data.dataset import encode_files, pack
 from ..utils.files import atomic_write
 from ..utils import checkpoint_dirs as checkpoints
 from .config import TrainConfig  # its home is config.py (torch-free); re-exported here
-from .objectives import ar_loss, block_diffusion_loss, self_spec_loss
+from .objectives import ar_loss, block_diffusion_loss, distill_loss, self_spec_loss
 
 
 def lr_factor(step: int, cfg: TrainConfig, max_steps: int) -> float:
@@ -152,7 +153,7 @@ class Trainer:
 
                 self.expert_params = apply_expert_parallel(self.model, dist)
             shard_model(self.model, dist, cfg.bf16, self.expert_params)
-        ids, mask = encode_files(cfg.train_files, self.tok, cfg.chat_eos_pad)  # held-out rows: unpadded
+        ids, mask = self._train_stream()
         self.rows, self.rmask = pack(ids, mask, cfg.seq_len)
         self.eval_rows = None
         if cfg.eval_files:
@@ -183,6 +184,21 @@ class Trainer:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(self.config_json())
+
+    def _train_stream(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training tokens and loss mask: the files' records, or for `distill` the teacher's
+        answers to the files' prompts (generated into the cache by rank 0 when missing)."""
+        cfg = self.cfg
+        if cfg.objective != "distill":
+            return encode_files(cfg.train_files, self.tok, cfg.chat_eos_pad)  # held-out rows: unpadded
+        from .distill import teacher_data
+
+        if self.dist is not None and not self.main:
+            self.dist.barrier()
+        out = teacher_data(cfg, self.tok, self.device, cfg.progress and self.main)
+        if self.dist is not None and self.main:
+            self.dist.barrier()
+        return out
 
     def config_json(self) -> str:
         return json.dumps(dataclasses.asdict(self.cfg), indent=2)
@@ -274,8 +290,11 @@ class Trainer:
         if self.cfg.objective == "ar" or block == 1:
             return ar_loss(self.model, ids, mask, shard)
         suffix_frac, conf_weight = (0.0, 0.0) if held_out else (self.cfg.suffix_frac, self.cfg.conf_weight)
-        return block_diffusion_loss(self.model, ids, mask, block, self.cfg.t_min, self.cfg.t_max, gen,
-                                    self.cfg.complementary, suffix_frac, conf_weight, stats, shard)
+        bd = dict(t_min=self.cfg.t_min, t_max=self.cfg.t_max, generator=gen, complementary=self.cfg.complementary,
+                  suffix_frac=suffix_frac, conf_weight=conf_weight, shard=shard)
+        if self.cfg.objective == "distill" and not held_out:
+            return distill_loss(self.model, ids, mask, block, self.cfg.ar_weight, stats, **bd)
+        return block_diffusion_loss(self.model, ids, mask, block, stats=stats, **bd)
 
     def _shard(self, batch: int):
         if self.dist is None:
@@ -287,7 +306,7 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         block = 1
-        if cfg.objective == "block_diffusion":
+        if cfg.objective != "ar":
             sizes = block_sizes_at(self.step, self.max_steps, cfg.block_schedule)
             block = sizes[int(torch.randint(len(sizes), (1,), generator=self.gen))]
         total, ntok, stats = 0.0, 0, {}
@@ -339,7 +358,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(1234)  # the same noise at every evaluation
         out = {}
         bs = self.cfg.batch_size
-        blocks = [1] + ([self.cfg.eval_block_size] if self.cfg.objective == "block_diffusion" else [])
+        blocks = [1] + ([self.cfg.eval_block_size] if self.cfg.objective != "ar" else [])
         for block in blocks:
             num, den = 0.0, 0
             for i in range(0, self.eval_rows.shape[0], bs):
@@ -361,7 +380,7 @@ class Trainer:
         the schedule's last stage (after one warm-up pass), on a separate generator and without
         touching the weights, so the training itself stays a pure function of the config + max_steps."""
         cfg = self.cfg
-        sizes = block_sizes_at(10**9, 1, cfg.block_schedule) if cfg.objective == "block_diffusion" else [1]
+        sizes = block_sizes_at(10**9, 1, cfg.block_schedule) if cfg.objective != "ar" else [1]
         gen = torch.Generator().manual_seed(cfg.seed + 7919)
         ids = self.rows[: cfg.batch_size].to(self.device)
         mask = self.rmask[: cfg.batch_size].to(self.device)

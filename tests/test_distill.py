@@ -1,0 +1,195 @@
+"""Self-distillation (objective "distill"): the teacher cache and the objective's terms."""
+
+import json
+import math
+import multiprocessing
+import os
+import signal
+
+import pytest
+import torch
+
+from clover.training import TrainConfig, Trainer
+from clover.training import distill as D
+from clover.training.objectives import block_diffusion_loss, ar_loss, diffusion_loss_from_logits, distill_loss
+
+from helpers import save_tiny_model, tiny_tokenizer
+
+PROMPTS = ["Copy: abc", "Sort: 3 1 2", "Reverse: xyz", "Add: 12+7", "Copy: hello", "Sort: 9 4", "Lookup: k"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("distill")
+    teacher = save_tiny_model(d / "teacher", seed=3, peak=8.0)
+    tok = tiny_tokenizer()
+    tok.mask_token = "<|mask|>"  # the trainer checks the model's mask id against the tokenizer's
+    tok.save_pretrained(teacher)
+    recs = [{"prompt": p} for p in PROMPTS] + [{"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 3}]
+    (d / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return d, teacher
+
+
+def _build(setup, cache, **kw):
+    from clover.api import eos_ids, load
+
+    d, teacher = setup
+    model, tok = load(teacher, "cpu")
+    prompts = D.read_prompts([d / "prompts.jsonl"], tok)
+    return D.build_teacher_cache(model, tok, prompts, cache, 6, 3, D.teacher_fingerprint(teacher),
+                                 eos_ids(model, tok), progress=False, **kw)
+
+
+def _parts(cache):
+    return {p.name: p.read_bytes() for p in sorted(cache.glob("part_*.jsonl"))}
+
+
+def test_teacher_cache_is_the_engines_greedy_output_and_deterministic(setup, tmp_path):
+    from clover.api import eos_ids, load
+    from clover.engine import DecodeConfig, Engine
+
+    recs = _build(setup, tmp_path / "a")
+    assert len(recs) == len(PROMPTS) + 1 and len(_parts(tmp_path / "a")) == 3
+    assert _parts(tmp_path / "a") == _parts(_build(setup, tmp_path / "b") and tmp_path / "b")
+    model, tok = load(setup[1], "cpu")
+    first = recs[:3]  # part 0: the same batch through the engine's ar mode
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6, eos_token_ids=eos_ids(model, tok))
+    seqs = Engine(model, cfg).generate([r["prompt_ids"] for r in first])
+    assert [s.token_ids for s in seqs] == [r["output_ids"] for r in first]
+    assert len(recs[-1]["output_ids"]) <= 3  # the record's own budget
+    assert all(1 <= len(r["output_ids"]) <= 6 for r in recs)
+
+
+def _killed_at_part_one(setup, cache):
+    def die(k):
+        if k == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    _build(setup, cache, after_part=die)
+
+
+@pytest.mark.parametrize("fault", ["exception", "sigkill"])
+def test_teacher_cache_resumes_after_a_kill(setup, tmp_path, fault):
+    ref = tmp_path / "ref"
+    _build(setup, ref)
+    cache = tmp_path / "cache"
+    if fault == "exception":
+        def boom(k):
+            if k == 1:
+                raise KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            _build(setup, cache, after_part=boom)
+    else:
+        proc = multiprocessing.get_context("fork").Process(target=_killed_at_part_one, args=(setup, cache))
+        proc.start()
+        proc.join(120)
+        assert proc.exitcode == -signal.SIGKILL
+    assert sorted(_parts(cache)) == ["part_000000.jsonl", "part_000001.jsonl"]
+    (cache / ".part_000002.jsonl.tmp-1").write_text('{"torn')  # a torn temp file from the kill
+    with pytest.raises(ValueError, match="lacks 1 of 3 parts"):
+        D.read_teacher_cache(cache)
+    done = []
+    recs = _build(setup, cache, after_part=done.append)
+    assert done == [2]  # only the missing part was generated
+    assert _parts(cache) == _parts(ref) and recs == D.read_teacher_cache(ref)
+
+
+def test_teacher_cache_refuses_other_prompts(setup, tmp_path):
+    _build(setup, tmp_path / "c")
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    meta["prompts"] = "0" * 64
+    (tmp_path / "c" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="another prompts"):
+        _build(setup, tmp_path / "c")
+
+
+def test_teacher_stream_trains_on_the_answer_only():
+    ids, mask = D.teacher_stream([{"prompt_ids": [5, 6, 7], "output_ids": [8, 1]}, {"prompt_ids": [9], "output_ids": [4]}])
+    assert ids.tolist() == [5, 6, 7, 8, 1, 9, 4]
+    assert mask.tolist() == [False, False, False, True, True, False, True]
+
+
+# ---- the objective's terms on a hand-checkable example ------------------------------------------------
+def _entropy(p):
+    return -sum(x * math.log(x) for x in p if x > 0)
+
+
+def test_certainty_term_by_hand():
+    """Two masked targets over a 3-token vocabulary: column 0 predicts its target (probabilities
+    .7/.2/.1, target 0), column 1 does not (target 2, argmax 1). The term is the entropy of column 0
+    alone; with column 0 wrong too it is exactly zero."""
+    p0, p1 = [0.7, 0.2, 0.1], [0.1, 0.6, 0.3]
+    logits = torch.tensor([[p0, p1, [1 / 3] * 3]]).log()
+    ids = torch.tensor([[1, 0, 2]])  # targets: column 0 -> 0, column 1 -> 2
+    masked = torch.tensor([[True, True, False]])
+    weight = masked / 0.5
+    elbo = (-math.log(0.7) - math.log(0.3)) / 0.5 / 2
+    stats = {}
+    got = diffusion_loss_from_logits(logits, ids, masked, weight, 2, conf_weight=2.0, stats=stats)
+    assert float(got) == pytest.approx(elbo + 2.0 * _entropy(p0), rel=1e-5)
+    assert stats["right_share"] == 0.5 and stats["conf_entropy"] == pytest.approx(_entropy(p0), rel=1e-5)
+    wrong = torch.tensor([[1, 2, 2]])  # column 0's target now 2: no right prediction
+    stats = {}
+    got = diffusion_loss_from_logits(logits, wrong, masked, weight, 2, conf_weight=2.0, stats=stats)
+    assert stats["conf_entropy"] == 0 and stats["right_share"] == 0
+    assert float(got) == pytest.approx((-math.log(0.1) - math.log(0.3)) / 0.5 / 2, rel=1e-5)
+
+
+def test_distill_loss_is_the_block_loss_plus_the_weighted_ar_loss():
+    from clover.models import CloverForBlockDiffusion, preset_config
+
+    torch.manual_seed(0)
+    model = CloverForBlockDiffusion(preset_config("clover-tiny")).eval()
+    ids = torch.randint(0, 100, (2, 20))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, :6] = False
+    with torch.no_grad():
+        bd, n = block_diffusion_loss(model, ids, mask, 4, generator=torch.Generator().manual_seed(1), conf_weight=0.5)
+        ar, _ = ar_loss(model, ids, mask)
+        stats = {}
+        got, n2 = distill_loss(model, ids, mask, 4, 0.25, stats, generator=torch.Generator().manual_seed(1),
+                               conf_weight=0.5)
+        at1, _ = distill_loss(model, ids, mask, 1, 0.25)
+    assert n == n2 == 2 * 14
+    torch.testing.assert_close(got, bd + 0.25 * ar)
+    assert stats["bd_loss"] == pytest.approx(float(bd)) and stats["ar_loss"] == pytest.approx(float(ar))
+    torch.testing.assert_close(at1, ar)  # block 1 is the AR loss once, not twice
+    assert float(ar) > 0.5  # an untrained model: the terms are not trivially zero
+
+
+# ---- the loop -------------------------------------------------------------------------------------------
+def _cfg(setup, out, **kw):
+    d, teacher = setup
+    base = dict(objective="distill", init=teacher, tokenizer=teacher, train_files=[str(d / "prompts.jsonl")],
+                out_dir=str(out), seq_len=24, batch_size=4, max_steps=4, warmup_steps=1, lr=3e-3, log_every=1,
+                eval_every=0, ckpt_every=2, progress=False, teacher_max_new_tokens=6, teacher_batch=3,
+                block_schedule=[[1.0, [4, 8]]], conf_weight=0.5, ar_weight=0.5)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_distill_trains_on_the_teacher_answers_and_resumes(setup, tmp_path):
+    tr = Trainer(_cfg(setup, tmp_path / "run"))
+    recs = D.read_teacher_cache(tmp_path / "run" / "teacher")
+    ids, mask = D.teacher_stream(recs)
+    n = tr.rows.numel()
+    assert torch.equal(tr.rows.flatten(), ids[:n]) and torch.equal(tr.rmask.flatten(), mask[:n])
+    tr.fit()
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["ar_loss"] > 0 and r["bd_loss"] > 0 for r in logged if "loss" in r)
+    again = Trainer(_cfg(setup, tmp_path / "run", max_steps=6), resume=True)  # cache complete: no teacher run
+    assert again.step == 4 and torch.equal(again.rows, tr.rows)
+    with pytest.raises(ValueError, match="needs a teacher"):
+        _cfg(setup, tmp_path / "x", init="").validate()
+
+
+def test_distill_fits_the_teacher(setup, tmp_path):
+    """A few dozen steps move the student toward the teacher's answers (held-out = the same rows)."""
+    tr = Trainer(_cfg(setup, tmp_path / "fit", max_steps=30, lr=1e-2, ckpt_every=0, log_every=5))
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    rows, mask = tr.rows[:4], tr.rmask[:4]
+    with torch.no_grad():
+        before = float(block_diffusion_loss(tr.model, rows, mask, 4, generator=gen())[0])
+    tr.fit()
+    with torch.no_grad():
+        after = float(block_diffusion_loss(tr.model.eval(), rows, mask, 4, generator=gen())[0])
+    assert after < 0.7 * before
