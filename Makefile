@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch is pinned first: pip then takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install demo test test-compiled e2e bench clean model llamacpp
+.PHONY: install demo test test-compiled e2e bench clean model distill llamacpp
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,13 @@ clean:
 model: install
 	$(BIN)/pip install -q -e ".[train]"
 	$(BIN)/python recipes/default/make_model.py $(if $(RESUME),--resume,)
+
+# Self-distillation of the shipped model (issue 55; recipes/default/distill.toml, recipe.toml [distill]):
+# its greedy answers to fresh task prompts, cached, then the distill objective; exports over
+# clover/assets/default. Hours on 2 CPU cores (recipes/default/README.md). RESUME=1 keeps finished steps.
+distill: install
+	$(BIN)/pip install -q -e ".[train]"
+	$(BIN)/python recipes/default/make_model.py --distill $(if $(RESUME),--resume,)
 
 # llama.cpp back end (docs/llamacpp.md): fetch the pinned llama-cpp-python sdist from PyPI, build its
 # vendored llama.cpp (libllama + llama-simple) and a copy patched for block diffusion into build/llamacpp

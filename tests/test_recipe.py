@@ -83,3 +83,37 @@ def test_continue_needs_a_round_the_shipped_model_lacks(make_model, tmp_path, ca
     with pytest.raises(SystemExit, match="already has all 2 focus rounds"):
         make_model.main(["--recipe", str(recipe), "--continue"])
     assert not (tmp_path / "run").exists()  # failed before any work
+
+
+def test_distill_step_prepares_a_valid_stage(make_model, tmp_path):
+    """`make distill`'s preparation on a tiny recipe: the teacher copy, seeded prompts (none held out,
+    every one with its task's budget) and a TrainConfig from distill.toml that validates."""
+    import json
+
+    from clover.data.build import heldout_tasks
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (shipped / name).write_text("x")
+    data = {"n_train": 40, "n_decision": 4, "n_single_questions": 2, "n_tool": 2, "n_heldout": 30, "n_eval": 3,
+            "chat_frac": 0.4, "think_frac": 0.3}
+    rec = {"run_dir": str(tmp_path / "run"), "seed": 0, "data": data,
+           "distill": {"n_prompts": 50, "chat_frac": 0.5, "time_budget": 60}}
+    args = type("A", (), {"resume": False})()
+    cfg = make_model.distill(rec, args, {"seed": 0, "progress": False}, shipped)
+    run = tmp_path / "run" / "distill"
+    assert (run / "teacher" / "config.json").read_text() == "x" and cfg.objective == "distill"
+    assert cfg.init == cfg.teacher == str(run / "teacher") and cfg.time_budget == 60
+    assert cfg.teacher_cache == str(run / "teacher_cache") and cfg.out_dir == str(run / "train")
+    prompts = [json.loads(x) for x in (run / "prompts.jsonl").read_text().splitlines()]
+    held = {e["prompt"] for e in heldout_tasks(0, 30, 3)}
+    texts = [p["prompt"].rstrip("\n") if "prompt" in p else p["messages"][0]["content"] for p in prompts]
+    assert len(prompts) == 50 and not set(texts) & held and all(p["max_new_tokens"] >= 8 for p in prompts)
+    assert 0 < sum("messages" in p for p in prompts) < 50
+    cfg.validate()
+    again = tmp_path / "again.jsonl"
+    from clover.data.build import build_distill_prompts
+
+    build_distill_prompts(again, 0, 50, 0.5, 30, 3)
+    assert again.read_bytes() == (run / "prompts.jsonl").read_bytes()  # seeded

@@ -142,3 +142,29 @@ def build_focus(out_dir, base_train, seed: int = 0, n_tasks: int = 100000, repla
              "replayed": len(replay), "seed": seed, "round": round}
     (Path(out_dir) / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
     return stats
+
+
+# answer budgets of the held-out evaluation (clover.eval.suite.MAX_GEN_TOKS), per task
+DISTILL_BUDGETS = {"add": 16, "sub": 16, "sort": 32, "copy": 48, "reverse": 48, "lookup": 8, "group": 64}
+
+
+def build_distill_prompts(path, seed: int = 0, n_prompts: int = 20000, chat_frac: float = 0.3,
+                          n_heldout: int = 2000, n_eval: int = 40) -> dict:
+    """The self-distillation stage's prompts (clover/training/distill.py): `n_prompts` fresh task
+    prompts, every evaluated task (decision groups included), none of the held-out prompts, each with
+    the evaluation's answer budget; `chat_frac` of them as a chat turn (non-thinking), the rest plain
+    ("prompt\\n", as the evaluation asks). Only prompts: the answers are the teacher's."""
+    rng = random.Random(seed + 3001)
+    exclude = {e["prompt"] for e in heldout_tasks(seed, n_heldout, n_eval)}
+    recs = []
+    for ex in tasks.generate_split(seed + 3002, n_prompts, exclude=exclude):
+        budget = DISTILL_BUDGETS[ex["task"]]
+        if rng.random() < chat_frac:
+            recs.append({"messages": [{"role": "user", "content": ex["prompt"]}], "max_new_tokens": budget})
+        else:
+            recs.append({"prompt": tasks.plain_prompt(ex), "max_new_tokens": budget})
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    stats = {"prompts": _write(tmp, recs), "seed": seed, "chat_frac": chat_frac}
+    tmp.replace(path)
+    return stats

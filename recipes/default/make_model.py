@@ -17,6 +17,10 @@
 
     python recipes/default/make_model.py [--resume] [--ar-time-budget S] [--bd-time-budget S]
         [--focus-time-budgets S [S ...]] [--device cpu|cuda] [--bf16] [--skip-eval]
+
+--distill (`make distill`) runs instead the self-distillation stage on the shipped model
+(recipes/default/distill.toml, recipe.toml [distill]): fresh task prompts -> the shipped model's
+greedy ar answers (cached) -> the distill objective -> export + eval, in runs/default/distill.
 """
 
 from __future__ import annotations
@@ -210,6 +214,36 @@ def continued(rec: dict, rounds: list, export_dir: Path, data: Path, tok_dir: Pa
     return prov, done + 1, export_dir
 
 
+def distill(rec: dict, args, common: dict, export_dir: Path) -> Path:
+    """The self-distillation stage from the shipped model: its copy in runs/default/distill/teacher is
+    the teacher and the start (so the cache stays valid after the export replaces the shipped model),
+    the prompts are seeded, the teacher's answers are cached beside the training run (kept when a
+    run without --resume starts over: a cache made from other prompts or another teacher is refused)."""
+    from clover.data.build import build, build_distill_prompts
+
+    run = Path(rec["run_dir"])
+    data, base = run / "distill", run / "data"
+    spec = dict(rec["distill"])
+    teacher = data / "teacher"
+    if not (teacher / "model.safetensors").exists():
+        log(f"distill: teacher = a copy of {export_dir}")
+        shutil.rmtree(data / "teacher.tmp", ignore_errors=True)
+        shutil.copytree(export_dir, data / "teacher.tmp")
+        os.replace(data / "teacher.tmp", teacher)
+    if not (base / "heldout.jsonl").exists():
+        log("data: generating (for the held-out losses)")
+        build(base, seed=rec["seed"], **rec["data"])
+    prompts = data / "prompts.jsonl"
+    if not (args.resume and prompts.exists()):
+        build_distill_prompts(prompts, rec["seed"], spec["n_prompts"], spec["chat_frac"],
+                              rec["data"]["n_heldout"], rec["data"]["n_eval"])
+    cfg = stage_config(HERE / "distill.toml", **{**common, "out_dir": str(data / "train"), "init": str(teacher),
+                                                 "teacher": str(teacher), "tokenizer": str(teacher),
+                                                 "teacher_cache": str(data / "teacher_cache"),
+                                                 "train_files": [str(prompts)], "time_budget": float(spec["time_budget"])})
+    return cfg
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=str(HERE / "recipe.toml"))
@@ -222,10 +256,15 @@ def main(argv=None) -> int:
                     help="where every stage trains; budgets are wall-clock, so a GPU trains more tokens in them")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast in every stage (for --device cuda)")
     ap.add_argument("--skip-eval", action="store_true")
+    ap.add_argument("--distill", action="store_true",
+                    help="run only the self-distillation stage from the shipped model (distill.toml, recipe.toml "
+                         "[distill]) and export its result")
     ap.add_argument("--continue", dest="cont", action="store_true",
                     help="start from the shipped model and run only the focus rounds recipe.toml lists after the "
                          "last one its recipe.json records (for a machine that has no runs/ folder to --resume)")
     args = ap.parse_args(argv)
+    if args.distill and args.cont:
+        ap.error("--distill and --continue are separate runs: pick one")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available on this machine")
     try:  # checked now, not after hours of earlier stages
@@ -245,7 +284,13 @@ def main(argv=None) -> int:
     common = dict(tokenizer=str(tok_dir), train_files=[str(data / "train.jsonl")],
                   eval_files=[str(data / "heldout.jsonl")], seed=rec["seed"], progress=sys.stderr.isatty(),
                   device=args.device, bf16=args.bf16)
-    if args.cont:
+    if args.distill:
+        prov = json.loads((export_dir / "recipe.json").read_text())
+        cfg = distill(rec, args, common, export_dir)
+        prov["distill_stage"] = run_stage("distill", cfg, args.resume)
+        prov["stage"], tok_dir = "distill", Path(cfg.teacher)
+        final = Path(cfg.out_dir) / "final"
+    elif args.cont:
         prov, first, init = continued(rec, rounds, export_dir, data, tok_dir)
     else:
         prov, first, init = {"recipe": "recipes/default", "command": "make model", "seed": rec["seed"],
@@ -253,8 +298,8 @@ def main(argv=None) -> int:
                              "device": args.device, "bf16": args.bf16}, 1, run / "bd" / "final"
         base_stages(rec, args, prov, common, data, tok_dir, export_dir)
 
-    # 5b. focus rounds: fresh short tasks + replay, each round from the previous round's model
-    final = run_focus_rounds(rounds, first, init, rec, common, prov, args.resume)
+    if not args.distill:  # 5b. focus rounds: fresh short tasks + replay, each from the previous round's model
+        final = run_focus_rounds(rounds, first, init, rec, common, prov, args.resume)
     # every stage's own training time, so a --resume'd run still reports the whole recipe's cost
     prov["train_seconds"] = sum(v["elapsed_s"] for k, v in prov.items() if k.endswith("_stage"))
     prov["this_run_seconds"] = time.time() - t_start
