@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # torch is pinned first: pip then takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install demo test test-compiled e2e bench clean model distill llamacpp
+.PHONY: install demo test test-compiled e2e bench clean model distill llamacpp llama-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -65,3 +65,8 @@ llamacpp: install
 	$(BIN)/pip install -q -e ".[llamacpp]"
 	PIP=$(abspath $(BIN))/pip clover/backends/llamacpp/build.sh build/llamacpp
 	CLOVER_LLAMACPP=build/llamacpp $(BIN)/python -m pytest -q -x tests/test_gguf_export.py tests/test_llamacpp.py tests/test_llamacpp_diffusion.py
+
+# Stock llama-server from the same pinned sdist, in the same build/llamacpp/stock tree (opt-in: only
+# bench/serve_peer.py needs it), at the lowest CPU priority so a shared machine keeps its other work.
+llama-server: install
+	PIP=$(abspath $(BIN))/pip nice -n 19 clover/backends/llamacpp/build.sh build/llamacpp server

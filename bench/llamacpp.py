@@ -144,6 +144,14 @@ def step_table(label, folder, tmp, args):
         print(f"| {name} | " + " | ".join(r[i + 1] for r in rows) + " |")
 
 
+def versus(rounds: list[float], base: list[float]) -> dict:
+    """A candidate's tokens/s over rounds against the baseline's: its median, its spread (min, max)
+    and one kind of ratio, the ratio of the two medians (so the ratio column is the quotient of the
+    table's own tokens/s column)."""
+    median = statistics.median(rounds)
+    return dict(median=median, lo=min(rounds), hi=max(rounds), ratio=median / statistics.median(base))
+
+
 def bf16_linears(fn):
     """fn run with the tiled kernels' bf16 activations (`--linear-dtype bfloat16`), off again after."""
     def go():
@@ -159,7 +167,8 @@ def decode_table(tmp, args):
     """Greedy tokens/s and tokens per forward on the held-out task prompts (one at a time, each to
     EOS or its task's answer budget): Clover's modes on PyTorch and on our llama.cpp runner, and
     stock llama.cpp's AR decode of the same bf16 file; per thread count, all candidates interleaved
-    round by round, with each one's speed relative to stock AR in the same round (median ratio)."""
+    round by round: each one's median tokens/s, its min - max over the rounds, and the ratio of its
+    median to stock AR's (`versus`)."""
     import dataclasses
     import os
 
@@ -226,11 +235,14 @@ def decode_table(tmp, args):
               f"one at a time, to EOS or the task's budget, {threads} thread{'s' if threads > 1 else ''}** (median of "
               f"{args.decode_repeats} interleaved rounds; load average {load_before:.1f} before, "
               f"{os.getloadavg()[0]:.1f} after, on the machine's {os.cpu_count()} cores)\n")
-        print("| decoder | mode | B | tokens/s | vs stock AR (same round) | tokens per forward |")
-        print("|---|---|---:|---:|---:|---:|")
+        print("| decoder | mode | B | tokens/s | tokens/s min - max over rounds | vs stock AR (ratio of medians) "
+              "| tokens per forward |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        base = [s[0] for s in results[stock]]
         for (name, mode, bs), rs in results.items():
-            ratio = statistics.median(r[0] / s[0] for r, s in zip(rs, results[stock]))
-            print(f"| {name} | {mode} | {bs} | {statistics.median(r[0] for r in rs):.1f} | {ratio:.2f}x | {rs[-1][1]:.2f} |")
+            m = versus([r[0] for r in rs], base)
+            print(f"| {name} | {mode} | {bs} | {m['median']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ratio']:.2f}x "
+                  f"| {rs[-1][1]:.2f} |")
         tpf = {bs: rs[-1][1] for (name, mode, bs), rs in results.items() if name.startswith("our") and mode == "low_confidence"}
         bound_table(bf16, jobs, tpf, threads, args.repeats)
     cpp.close()

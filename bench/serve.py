@@ -146,6 +146,8 @@ def start_server(args, max_batch: int, runner: str = "eager"):
            "--max-batch", str(max_batch), "--served-model-name", "bench", "--runner", runner]
     if args.model:
         cmd += ["--model", args.model]
+    if getattr(args, "mode", None):
+        cmd += ["--mode", args.mode]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     for line in proc.stdout:
         match = re.search(r"on (http://\S+)", line)

@@ -4,19 +4,24 @@
 # check its hash, unpack it and build only libllama (shared) and llama-simple, cmake Release; then the
 # same source with patches/clover-block-diffusion.patch applied (block diffusion for the engine's
 # llama.cpp runner), libllama only, into clover/.
-# Usage: build.sh [BUILD_DIR] (default build/llamacpp); PIP (default pip), JOBS (default 2).
+# `build.sh BUILD_DIR server` instead builds stock llama-server (bench/serve_peer.py, `make llama-server`)
+# in the same stock/ tree, so libllama and ggml are compiled once for both.
+# Usage: build.sh [BUILD_DIR [server]] (default build/llamacpp); PIP (default pip), JOBS (default 2).
 set -euo pipefail
 PATCH=$(cd "$(dirname "$0")" && pwd)/patches/clover-block-diffusion.patch
 VERSION=0.3.36
 SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 OUT=${1:-build/llamacpp}
+WHAT=${2:-lib}
 PIP=${PIP:-pip}
 JOBS=${JOBS:-2}
 SDIST=llama_cpp_python-$VERSION
 mkdir -p "$OUT"
 cd "$OUT"
 if [ ! -f "$SDIST.tar.gz" ]; then
-  $PIP download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d .
+  # --no-binary names the one package: `:all:` would also build the sdist's build dependencies
+  # (scikit-build-core, cmake, ...) from source to read its metadata
+  $PIP download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d .
 fi
 echo "$SHA256  $SDIST.tar.gz" | sha256sum -c --quiet -
 if [ ! -d "$SDIST/vendor/llama.cpp" ]; then
@@ -41,6 +46,15 @@ configure() {  # source dir, build dir (configured again when made with other fl
   fi
 }
 configure "$SDIST/vendor/llama.cpp" stock
+if [ "$WHAT" = server ]; then
+  # the tools' targets added to the same tree (cmake keeps the rest of its cache); no web UI, which
+  # would be fetched from the network
+  cmake -S "$SDIST/vendor/llama.cpp" -B stock -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
+  cmake --build stock -j "$JOBS" --target llama-server
+  echo "stock llama-server built in $OUT/stock/bin"
+  exit 0
+fi
 cmake --build stock -j "$JOBS" --target llama llama-simple
 echo "stock llama.cpp built in $OUT/stock/bin"
 # the patched copy: re-made whenever the patch changes

@@ -1,0 +1,376 @@
+"""`clover serve` against stock llama.cpp's `llama-server`, side by side on one CPU, 1-32 clients.
+
+    python bench/serve_peer.py [--sizes default,large] [--clients 1,4,16,32] [--requests 2]
+                               [--max-tokens 64] [--rounds 3] [--threads N] [--servers NAME,...]
+                               [--mode ar] [--block-size 8] [--threshold 0.9]
+    python bench/serve_peer.py --dry-run      # the plan (models, servers, command lines); runs nothing
+    python bench/serve_peer.py --smoke        # clover eager fp32 only, default dims, 1 and 2 clients, 8 tokens
+
+The same random-weight model (seed 0) per size: `default` (the shipped model's dims, ~6M parameters)
+and `large` (LARGE below, >= 100M parameters: weights beyond the CPU's caches). Clover serves its
+folder (`--runner eager|compiled`, fp32, and an int4 RTN copy made by `clover quantize`);
+llama-server serves its GGUF exports (`clover export-gguf`: f32, bf16, q8_0, q4_0), built by
+`make llama-server`. Every server of a size is up at once, each with its best settings for this
+machine: --threads N (default: every core) for both, llama-server with one slot per client of the
+largest level (`--parallel`), continuous batching (`-cb`) and a context of that many slots; clover
+batches up to that many rows (`--max-batch`).
+
+Each client is a closed loop (the official async `openai` client, streaming, /v1/completions): a
+held-out task prompt, exactly --max-tokens generated (`ignore_eos`, honoured by both servers),
+greedy. Per level, each server runs once untimed (a compiled clover server then compiles the
+shapes it met, `clover_graphs_deferred` 0), then --rounds timed rounds, servers interleaved within
+a round. Tables: median aggregate tokens/s and its min - max over rounds, time to first token p50,
+latency p50 / p99 (all requests of the median round), the ratio of medians against llama-server at
+the matching precision (fp32 vs f32, int4 vs q4_0), and the load average during the level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import percentile, settle, start_server, stop_server  # noqa: E402  (bench/serve.py)
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_SERVER = ROOT / "build" / "llamacpp" / "stock" / "bin" / "llama-server"
+# the larger size: the default model's vocabulary and layer kinds, wider and deeper (167M parameters)
+LARGE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
+             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=1024,
+             layer_types=None)
+MATCH = {"fp32": "f32", "int4": "q4_0"}  # clover precision -> llama-server's matching GGUF type
+
+
+@dataclass
+class Server:
+    """One server of the comparison: `kind` clover or llama-server, `precision` as the tables name it."""
+
+    kind: str
+    runner: str
+    precision: str
+    proc: subprocess.Popen | None = None
+    url: str | None = None
+    runs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"clover {self.runner} {self.precision}" if self.kind == "clover" else f"llama-server {self.precision}"
+
+
+def all_servers() -> list[Server]:
+    clover = [Server("clover", r, p) for p in ("fp32", "int4") for r in ("eager", "compiled")]
+    return clover + [Server("llama-server", "-", t) for t in ("f32", "bf16", "q8_0", "q4_0")]
+
+
+def pick_servers(names: str | None, have_llama: bool) -> list[Server]:
+    """The servers named by --servers (comma-separated names as the tables print them, or `clover` /
+    `llama-server` for all of a kind); llama-server ones only where the build exists."""
+    servers = all_servers()
+    if names:
+        wanted = [n.strip() for n in names.split(",")]
+        known = {s.name for s in servers} | {"clover", "llama-server"}
+        bad = [n for n in wanted if n not in known]
+        if bad:
+            raise ValueError(f"unknown server {bad[0]!r} (known: {', '.join(sorted(known))})")
+        servers = [s for s in servers if s.name in wanted or s.kind in wanted]
+    if not have_llama:
+        servers = [s for s in servers if s.kind == "clover"]
+    return servers
+
+
+def size_config(size: str):
+    from clover.api import DEFAULT_MODEL
+    from clover.models import CloverConfig
+
+    config = CloverConfig.from_pretrained(DEFAULT_MODEL)
+    if size == "large":
+        config = CloverConfig(**{**config.to_dict(), **LARGE})
+    return config
+
+
+def make_folders(size: str, tmp: Path, precisions: set) -> dict:
+    """The size's random-weight model (seed 0) as an fp32 folder with the default tokenizer, and
+    its int4 copy when asked: {precision: folder}."""
+    import torch
+
+    from clover.api import DEFAULT_MODEL
+    from clover.convert.quantize import quantize_checkpoint
+    from clover.models import CloverForBlockDiffusion
+
+    torch.manual_seed(0)
+    folder = tmp / f"{size}-fp32"
+    model = CloverForBlockDiffusion(size_config(size))
+    model.save_pretrained(folder)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DEFAULT_MODEL / f, folder / f)
+    folders = {"fp32": folder, "params": params}
+    if "int4" in precisions:
+        quantize_checkpoint(folder, tmp / f"{size}-int4", notice=lambda msg: None)
+        folders["int4"] = tmp / f"{size}-int4"
+    return folders
+
+
+def llama_command(gguf: Path, threads: int, slots: int, slot_ctx: int) -> list[str]:
+    """llama-server with its best settings here: every thread for decode and batch, one slot per
+    client, continuous batching, a context of `slots` x `slot_ctx` tokens, loopback, any free port
+    given later."""
+    return [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
+            "--parallel", str(slots), "-cb", "-c", str(slots * slot_ctx), "--no-webui"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_llama(cmd: list[str], timeout: float = 600.0):
+    """llama-server in a subprocess: (process, url or None once /health answers 200)."""
+    port = free_port()
+    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout and proc.poll() is None:
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                return proc, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return proc, None
+
+
+async def client_loop(c, prompts: list[str], cid: int, requests: int, max_tokens: int, out: list) -> None:
+    """One closed-loop client: (latency s, time to first token s, tokens) per request. Tokens are
+    the server's `usage` count, else the streamed chunks that carried text."""
+    for r in range(requests):
+        t0 = time.perf_counter()
+        first, tokens, chunks = None, 0, 0
+        stream = await c.completions.create(model="bench", prompt=prompts[(cid + r) % len(prompts)], max_tokens=max_tokens,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        out.append((time.perf_counter() - t0, first or 0.0, tokens or chunks))
+
+
+async def level(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
+    import openai
+
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
+    out: list = []
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    await asyncio.gather(*(client_loop(c, prompts, i, requests, max_tokens, out) for i in range(clients)))
+    wall = time.perf_counter() - t0
+    await c.close()
+    return summarise(out, wall, (load0 + os.getloadavg()[0]) / 2)
+
+
+def summarise(out: list, wall: float, load: float) -> dict:
+    """A level's requests [(latency, ttft, tokens)] run in `wall` seconds: aggregate tokens/s, TTFT
+    p50, latency p50 / p99."""
+    lat, ttft, toks = zip(*out)
+    return dict(tps=sum(toks) / wall, tokens=sum(toks), ttft=percentile(ttft, 0.5), p50=percentile(lat, 0.5),
+                p99=percentile(lat, 0.99), load=load)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The round of median aggregate tokens/s (its latencies go to the table), with the spread of
+    tokens/s over all rounds and their mean load average."""
+    ordered = sorted(runs, key=lambda r: r["tps"])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid.update(tps=statistics.median(r["tps"] for r in runs), lo=ordered[0]["tps"], hi=ordered[-1]["tps"],
+               load=statistics.mean(r["load"] for r in runs))
+    return mid
+
+
+def task_prompts(n: int) -> list[str]:
+    from clover.data.tasks import plain_prompt
+    from clover.eval import pareto
+
+    return [plain_prompt(ex) for ex in pareto.examples(n)]
+
+
+def slot_context(prompts: list[str], max_tokens: int) -> int:
+    """Tokens one llama-server slot needs: the longest prompt and the reply, rounded up to 256."""
+    from tokenizers import Tokenizer
+
+    from clover.api import DEFAULT_MODEL
+
+    tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    longest = max(len(tok.encode(p).ids) for p in prompts)
+    return -(-(longest + max_tokens + 16) // 256) * 256
+
+
+def start(s: Server, args, files: dict, slots: int, slot_ctx: int) -> None:
+    """Start `s` on the size's files; s.url stays None when it did not start."""
+    from types import SimpleNamespace
+
+    if s.kind == "clover":
+        opts = SimpleNamespace(threads=args.threads, block_size=args.block_size, threshold=args.threshold,
+                               mode=args.mode, model=str(files[s.precision]))
+        s.proc, s.url = start_server(opts, slots, s.runner)
+    else:
+        s.proc, s.url = start_llama(llama_command(files[s.precision], args.threads, slots, slot_ctx))
+    if s.url is None:
+        print(f"bench/serve_peer.py: {s.name} did not start", file=sys.stderr)
+
+
+def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[str]) -> dict:
+    """Every server of one size up at once; per level a warm-up each, then --rounds interleaved
+    rounds. Returns the size's facts for the table; the servers' runs hold the rounds."""
+    from clover.backends.gguf_export import export_gguf
+
+    levels = [int(x) for x in args.clients.split(",")]
+    files = make_folders(size, tmp, {s.precision for s in servers if s.kind == "clover"})
+    for t in {s.precision for s in servers if s.kind == "llama-server"}:
+        files[t] = tmp / f"{size}-{t}.gguf"
+        export_gguf(files["fp32"], files[t], t)
+    slot_ctx = slot_context(prompts, args.max_tokens)
+    try:
+        for s in servers:
+            start(s, args, files, max(levels), slot_ctx)
+        up = [s for s in servers if s.url]
+        for n in levels:
+            for s in up:  # untimed: a compiled server meets this level's shapes, then compiles them
+                asyncio.run(level(s.url, prompts, n, 1, args.max_tokens))
+                if s.runner == "compiled":
+                    settle(s.url)
+            for _ in range(args.rounds):
+                for s in up:
+                    s.runs.setdefault(n, []).append(asyncio.run(level(s.url, prompts, n, args.requests, args.max_tokens)))
+    finally:
+        for s in servers:
+            if s.proc is not None:
+                stop_server(s.proc)
+    return dict(params=files["params"], levels=levels, slot_ctx=slot_ctx)
+
+
+def peer(s: Server, servers: list[Server]) -> Server | None:
+    """llama-server at the precision matching a clover server's, when it ran."""
+    want = MATCH.get(s.precision)
+    return next((p for p in servers if p.kind == "llama-server" and p.precision == want and p.runs), None)
+
+
+def print_size(size: str, facts: dict, servers: list[Server], args) -> list[str]:
+    """The size's table; returns the must-show verdict lines."""
+    print(f"\n**{size}** ({facts['params'] / 1e6:.1f}M parameters, random weights, seed 0)\n")
+    print("| clients | server | aggregate tokens/s | min - max | TTFT p50 s | latency p50 s | latency p99 s "
+          "| vs llama-server, same precision (ratio of medians) | p99 / llama-server's | load avg |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    verdicts = []
+    for n in facts["levels"]:
+        for s in servers:
+            if n not in s.runs:
+                continue
+            m, p = median_run(s.runs[n]), peer(s, servers)
+            ratio = p99 = "-"
+            if p is not None:
+                pm = median_run(p.runs[n])
+                ratio, p99 = f"{m['tps'] / pm['tps']:.2f}x", f"{m['p99'] / pm['p99']:.2f}x"
+                ok = m["tps"] >= pm["tps"] and m["p99"] <= 1.5 * pm["p99"]
+                if not ok:
+                    verdicts.append(f"{size}, {n} clients, {s.name} vs {p.name}: tokens/s {ratio}, p99 {p99}")
+            print(f"| {n} | {s.name} | {m['tps']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ttft']:.3f} | "
+                  f"{m['p50']:.2f} | {m['p99']:.2f} | {ratio} | {p99} | {m['load']:.1f} |")
+    for s in servers:
+        if not s.runs:
+            print(f"\n{s.name}: did not start (no figures).")
+    return verdicts
+
+
+def dry_run(servers: list[Server], args) -> None:
+    levels = args.clients
+    print(f"sizes {args.sizes}; clients {levels}; {args.requests} requests per client, {args.max_tokens} tokens each; "
+          f"{args.rounds} rounds; {args.threads} threads; clover --mode {args.mode} --block-size {args.block_size} "
+          f"--threshold {args.threshold}")
+    print(f"llama-server: {LLAMA_SERVER} ({'built' if LLAMA_SERVER.exists() else 'NOT built: make llama-server'})")
+    slots = max(int(x) for x in levels.split(","))
+    for s in servers:
+        if s.kind == "clover":
+            print(f"{s.name}: clover serve --runner {s.runner} --threads {args.threads} --max-batch {slots} "
+                  f"--mode {args.mode} --model SIZE-{s.precision}/")
+        else:
+            print(f"{s.name}: " + " ".join(llama_command(Path(f"SIZE-{s.precision}.gguf"), args.threads, slots, 512))
+                  + " --port PORT  (-c: slots x the longest prompt and reply)")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="default,large", help="default, large or both")
+    ap.add_argument("--clients", default="1,4,16,32")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (ignore_eos)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every server (default: all cores)")
+    ap.add_argument("--servers", help="comma-separated server names (default: all; llama-server ones need its build)")
+    ap.add_argument("--mode", default="ar", help="clover's decoding mode (default ar: random weights commit about "
+                    "one token per step in any mode)")
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--per-task", type=int, default=2, help="held-out task prompts per synthetic task")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--smoke", action="store_true", help="clover eager fp32 only, default size, 1 and 2 clients, "
+                    "1 request of 8 tokens, 1 round: checks the script, measures nothing")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.clients, args.requests, args.max_tokens, args.rounds = "default", "1,2", 1, 8, 1
+        args.servers = args.servers or "clover eager fp32"
+    return ap, args
+
+
+def main(argv=None) -> int:
+    ap, args = parse(argv)
+    try:
+        servers = pick_servers(args.servers, LLAMA_SERVER.exists() or args.dry_run)
+        sizes = args.sizes.split(",")
+        if any(s not in ("default", "large") for s in sizes) or not all(int(x) > 0 for x in args.clients.split(",")):
+            raise ValueError("--sizes takes default and/or large, --clients positive integers")
+    except ValueError as e:
+        ap.exit(2, f"bench/serve_peer.py: {e}\n")
+    if args.dry_run:
+        dry_run(servers, args)
+        return 0
+    if not LLAMA_SERVER.exists():
+        print(f"bench/serve_peer.py: no {LLAMA_SERVER} (make llama-server): clover servers only", file=sys.stderr)
+    prompts = task_prompts(args.per_task)
+    print(f"`python bench/serve_peer.py --sizes {args.sizes} --clients {args.clients} --requests {args.requests} "
+          f"--max-tokens {args.max_tokens} --rounds {args.rounds} --threads {args.threads} --mode {args.mode}`: "
+          f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the start; {len(prompts)} held-out task "
+          f"prompts, {args.max_tokens} tokens each (ignore_eos, greedy), streamed; medians of {args.rounds} rounds, "
+          "servers interleaved.")
+    verdicts = []
+    for size in sizes:
+        group = [Server(s.kind, s.runner, s.precision) for s in servers]
+        with tempfile.TemporaryDirectory() as d:
+            facts = run_size(size, group, args, Path(d), prompts)
+        verdicts += print_size(size, facts, group, args)
+    if any(s.kind == "llama-server" for s in servers):
+        print("\nclover >= llama-server tokens/s with p99 <= 1.5x, every point: "
+              + ("met." if not verdicts else "NOT met at:\n" + "\n".join(f"- {v}" for v in verdicts)))
+    print(f"\nLoad average at the end: {os.getloadavg()[0]:.1f}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

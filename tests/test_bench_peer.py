@@ -1,0 +1,74 @@
+"""bench/serve_peer.py (clover serve vs llama-server) and bench/llamacpp.py's ratio: the pieces that
+need no server, no llama.cpp build and no timing."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"bench_{name}"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+peer = _load("serve_peer")
+
+
+def test_versus_is_the_ratio_of_medians_with_the_spread():
+    lcpp = _load("llamacpp")
+    m = lcpp.versus([800.0, 843.0, 900.0], [600.0, 642.0, 700.0])
+    assert m["median"] == 843.0 and (m["lo"], m["hi"]) == (800.0, 900.0)
+    assert m["ratio"] == pytest.approx(843.0 / 642.0)
+    # rounds where the per-round ratios' median differs from the ratio of medians: the latter is printed
+    m = lcpp.versus([10.0, 20.0, 30.0], [30.0, 10.0, 20.0])
+    assert m["ratio"] == pytest.approx(1.0)
+
+
+def test_median_run_takes_the_median_round_and_the_spread():
+    runs = [dict(tps=t, p99=t / 10, load=l) for t, l in ((30.0, 1.0), (10.0, 2.0), (20.0, 3.0))]
+    m = peer.median_run(runs)
+    assert (m["tps"], m["lo"], m["hi"], m["p99"], m["load"]) == (20.0, 10.0, 30.0, 2.0, 2.0)
+
+
+def test_summarise_aggregates_tokens_over_the_wall_time():
+    s = peer.summarise([(1.0, 0.1, 64), (2.0, 0.3, 64), (3.0, 0.2, 64)], wall=4.0, load=1.5)
+    assert s["tps"] == 48.0 and s["tokens"] == 192 and s["ttft"] == pytest.approx(0.2) and s["p50"] == 2.0
+    assert 2.9 < s["p99"] <= 3.0
+
+
+def test_servers_pair_by_precision():
+    servers = peer.pick_servers(None, have_llama=True)
+    assert {s.name for s in servers} >= {"clover compiled int4", "llama-server q4_0", "llama-server f32"}
+    for s in servers:
+        s.runs = {1: [dict(tps=1.0, p99=1.0, load=0.0)]}
+    by = {s.name: s for s in servers}
+    assert peer.peer(by["clover eager fp32"], servers).name == "llama-server f32"
+    assert peer.peer(by["clover compiled int4"], servers).name == "llama-server q4_0"
+    assert all(s.kind == "clover" for s in peer.pick_servers(None, have_llama=False))
+    assert [s.name for s in peer.pick_servers("llama-server q8_0,clover eager int4", True)] == [
+        "clover eager int4", "llama-server q8_0"]
+    with pytest.raises(ValueError, match="unknown server"):
+        peer.pick_servers("clover eager fp16", True)
+
+
+def test_llama_server_gets_a_slot_per_client_and_their_context():
+    cmd = peer.llama_command(Path("m.gguf"), threads=4, slots=32, slot_ctx=512)
+    assert cmd[cmd.index("--parallel") + 1] == "32" and cmd[cmd.index("-c") + 1] == str(32 * 512)
+    assert cmd[cmd.index("-t") + 1] == "4" and "-cb" in cmd
+
+
+def test_flag_mistakes_are_one_line_and_exit_2(capsys):
+    for argv in (["--servers", "nope"], ["--sizes", "huge"], ["--clients", "0"]):
+        with pytest.raises(SystemExit) as e:
+            peer.main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    assert peer.main(["--dry-run"]) == 0
+    assert "llama-server q4_0" in capsys.readouterr().out
