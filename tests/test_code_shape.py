@@ -1,5 +1,5 @@
-"""The decoding core stays readable: no function over ~80 lines in the engine (row batch, modes,
-runner, infiller) or the server (assembly, routes, scheduler, shapes)."""
+"""The decoding core stays readable: no function over 60 lines in the engine (row batch, modes,
+runner and its compile machinery, infiller, slot jobs) or the server (assembly, routes, scheduler, shapes)."""
 
 import ast
 import io
@@ -11,7 +11,7 @@ import clover
 
 ROOT = Path(clover.__file__).parent
 CORE = ("engine", "server")
-LIMIT = 80
+LIMIT = 60
 
 
 def long_functions(root: Path, limit: int) -> list[str]:
@@ -26,11 +26,11 @@ def long_functions(root: Path, limit: int) -> list[str]:
 
 
 def test_the_check_sees_long_functions(tmp_path):
-    (tmp_path / "m.py").write_text("def f():\n" + "    x = 1\n" * 81 + "\n\ndef g():\n    pass\n")
-    assert long_functions(tmp_path, LIMIT) == [f"{tmp_path.name}/m.py:1 f (82 lines)"]
+    (tmp_path / "m.py").write_text("def f():\n" + "    x = 1\n" * 61 + "\n\ndef g():\n    pass\n")
+    assert long_functions(tmp_path, LIMIT) == [f"{tmp_path.name}/m.py:1 f (62 lines)"]
 
 
-def test_no_function_over_80_lines_in_the_core():
+def test_no_function_over_60_lines_in_the_core():
     assert [f for package in CORE for f in long_functions(ROOT / package, LIMIT)] == []
 
 

@@ -1,19 +1,18 @@
-"""Structured replies run through the one scheduler: concurrent infilled (and grammar-path) requests
-share batched forwards and reply exactly what each would alone; a failing job fails alone."""
+"""Structured replies run through the one scheduler as tasks (engine/slots.py: generators of jobs, no
+thread waiting on the scheduler): concurrent infilled (and grammar-path) requests share batched
+forwards and reply exactly what each would alone; a failing job fails alone; a cancelled task or a
+stopping server leaves no task pending."""
 
 from __future__ import annotations
 
-import threading
 import time
-from functools import partial
-
 import pytest
 from helpers import save_tiny_model
 
 import clover
 from clover.engine import slots
-from clover.server.scheduler import Plan, Scheduler
-from clover.server.structured import format_plan, infill_format
+from clover.server.scheduler import Cancelled, Scheduler
+from clover.server.structured import format_plan, infill_format, infill_format_task
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -51,29 +50,32 @@ def _reply(model, tok, text, schema, max_tokens=120):
     return r.content, r.info, r.finish
 
 
+def _task(model, tok, text, schema, max_tokens=120) -> slots.Task:
+    """`_reply` as a task, planned up to its first job (as a request handler does)."""
+    ids = tok(text).input_ids
+    task = slots.Task(infill_format_task(model, tok, ids, format_plan(
+        {"type": "json_schema", "json_schema": {"schema": schema}}), 0.5, 4, max_tokens))
+    task.resume()
+    return task
+
+
+def _result(task: slots.Task):
+    r = task.future.result(timeout=120)
+    return r.content, r.info, r.finish
+
+
 def _concurrent(model, tok, texts, schema, start_after: int, runner: str = "eager"):
-    """Each text planned in a thread of its own, its forwards run by one scheduler that starts once
-    `start_after` jobs are queued (so they are admitted together; the others join mid-run)."""
+    """Each text a task of one scheduler, which starts once `start_after` tasks are queued (so they
+    are admitted together; the others join mid-run)."""
     sched = Scheduler(model, (tok.eos_token_id,), max_batch=8, runner=runner)
-    out: dict[int, object] = {}
-
-    def plan(i, text):
-        with slots.driving(partial(sched.run_job, Plan())):
-            out[i] = _reply(model, tok, text, schema)
-
-    threads = [threading.Thread(target=plan, args=(i, t)) for i, t in enumerate(texts)]
-    for t in threads[:start_after]:
-        t.start()
-    deadline = time.time() + 30
-    while len(sched.slot_waiting) < start_after and time.time() < deadline:
-        time.sleep(0.005)
+    tasks = [_task(model, tok, t, schema) for t in texts]
+    sched.submit(tasks[:start_after])
     sched.start()
-    for t in threads[start_after:]:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    for task in tasks[start_after:]:
+        sched.submit([task])
+    out = [_result(t) for t in tasks]
     sched.stop()
-    return [out[i] for i in range(len(texts))]
+    return out
 
 
 @pytest.mark.parametrize("schema", [SCHEMA, GRAMMAR], ids=["infill", "grammar"])
@@ -97,34 +99,24 @@ def test_a_failing_job_fails_alone(loaded, monkeypatch):
     real = slots.Job.advance
 
     def flaky(self, logits):
-        if logits is not None and getattr(self, "poison", False):
+        if logits is not None and getattr(self.task, "poison", False):
             raise RuntimeError("boom")
         return real(self, logits)
 
     monkeypatch.setattr(slots.Job, "advance", flaky)
     sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
     results: dict[str, object] = {}
-    real_run = sched.run_job
-
-    def run_job(job):
-        if threading.current_thread().name == "bad":
-            job.poison = True
-        calls["n"] += 1
-        return real_run(Plan(), job)
-
-    def plan(name, text):
-        with slots.driving(run_job):
-            try:
-                results[name] = _reply(model, tok, text, SCHEMA)
-            except RuntimeError as e:
-                results[name] = str(e)
-
-    threads = [threading.Thread(target=plan, args=(n, t), name=n) for n, t in (("good", ASKS[0]), ("bad", ASKS[1]))]
+    tasks = {name: _task(model, tok, text, SCHEMA) for name, text in (("good", ASKS[0]), ("bad", ASKS[1]))}
+    tasks["bad"].poison = True
     sched.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    for task in tasks.values():
+        calls["n"] += 1
+        sched.submit([task])
+    for name, task in tasks.items():
+        try:
+            results[name] = _result(task)
+        except RuntimeError as e:
+            results[name] = str(e)
     sched.stop()
     monkeypatch.setattr(slots.Job, "advance", real)
     assert results["bad"] == "boom"
@@ -133,35 +125,26 @@ def test_a_failing_job_fails_alone(loaded, monkeypatch):
 
 
 def test_a_cancelled_request_leaves_between_steps(loaded):
-    """The client of a structured request went away: its running job leaves the scheduler (its worker
-    raises Cancelled), the request beside it finishes as it would alone."""
-    from clover.server.scheduler import Cancelled
-
+    """The client of a structured request went away: its running job leaves the scheduler (its task
+    ends with Cancelled), the request beside it finishes as it would alone."""
     model, tok = loaded
     sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
-    gone, stays, out = Plan(), Plan(), {}
-
-    def plan(name, p, text):
-        with slots.driving(partial(sched.run_job, p)):
-            try:
-                out[name] = _reply(model, tok, text, GRAMMAR)
-            except Cancelled as e:
-                out[name] = e
-
-    threads = [threading.Thread(target=plan, args=a) for a in (("gone", gone, ASKS[0]), ("stays", stays, ASKS[1]))]
+    gone, stays, out = _task(model, tok, ASKS[0], GRAMMAR), _task(model, tok, ASKS[1], GRAMMAR), {}
     sched.start()
-    for t in threads:
-        t.start()
+    sched.submit([gone, stays])
     deadline = time.time() + 30
-    while len(sched.slots.jobs) < 2 and time.time() < deadline:
+    while len(sched.core.jobs) < 2 and time.time() < deadline:
         time.sleep(0.001)
-    sched.cancel_plan(gone)
-    for t in threads:
-        t.join(timeout=120)
+    sched.cancel([gone])
+    for name, task in (("gone", gone), ("stays", stays)):
+        try:
+            out[name] = _result(task)
+        except Cancelled as e:
+            out[name] = e
     sched.stop()
     assert isinstance(out["gone"], Cancelled)
     assert out["stays"] == _reply(model, tok, ASKS[1], GRAMMAR)
-    assert not sched.plan_of and not sched.slots.jobs
+    assert not sched.core.jobs
 
 
 def test_over_http_concurrent_structured_replies_and_free_streams_equal_solo(loaded):
@@ -197,3 +180,97 @@ def test_over_http_concurrent_structured_replies_and_free_streams_equal_solo(loa
             free_together = [f.result() for f in frees]
     assert together == alone and free_together == free_alone
     assert all(info["method"] == "infill" and info["valid"] for _, info in together)
+
+
+def test_a_stopping_server_leaves_no_task_pending(loaded):
+    """Tasks running and tasks still queued when the scheduler stops all end (with an error): none
+    is left waiting for an answer."""
+    model, tok = loaded
+    sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
+    running = [_task(model, tok, a, GRAMMAR, max_tokens=400) for a in ASKS[:2]]
+    sched.start()
+    sched.submit(running)
+    deadline = time.time() + 30
+    while len(sched.core.jobs) < 2 and time.time() < deadline:
+        time.sleep(0.001)
+    with sched.cv:  # queued behind the stop: never admitted
+        sched.stopping = True
+        queued = _task(model, tok, ASKS[2], GRAMMAR)
+        sched.waiting.append(queued)
+        sched.cv.notify()
+    sched.stop()
+    for task in running + [queued]:
+        assert task.future.done() and task.future.exception() is not None
+    assert not sched.core.jobs and not sched.waiting
+
+
+def test_a_client_that_goes_away_cancels_its_task_at_once(loaded):
+    """Over HTTP: a structured request whose client disconnects mid-decode has its job leave the
+    scheduler while the decode still had most of its forwards to go."""
+    import http.client
+    import json
+
+    from server_utils import RunningServer
+
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+
+    model, tok = loaded
+    app = create_app(model, tok, Settings(model_id="tiny", block_size=4, threshold=0.5), eos_ids(model, tok))
+    sched = app.state.scheduler
+    forwards = []
+
+    def slow(*_):  # every forward takes a while: the decode would run for seconds
+        forwards.append(1)
+        time.sleep(0.05)
+
+    hook = model.register_forward_hook(slow)
+    body = {"messages": [{"role": "user", "content": "Any text."}], "max_tokens": 400,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "string"}}}}
+    try:
+        with RunningServer(app) as server:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            deadline = time.time() + 30
+            while not sched.core.jobs and time.time() < deadline:
+                time.sleep(0.005)
+            assert sched.core.jobs  # decoding
+            conn.sock.close()  # the client goes away
+            while sched.core.jobs and time.time() < deadline:
+                time.sleep(0.01)
+            assert not sched.core.jobs
+            assert len(forwards) < 100  # it stopped long before its 400-token budget
+    finally:
+        hook.remove()
+
+
+def test_concurrent_forced_tool_calls_equal_their_solo_replies(loaded):
+    """8 forced tool-call requests (tool_choice required, parallel_tool_calls) at once reply what they
+    reply one after another, and share forwards (bench/tool_calls.py times it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_utils import RunningServer, client
+
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+
+    model, tok = loaded
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["city"]}}} for n in ("weather", "time")]
+    asks = [f"Question {i}: the weather in city {i}?" for i in range(8)]
+    with RunningServer(create_app(model, tok, Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=16),
+                                  eos_ids(model, tok))) as server:
+        c = client(server)
+
+        def call(ask):
+            r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ask}], tools=tools,
+                                          tool_choice="required", parallel_tool_calls=True, max_tokens=64)
+            return [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
+
+        alone = [call(a) for a in asks]
+        with Counted(model) as batched, ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(call, asks))
+    assert together == alone and all(alone)
+    assert max(batched.rows) > 1  # some forward served several requests

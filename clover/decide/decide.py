@@ -29,7 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
-from ..engine.infill import Row, Slot, TextRule, denoise, pieces, token_ids
+from ..engine.infill import Row, Slot, TextRule, denoise_task, pieces, token_ids
+from ..engine.slots import drive
 
 MAX_QUESTIONS = 8
 MODES = ("joint", "independent")
@@ -186,7 +187,13 @@ def decide(model, tokenizer, material: str, questions, mode: str = "joint", thre
     or {"question": str, "type": "boolean" | "integer" | "text", "max_tokens": N} (or a Question).
     `joint`: all slots of a group (<= 8 questions) denoised together in one sequence; `independent`:
     one question per row, rows batched. More than 8 questions is an error unless `split` (groups of 8).
-    Answers come back in question order: str (options / text), bool (boolean), int (integer)."""
+    Answers come back in question order: str (options / text), bool (boolean), int (integer).
+    `decide_task`: the same as a task (engine/slots.py), whose jobs the server batches."""
+    return drive(decide_task(model, tokenizer, material, questions, mode, threshold, block_size, split))
+
+
+def decide_task(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float = INFILL_THRESHOLD,
+                block_size: int = 32, split: bool = False):
     start = time.perf_counter()
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
@@ -202,7 +209,9 @@ def decide(model, tokenizer, material: str, questions, mode: str = "joint", thre
     for r in rows:
         sizes = tuple(len(r.region(w, model.config.mask_token_id)[0]) for w in range(len(r.windows)))
         buckets.setdefault(sizes, []).append(r)
-    calls = sum(denoise(model, bucket, threshold) for bucket in buckets.values())
+    calls = 0
+    for bucket in buckets.values():
+        calls += yield from denoise_task(model, bucket, threshold)
     answers = [Answer(s.value, s.confidence) for r in rows for s in r.slots]
     return Decision(answers, sum(r.forwards for r in rows), time.perf_counter() - start, mode, calls,
                     sum(len(r.prompt) for r in rows))

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from .engine import DecodeConfig, Engine
-from .slots import Forward, Job, run
+from .slots import Forward, Job, drive
 
 _PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
 _MASKS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(name, size): bool mask})
@@ -289,11 +289,16 @@ class Row:
 # ---- denoising ------------------------------------------------------------------------------------------
 def denoise(model, rows: list[Row], threshold: float) -> int:
     """Fill every slot of every row; returns the number of batched model calls after prefill.
-    `row.forwards` counts the calls each row took part in. One job of the slot mode
-    (engine/slots.py): alone, or batched with other requests' jobs by the server's scheduler."""
+    `row.forwards` counts the calls each row took part in. Alone; `denoise_task` is the same as a
+    step of a task (engine/slots.py), which the server's scheduler batches with other requests' jobs."""
+    return drive(denoise_task(model, rows, threshold))
+
+
+def denoise_task(model, rows: list[Row], threshold: float):
+    """`calls = yield from denoise_task(...)` in a task: one job of the slot mode (engine/slots.py)."""
     if not any(u.open for r in rows for u in r.units):
         return 0  # all scaffold: nothing to ask the model
-    return run(Job(partial(_start_denoise, model, rows, threshold)))
+    return (yield Job(partial(_start_denoise, model, rows, threshold)))
 
 
 def _start_denoise(model, rows: list[Row], threshold: float, runner: str = "eager", defer: bool = False):
@@ -381,7 +386,14 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
     the stop token, ended with a stop token or the grammar's end, forwards). In the last `wrap_up`
     tokens of the budget the first of `closers(tokens so far)` (e.g. a closing quote, brackets, EOS)
     the grammar allows is taken before the model's choice, so a document is likelier to close within
-    the budget. One job of the slot mode (engine/slots.py): alone, or batched by the server's scheduler."""
+    the budget. Alone; `decode_constrained_task` is the same as a step of a task (engine/slots.py)."""
+    return drive(decode_constrained_task(model, prompt, allow, accept, stops, max_new_tokens, generator, closers,
+                                         wrap_up))
+
+
+def decode_constrained_task(model, prompt, allow, accept, stops, max_new_tokens, generator=None, closers=None,
+                            wrap_up=0):
+    """`yield from` in a task: `decode_constrained`'s one job."""
     if max_new_tokens < 1:
         return [], False, 0
     rule = Constraint(allow, accept, stops, generator, closers, wrap_up, max_new_tokens, model.config.mask_token_id)
@@ -392,7 +404,7 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
         engine.add([prompt])
         return engine.batch, _constrained(engine, rule)
 
-    return run(Job(start))
+    return (yield Job(start))
 
 
 def _constrained(engine: Engine, rule: "Constraint"):

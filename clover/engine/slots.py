@@ -14,14 +14,13 @@ row computes alone - the padding is masked). Jobs of different shapes never shar
 job's tokens do not depend on what runs beside it. A job's failure (its prefill, its own logic, a
 forward it ran alone) stays with that job; a shared forward that raises is retried job by job.
 
-`run(job)` runs one job to the end: through the driver installed with `driving(...)` (the server's
-scheduler, which batches it with other requests' jobs), or alone.
+A `Task` is a request's whole decoding as a generator of jobs (`yield job` returns its result);
+`drive(task)` runs one alone, the server's scheduler runs many, their jobs side by side.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+from concurrent.futures import Future
 from typing import Callable, Generator
 
 import torch
@@ -45,6 +44,7 @@ class Job:
         self.result = None
         self.error: BaseException | None = None
         self.finished = False
+        self.task: Task | None = None  # the task that yielded it
 
     def start(self, runner: str = "eager", defer: bool = False) -> None:
         self.batch, self.steps = self._start(runner=runner, defer=defer)
@@ -153,34 +153,55 @@ class SlotMode:
             return None
 
 
-_DRIVER: contextvars.ContextVar[Callable[[Job], object] | None] = contextvars.ContextVar("clover_slot_driver",
-                                                                                        default=None)
+Tasks = Generator[Job, object, object]  # yields the jobs it needs one after another, gets each one's result
 
 
-@contextlib.contextmanager
-def driving(driver: Callable[[Job], object]):
-    """Within this context (this thread), `run` hands jobs to `driver(job) -> result`."""
-    token = _DRIVER.set(driver)
-    try:
-        yield
-    finally:
-        _DRIVER.reset(token)
+class Task:
+    """A request's whole decoding (a decision, a structured reply, forced tool calls) as a generator
+    of jobs: it yields a `Job`, gets its result back (or its error raised at the yield) and yields the
+    next, doing only CPU planning in between; it returns the reply. `resume` runs it up to its next
+    job (`self.job`), or to its end (`self.future` done). Whoever runs the jobs - `drive` alone, or
+    the server's scheduler beside other requests - resumes it; nothing waits on anyone."""
+
+    def __init__(self, steps: Tasks):
+        self.steps, self.job = steps, None
+        self.future: Future = Future()
+        self.state = "waiting"  # waiting -> running -> done (where a scheduler runs it)
+
+    def resume(self, done: Job | None = None) -> Job | None:
+        """Hand `done`'s result (or error) to the task; returns its next job, None when it ended."""
+        try:
+            if done is not None and done.error is not None:
+                self.job = self.steps.throw(done.error)
+            else:
+                self.job = self.steps.send(None if done is None else done.result)
+        except StopIteration as stop:
+            self.job = None
+            self.future.set_result(stop.value)
+        except BaseException as e:  # noqa: BLE001 - the task's own error: its request answers with it
+            self.job = None
+            self.future.set_exception(e)
+        if self.job is not None:
+            self.job.task = self
+        return self.job
 
 
-def run(job: Job):
-    """Run a job to its result: through the installed driver, or alone."""
-    driver = _DRIVER.get()
-    if driver is not None:
-        return driver(job)
-    return run_alone(job)
+def drive(steps: Tasks):
+    """Run a task to its result, each of its jobs alone (the Python API; the server batches them)."""
+    task = Task(steps)
+    job = task.resume()
+    while job is not None:
+        run_alone(job, check=False)
+        job = task.resume(job)
+    return task.future.result()
 
 
 @torch.no_grad()
-def run_alone(job: Job):
+def run_alone(job: Job, check: bool = True):
     mode = SlotMode()
     mode.join(job)
     while mode.running:
         mode.step()
-    if job.error is not None:
+    if check and job.error is not None:
         raise job.error
     return job.result

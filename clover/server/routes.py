@@ -14,12 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..chat import call_frame_ids
+from ..engine.slots import Task
 from ..settings import MODES, DecodeConfig
 from .choice import Choice
 from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, now, usage
 from .scheduler import Cancelled, Job, Live, QueueFull, Ticket
 from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
-from .structured import Infilled, format_plan, infill_format, infill_tool_call
+from .structured import Infilled, format_plan, infill_format_task, infill_tool_call_task
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
@@ -335,27 +336,32 @@ class Routes:
             key = self.check_common(req)
             room = budget(ids, max_tokens)
             threshold = self.infill_threshold(req)
-            job = (partial(infill_tool_call, model, tokenizer, ids, plan, threshold, key.block_size, room,
-                           self.settings.max_tool_calls)
-                   if fmt is None else partial(infill_format, model, tokenizer, ids, fmt, threshold,
-                                               key.block_size, room))
-            done = await self.structured(request, job)
+            steps = (infill_tool_call_task(model, tokenizer, ids, plan, threshold, key.block_size, room,
+                                           self.settings.max_tool_calls)
+                     if fmt is None else infill_format_task(model, tokenizer, ids, fmt, threshold, key.block_size,
+                                                            room))
+            done = await self.structured(request, steps)
             return self.respond_infilled(req, len(ids), done)
         return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
 
-    async def structured(self, request: Request, fn):
-        """`fn()` planned in a worker thread, its forwards decoded by the scheduler (batched with other
-        requests); ValueError -> 400. A client that goes away cancels it (the reply is not sent)."""
-        plan = self.scheduler.structured(fn)
+    async def structured(self, request: Request, steps):
+        """A task (engine/slots.py): planned up to its first job off the event loop, its jobs run by the
+        scheduler (batched with other requests'); ValueError -> 400. A client that goes away cancels
+        it at once (the reply is not sent)."""
+        task = Task(steps)
+        await self.off_loop(task.resume)
+        if task.job is not None:
+            self.scheduler.submit([task])
+        future = asyncio.wrap_future(task.future)
         while True:
-            done, _ = await asyncio.wait({plan.future}, timeout=POLL_S)
+            done, _ = await asyncio.wait({future}, timeout=POLL_S)
             if done:
                 break
             if await request.is_disconnected():
-                self.scheduler.cancel_plan(plan)
+                self.scheduler.cancel([task])
                 break
         try:
-            return await plan.future
+            return await future
         except Cancelled as e:  # nobody reads this any more
             raise APIError(499, str(e), "server_error", code="cancelled")
         except ValueError as e:
@@ -387,7 +393,8 @@ class Routes:
 
     # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
     async def decide(self, req: DecideRequest, request: Request):
-        from ..decide import decide, parse_questions
+        from ..decide import parse_questions
+        from ..decide.decide import decide_task
 
         self.check_model(req)
         self.check_text(req)
@@ -398,6 +405,7 @@ class Routes:
             parse_questions(questions, req.split)
         except ValueError as e:
             raise APIError(400, str(e), param="questions")
-        result = await self.structured(request, partial(decide, self.model, self.tokenizer, req.material, questions,
-                                                        req.mode, self.infill_threshold(req), req.block_size, req.split))
+        result = await self.structured(request, decide_task(self.model, self.tokenizer, req.material, questions,
+                                                            req.mode, self.infill_threshold(req), req.block_size,
+                                                            req.split))
         return result.to_dict()

@@ -10,12 +10,12 @@
   starts there) -> one `step()` of every engine -> hand committed blocks to their jobs. A row leaves
   its engine when it finishes (EOS, budget) or is cancelled (client gone, stop string): its cache
   rows are freed at once (`Engine.finish`), and an engine with no rows is dropped.
-* Structured replies (response_format, forced tool calls) and /v1/decide are planned in a worker
-  thread each (`structured`: schema -> rows, verdict, retries), but every model forward they need
-  is a job of the slot mode (engine/slots.py) run by this thread: `run_job` queues it, the loop
-  prefills it and steps it beside the engines, one forward per job per loop turn, jobs of the same
-  shape batched in one forward. Their failures stay theirs (the job's error is raised in its
-  worker thread).
+* Structured replies (response_format, forced tool calls) and /v1/decide are tasks (engine/slots.py:
+  a generator of slot jobs, CPU planning in between): the request plans up to its first job off the
+  event loop and submits the task; this thread runs its jobs beside the engines, one forward per job
+  per loop turn, jobs of the same shape batched in one forward, and resumes the task with each job's
+  result. No thread waits on another. A task's failure is its own (its future holds the error); a
+  cancelled task's job leaves between steps and the task ends with `Cancelled`.
 * `--runner compiled`: the engines and the slot jobs defer compiling (a step of a shape with no graph
   runs eagerly and queues the shape); with nothing to decode, the loop compiles one queued shape at a time
   (`runner.compile_deferred`), so no running request waits on a compile.
@@ -33,14 +33,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Literal, NamedTuple
 
 import torch
@@ -48,7 +45,7 @@ import torch
 from ..engine import DEFAULTS, DecodeConfig, Engine, Sequence
 from ..engine.runner import compile_deferred, deferred
 from ..engine.slots import Job as SlotJob
-from ..engine.slots import SlotMode, driving
+from ..engine.slots import SlotMode, Task
 from .metrics import Metrics
 
 
@@ -88,15 +85,7 @@ class QueueFull(Exception):
 
 
 class Cancelled(Exception):
-    """Raised in a structured request's worker thread when its client went away."""
-
-
-@dataclass(eq=False)
-class Plan:
-    """A structured request's worker: its slot jobs and whether its client went away."""
-
-    cancelled: bool = False
-    future: object = None
+    """The error a task ends with when its client went away (or the server stops)."""
 
 
 class Ticket:
@@ -124,7 +113,7 @@ class Job:
     seq: Sequence | None = None
     state: str = "waiting"  # waiting -> running -> done
     first_block: bool = False
-    slot: object = None  # its engine's key in Scheduler.engines: the engine key, or (key, id) when solo
+    place: object = None  # where it runs: its engine's key in Scheduler.engines: the engine key, or (key, id) when solo
     proven: bool = False  # has taken part in a step of its current engine that did not raise
 
 
@@ -135,19 +124,14 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
         self.cv = threading.Condition()
-        self.waiting: deque[Job] = deque()
-        self.to_cancel: list[tuple[Job, str]] = []
+        self.waiting: deque[Job | Task] = deque()  # rows of requests, and tasks, in order of arrival
+        self.to_cancel: list[tuple[Job | Task, str]] = []
         self.engines: dict[object, Engine] = {}  # engine key: shared engine; (key, id(job)): solo
         self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.compiling = False  # in `_compile_one` (nothing decoding)
-        self.slots = SlotMode(runner, defer=True)  # the running infill / grammar jobs
-        self.slot_waiting: list[tuple[SlotJob, threading.Event]] = []
-        self.slot_events: dict[int, threading.Event] = {}  # id(job) -> set when it finished
-        self.plan_of: dict[int, Plan] = {}  # id(job) -> the structured request it belongs to
-        # structured replies and decisions are planned here, one thread each (their forwards come back to ours)
-        self.planner = ThreadPoolExecutor(max_workers=max(max_batch, 1), thread_name_prefix="clover-plan")
+        self.core = SlotMode(runner, defer=True)  # the running jobs of tasks (infill, grammar, decide)
 
     # ---- called from request handlers ----------------------------------------------------------
     def config(self, key: DecodeConfig, max_new_tokens: int = 1) -> DecodeConfig:
@@ -155,62 +139,33 @@ class Scheduler:
         raises ValueError (-> 400) for settings the model can't run."""
         return key.with_(max_new_tokens=max_new_tokens, eos_token_ids=self.eos, runner=self.runner).check(self.model)
 
-    def submit(self, jobs: list[Job]) -> None:
+    def submit(self, items: list[Job | Task]) -> None:
+        """Queue a request's rows (a full queue refuses them: QueueFull), or a task (its first job
+        planned: `Task.resume`)."""
+        rows = sum(isinstance(i, Job) for i in items)
         with self.cv:
-            if len(self.waiting) + len(jobs) > self.max_queue:
+            if rows and len(self.waiting) + rows > self.max_queue:
                 self.metrics.rejected_queue_full += 1
                 raise QueueFull(f"the queue is full ({len(self.waiting)} of {self.max_queue} rows waiting)")
-            self.waiting.extend(jobs)
+            self.waiting.extend(items)
             self.metrics.queue_length = len(self.waiting)
             self.cv.notify()
 
-    def cancel(self, jobs: list[Job], reason: str = "cancelled") -> None:
-        """Stop jobs (client gone: "cancelled"; stop string matched: "stop"). Thread-safe."""
+    def cancel(self, items: list[Job | Task], reason: str = "cancelled") -> None:
+        """Stop rows or tasks (client gone: "cancelled"; stop string matched: "stop"). Thread-safe."""
         with self.cv:
-            for job in jobs:
-                if job.state == "waiting":
-                    job.state = "done"
+            for item in items:
+                if item.state == "waiting":
+                    item.state = "done"
                     try:
-                        self.waiting.remove(job)
+                        self.waiting.remove(item)
                     except ValueError:
                         pass
-                elif job.state == "running":
-                    self.to_cancel.append((job, reason))
+                    if isinstance(item, Task):
+                        item.future.set_exception(Cancelled("the request was cancelled"))
+                elif item.state == "running":
+                    self.to_cancel.append((item, reason))
             self.metrics.queue_length = len(self.waiting)
-            self.cv.notify()
-
-    def structured(self, fn, *args) -> "Plan":
-        """Start `fn(*args)` (structured output, a forced call, a decision) in a worker thread where every
-        denoise / decode_constrained call becomes a job of this scheduler; await `plan.future`, or
-        `cancel_plan(plan)` when its client is gone."""
-        plan = Plan()
-
-        def call():
-            with driving(partial(self.run_job, plan)):
-                return fn(*args)
-
-        plan.future = asyncio.get_running_loop().run_in_executor(self.planner, contextvars.copy_context().run, call)
-        return plan
-
-    def run_job(self, plan: "Plan", job: SlotJob):
-        """Called from a worker thread: queue a slot job, wait until the loop has run it, return its
-        result (or raise its error)."""
-        done = threading.Event()
-        with self.cv:
-            if self.stopping or plan.cancelled:
-                raise Cancelled("the request was cancelled" if plan.cancelled else "the server is shutting down")
-            self.plan_of[id(job)] = plan
-            self.slot_waiting.append((job, done))
-            self.cv.notify()
-        done.wait()
-        if job.error is not None:
-            raise job.error
-        return job.result
-
-    def cancel_plan(self, plan: "Plan") -> None:
-        """The client is gone: its running jobs leave between steps, its next ones are refused."""
-        with self.cv:
-            plan.cancelled = True
             self.cv.notify()
 
     # ---- the thread --------------------------------------------------------------------------------
@@ -224,15 +179,13 @@ class Scheduler:
             self.cv.notify()
         if self.thread is not None:  # an idle compile (seconds) has no request to finish: not waited for
             self.thread.join(timeout=1 if self.compiling else 30)
-        self.planner.shutdown(wait=False)
 
     @property
     def running_rows(self) -> int:
         return sum(len(e.seqs) for e in self.engines.values())
 
     def _busy(self) -> bool:
-        return bool(self.stopping or self.waiting or self.to_cancel or self.engines or self.slot_waiting
-                    or self.slots.running)
+        return bool(self.stopping or self.waiting or self.to_cancel or self.engines or self.core.running)
 
     def _loop(self) -> None:
         while True:
@@ -245,36 +198,36 @@ class Scheduler:
                 continue
             with self.cv:
                 if self.stopping:
-                    self._fail_slots(RuntimeError("the server is shutting down"))
-                    return
-                slot_admit, self.slot_waiting = self.slot_waiting, []
-                slot_gone = [j for j in self.slots.jobs if self.plan_of[id(j)].cancelled]
+                    break
                 cancels, self.to_cancel = self.to_cancel, []
-                admit, room = [], self.max_batch - self.running_rows + sum(j.state == "running" for j, _ in cancels)
-                while self.waiting and len(admit) < room:
-                    job = self.waiting.popleft()
-                    job.state = "running"
-                    admit.append(job)
-                self.metrics.queue_length = len(self.waiting)
+                admit = self._take(sum(isinstance(j, Job) and j.state == "running" for j, _ in cancels))
             try:
                 with torch.inference_mode():
-                    for job, reason in cancels:
-                        self._cancel(job, reason)
+                    for item, reason in cancels:
+                        self._cancel(item, reason)
                     self._admit(admit)
-                    for job in slot_gone:
-                        self.slots.leave(job, Cancelled("the request was cancelled"))
-                        self._slot_done(job)
-                    self._admit_slots(slot_admit)
-                    for key in list(self.engines):
-                        self._step(key)
-                    self._step_slots()
-            except Exception as e:  # never let the loop die: fail the rows involved, keep serving
+                    self._step_all()
+            except Exception:  # never let the loop die: fail the rows and tasks involved, keep serving
                 traceback.print_exc()
                 self._fail_all("internal error in the decoding loop")
-                self._fail_slots(e)
             self.metrics.running_rows = self.running_rows
             if self.runner == "compiled":
                 self.metrics.graphs_deferred = deferred(self.model)
+        with self.cv, torch.inference_mode():  # nothing is left pending: every request gets its answer
+            self._fail_all("the server is shutting down", waiting=True)
+
+    def _take(self, leaving: int) -> list[Job | Task]:
+        """(Under the lock) the waiting tasks, and rows while fewer than `max_batch` run."""
+        room = self.max_batch - self.running_rows + leaving
+        admit, keep = [], deque()
+        for item in self.waiting:
+            fits = isinstance(item, Task) or room > 0
+            room -= isinstance(item, Job) and fits
+            (admit if fits else keep).append(item)
+            item.state = "running" if fits else item.state
+        self.waiting = keep
+        self.metrics.queue_length = len(keep)
+        return admit
 
     def _compile_one(self) -> None:
         """One deferred graph (`runner.compile_deferred`): seconds, while no request is running; a request
@@ -293,10 +246,14 @@ class Scheduler:
             self.metrics.graphs_compiled += int(done)
             self.metrics.graphs_deferred = deferred(self.model)
 
-    def _admit(self, jobs: list[Job]) -> None:
+    def _admit(self, items: list[Job | Task]) -> None:
+        """Rows join the engine of their key (prefilled as one batch per key); tasks start their jobs."""
         groups: dict[DecodeConfig, list[Job]] = {}
-        for job in jobs:
-            groups.setdefault(job.key, []).append(job)
+        for item in items:
+            if isinstance(item, Task):
+                self._run_task(item)
+            else:
+                groups.setdefault(item.key, []).append(item)
         for key, group in groups.items():
             try:
                 self._join(key, group)
@@ -310,70 +267,61 @@ class Scheduler:
                     except Exception as e1:  # noqa: BLE001
                         self._fail(job, e1)
 
-    def _admit_slots(self, admit: list[tuple[SlotJob, threading.Event]]) -> None:
-        for job, done in admit:
-            self.slot_events[id(job)] = done
-            if self.plan_of[id(job)].cancelled:
+    def _run_task(self, task: Task, done: SlotJob | None = None) -> None:
+        """Resume a task with its finished job `done` (None: start its planned first job) until it has
+        a running job or has ended; a job that fails at its start (prefill) is handed back at once."""
+        job = task.job if done is None else task.resume(done)
+        while job is not None:
+            if task.state == "done":  # cancelled: the task ends with that at its yield
                 job.fail(Cancelled("the request was cancelled"))
             else:
-                self.slots.join(job)  # prefill; a job that fails there is finished with its error
-            if job.finished:
-                self._slot_done(job)
+                self.core.join(job)
+            if not job.finished:
+                return
+            job = task.resume(job)
+        task.state = "done"
 
-    def _step_slots(self) -> None:
-        if not self.slots.running:
+    def _step_all(self) -> None:
+        """One forward for every engine, and for every task's job (jobs of one shape share one)."""
+        for key in list(self.engines):
+            self._step(key)
+        if not self.core.running:
             return
-        t0, before = time.perf_counter(), self.slots.forwards
-        for job in self.slots.step():
-            self._slot_done(job)
+        t0, before = time.perf_counter(), self.core.forwards
+        for job in self.core.step():
+            self._run_task(job.task, job)
         with self.metrics.lock:
-            self.metrics.model_forwards += self.slots.forwards - before
+            self.metrics.model_forwards += self.core.forwards - before
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
-    def _slot_done(self, job: SlotJob) -> None:
-        self.plan_of.pop(id(job), None)
-        self.slot_events.pop(id(job)).set()
-
-    def _fail_slots(self, error: Exception) -> None:
-        for job in list(self.slots.jobs):
-            self.slots.leave(job, error)
-        for job, done in self.slot_waiting:
-            job.fail(error)
-            done.set()
-        self.slot_waiting = []
-        for done in self.slot_events.values():
-            done.set()
-        self.slot_events.clear()
-        self.plan_of.clear()
-
-    def _join(self, slot, jobs: list[Job], resume: bool = False) -> None:
-        """Prefill jobs into the engine at `slot` (made when missing) and register them. `resume`: the
+    def _join(self, place, jobs: list[Job], resume: bool = False) -> None:
+        """Prefill jobs into the engine at `place` (made when missing) and register them. `resume`: the
         jobs ran before; each restarts from prompt + committed tokens with the budget it has left."""
-        engine = self.engines.get(slot)
+        engine = self.engines.get(place)
         if engine is None:
-            key = slot[0] if isinstance(slot, tuple) else slot
+            key = place[0] if isinstance(place, tuple) else place
             engine = Engine(self.model, self.config(key, max(j.max_new_tokens for j in jobs)), defer_compile=True)
         olds = [j.seq if resume else None for j in jobs]
         seqs = engine.add([j.prompt_ids + (old.token_ids if old else []) for j, old in zip(jobs, olds)],
                           [old.remaining if old else j.max_new_tokens for j, old in zip(jobs, olds)])
-        self.engines[slot] = engine
+        self.engines[place] = engine
         for job, seq, old in zip(jobs, seqs, olds):
             if old is not None:
                 _carry_over(seq, old)
-            job.seq, job.slot, job.proven = seq, slot, False
+            job.seq, job.place, job.proven = seq, place, False
             self.jobs[id(seq)] = job
         if not resume:
             with self.metrics.lock:
                 self.metrics.prompt_tokens += sum(len(j.prompt_ids) for j in jobs)
 
-    def _step(self, slot) -> None:
-        engine = self.engines[slot]
+    def _step(self, place) -> None:
+        engine = self.engines[place]
         t0 = time.perf_counter()
         try:
             events = engine.step()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            self._isolate(slot, e)
+            self._isolate(place, e)
             return
         for seq in engine.seqs:
             job = self.jobs.get(id(seq))
@@ -398,7 +346,7 @@ class Scheduler:
             if job is not None and job.live:
                 job.ticket.post(Live("live", job.index, engine.block_view(row), _stats(seq)))
         if not engine.running:
-            del self.engines[slot]
+            del self.engines[place]
 
     def _post(self, job: Job, tokens: list[int]) -> None:
         seq = job.seq
@@ -407,17 +355,17 @@ class Scheduler:
         if seq.finished:
             self._done(job, cancelled=False)
 
-    def _isolate(self, slot, error: Exception) -> None:
-        """A step of the engine at `slot` raised: with one row, that row fails. Otherwise the rows that
+    def _isolate(self, place, error: Exception) -> None:
+        """A step of the engine at `place` raised: with one row, that row fails. Otherwise the rows that
         joined since its last good step (suspects) go on solo and the others as one rebuilt batch; all
         solo when that tells nothing (no suspects, or no others). Moved rows restart from what they
         committed."""
-        engine = self.engines.pop(slot)
+        engine = self.engines.pop(place)
         jobs = [self.jobs[id(s)] for s in engine.seqs if id(s) in self.jobs]
         if len(jobs) == 1:
             self._fail(jobs[0], error)
             return
-        key = slot[0] if isinstance(slot, tuple) else slot
+        key = place[0] if isinstance(place, tuple) else place
         live = []
         for job in jobs:
             if job.seq.finished:  # it finished in the step that raised, before its tokens were posted
@@ -431,7 +379,7 @@ class Scheduler:
         alone = live if len(proven) in (0, len(live)) else [j for j in live if not j.proven]
         if len(alone) < len(live):
             try:
-                self._join(slot, proven, resume=True)
+                self._join(place, proven, resume=True)
             except Exception:  # noqa: BLE001 - then they go solo too
                 alone = live
         for job in alone:
@@ -440,14 +388,21 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 self._fail(job, e)
 
-    def _cancel(self, job: Job, reason: str) -> None:
-        engine = self.engines.get(job.slot)
-        if job.state != "running" or engine is None or job.seq is None:
+    def _cancel(self, item: Job | Task, reason: str) -> None:
+        if isinstance(item, Task):
+            item.state = "done"
+            job = item.job
+            if job is not None and job in self.core.jobs:
+                self.core.leave(job, Cancelled("the request was cancelled"))
+                self._run_task(item, job)
             return
-        engine.finish(job.seq, reason)
-        self._done(job, cancelled=reason == "cancelled")
+        engine = self.engines.get(item.place)
+        if item.state != "running" or engine is None or item.seq is None:
+            return
+        engine.finish(item.seq, reason)
+        self._done(item, cancelled=reason == "cancelled")
         if not engine.running:
-            del self.engines[job.slot]
+            del self.engines[item.place]
 
     def _done(self, job: Job, cancelled: bool) -> None:
         job.state = "done"
@@ -467,12 +422,25 @@ class Scheduler:
         job.ticket.post(Failed("error", job.index, f"internal error while decoding this request ({type(error).__name__}); "
                                             "other requests are not affected"))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, waiting: bool = False) -> None:
+        """Every running row and task ends with an error (and, with `waiting`, the queued ones)."""
         for job in list(self.jobs.values()):
             job.state = "done"
             job.ticket.post(Failed("error", job.index, message))
         self.jobs.clear()
         self.engines.clear()
+        for job in list(self.core.jobs):
+            self.core.leave(job, RuntimeError(message))
+            job.task.state = "done"
+            self._run_task(job.task, job)
+        for item in list(self.waiting) if waiting else []:
+            item.state = "done"
+            if isinstance(item, Task):
+                item.future.set_exception(Cancelled(message))
+            else:
+                item.ticket.post(Failed("error", item.index, message))
+        if waiting:
+            self.waiting.clear()
 
 
 def _carry_over(new: Sequence, old: Sequence) -> None:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..structured import (JsonResult, Refused, Skeleton, Unsupported, check_grammar, grammar_json, infill_json,
-                          is_json_object, normalize, skeleton)
+from ..structured import JsonResult, Refused, Skeleton, Unsupported, check_grammar, is_json_object, normalize, skeleton
+from ..structured.generate import infill_json_task
+from ..structured.grammar import grammar_json_task
 from ..structured import check as check_schema
 from ..api import eos_ids
 from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, IM_END, new_call_id
-from ..engine.infill import Row, Slot, denoise, pieces
+from ..engine.infill import Row, Slot, denoise_task, pieces
+from ..engine.slots import drive
 from .protocol import APIError, ToolPlan, forced_name
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
@@ -92,8 +94,8 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
     infilled = None
     if plan.skeleton is not None:
         try:
-            infilled = infill_json(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix, suffix=suffix,
-                                   threshold=threshold, block_size=block_size)
+            infilled = yield from infill_json_task(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix,
+                                                   suffix=suffix, threshold=threshold, block_size=block_size)
         except Unsupported:
             pass
         else:
@@ -105,8 +107,8 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
         if infilled is not None:  # no grammar to fit the budget with: the infilled document, cut
             return infilled
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema")
-    r = grammar_json(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
-                     max_new_tokens=max_tokens)
+    r = yield from grammar_json_task(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
+                                     max_new_tokens=max_tokens)
     if infilled is not None:  # the infill's forwards were spent too
         r.forward_passes += infilled.forward_passes
         r.fallback_reason = (f"the infilled document ({len(infilled.token_ids)} tokens) was longer than "
@@ -131,7 +133,13 @@ def _verdict(r: JsonResult, max_tokens: int, tokenizer, extra_forwards: int = 0,
 
 def infill_format(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
                   block_size: int, max_tokens: int = 1 << 30) -> Infilled:
-    r = _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens)
+    """A response_format reply, alone (`infill_format_task`: as a task the scheduler runs)."""
+    return drive(infill_format_task(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens))
+
+
+def infill_format_task(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
+                       block_size: int, max_tokens: int = 1 << 30):
+    r = yield from _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens)
     text, finish, info = _verdict(r, max_tokens, tokenizer)
     return Infilled(text, [], min(len(r.token_ids), max_tokens), info, finish)
 
@@ -168,7 +176,7 @@ def another_call(model, tokenizer, context: list[int], threshold: float, block_s
     newline = pieces(tokenizer, ["\n"], before=CALL_CLOSE, after=CALL_OPEN)[0][:1]
     slot = Slot([], [], choices=[newline, [_end_of_turn(model, tokenizer)]], values=[True, False], name="another call")
     row = Row(context, [slot], block_size, model.config.max_block_size)
-    denoise(model, [row], threshold)
+    yield from denoise_task(model, [row], threshold)
     return bool(slot.value), row.forwards
 
 
@@ -179,14 +187,14 @@ def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan]
     (name, result, arguments text, finish_reason, verdict)."""
     forwards = 0
     if len(plans) > 1:
-        pick = infill_json(model, tokenizer, context, {"enum": list(plans)}, prefix=lead + CALL_HEAD,
-                           suffix=', "arguments":', threshold=threshold, block_size=block_size)
+        pick = yield from infill_json_task(model, tokenizer, context, {"enum": list(plans)}, prefix=lead + CALL_HEAD,
+                                           suffix=', "arguments":', threshold=threshold, block_size=block_size)
         name, forwards = pick.value, pick.forward_passes
     else:
         name = next(iter(plans))
     head = lead + CALL_HEAD + json.dumps(name) + ', "arguments": '
-    r = _run(model, tokenizer, context, plans[name], threshold, block_size, room, prefix=head, suffix=CALL_END,
-             param="tools")
+    r = yield from _run(model, tokenizer, context, plans[name], threshold, block_size, room, prefix=head,
+                        suffix=CALL_END, param="tools")
     text, finish, info = _verdict(r, room, tokenizer, forwards, head)
     return name, r, text, finish, info
 
@@ -200,7 +208,14 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
     parallel_tool_calls: at least one; after each the model decides whether another follows
     (`another_call`), up to `max_calls`; a later call cut by max_tokens or the context is left out
     (finish "length"), so every returned call is complete and valid.
-    APIError(400) when the named function's schema (or, under "required", every one) is refused."""
+    APIError(400) when the named function's schema (or, under "required", every one) is refused.
+    Alone; `infill_tool_call_task` is the same as a task the scheduler runs."""
+    return drive(infill_tool_call_task(model, tokenizer, prompt_ids, tools, threshold, block_size, max_tokens,
+                                       max_calls))
+
+
+def _callable(model, tokenizer, tools: ToolPlan) -> dict[str, FormatPlan]:
+    """The arguments plan of each function the reply may call; APIError(400) when none can be."""
     name = forced_name(tools.choice, tools.functions)
     names = [name] if name is not None else [f["name"] for f in tools.functions]
     plans, refused = _function_plans(tools.functions, names)
@@ -215,49 +230,71 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
         why = "; ".join(refused.values())
         raise APIError(400, why if name else f"no tool can be called: {why}", param="tools",
                        code="unsupported_schema")
+    return plans
+
+
+@dataclass
+class _Calls:
+    """The calls of one reply so far."""
+    context: list[int]
+    calls: list[dict] = field(default_factory=list)
+    infos: list[dict] = field(default_factory=list)
+    used: int = 0
+    extra: int = 0  # forwards of the another-call decisions
+    finish: str = "tool_calls"
+    note: str | None = None
+
+    def reply(self) -> Infilled:
+        infos = self.infos
+        methods = sorted({i["method"] for i in infos})
+        info = {"method": methods[0] if len(methods) == 1 else "+".join(methods),
+                "valid": all(i["valid"] for i in infos),
+                "forward_passes": sum(i["forward_passes"] for i in infos) + self.extra, "calls": infos}
+        if "error" in infos[-1]:
+            info["error"] = infos[-1]["error"]
+        if self.note:
+            info["note"] = self.note
+        return Infilled(None, self.calls, self.used, info, "tool_calls" if self.finish == "stop" else self.finish)
+
+
+def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, threshold: float,
+                          block_size: int, max_tokens: int = 1 << 30, max_calls: int = MAX_TOOL_CALLS):
+    plans = _callable(model, tokenizer, tools)
     cap = max_calls if tools.parallel and tools.choice == "required" else 1
     ctx = model.config.max_position_embeddings
-    context, calls, infos, used, extra, finish, note = list(prompt_ids), [], [], 0, 0, "tool_calls", None
+    out = _Calls(list(prompt_ids))
     while True:
-        room = min(max_tokens - used, ctx - len(context))
-        if calls and room < 1:
-            finish, note = "length", f"call {len(calls) + 1} left out: max_tokens ({max_tokens}) or the context ran out"
+        room, n = min(max_tokens - out.used, ctx - len(out.context)), len(out.calls) + 1
+        if out.calls and room < 1:
+            out.finish, out.note = "length", f"call {n} left out: max_tokens ({max_tokens}) or the context ran out"
             break
         try:
-            name, r, text, done, info = _one_call(model, tokenizer, context, plans, "\n" if calls else "",
-                                                  threshold, block_size, room)
+            name, r, text, done, info = yield from _one_call(model, tokenizer, out.context, plans,
+                                                             "\n" if out.calls else "", threshold, block_size, room)
         except (Unsupported, ValueError) as e:  # a later call the context cannot hold
-            if not calls:
+            if not out.calls:
                 raise
-            finish, note = "length", f"call {len(calls) + 1} left out: {e}"
+            out.finish, out.note = "length", f"call {n} left out: {e}"
             break
-        if done != "stop" and calls:  # a later call cut by the budget: left out, the reply ends here
-            finish, note = "length", (f"call {len(calls) + 1} left out: the {room} tokens left of max_tokens "
-                                      f"({max_tokens}) ran out before it was complete")
+        if done != "stop" and out.calls:  # a later call cut by the budget: left out, the reply ends here
+            out.finish, out.note = "length", (f"call {n} left out: the {room} tokens left of max_tokens "
+                                              f"({max_tokens}) ran out before it was complete")
             break
-        calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}})
-        infos.append({"name": name} | info)
-        used += min(len(r.token_ids), room)
-        context += r.token_ids
+        out.calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}})
+        out.infos.append({"name": name} | info)
+        out.used += min(len(r.token_ids), room)
+        out.context += r.token_ids
         if done != "stop":
-            finish = done
+            out.finish = done
             break
-        if len(calls) >= cap:
+        if len(out.calls) >= cap:
             break
-        more, forwards = another_call(model, tokenizer, context, threshold, block_size)
-        extra += forwards
+        more, forwards = yield from another_call(model, tokenizer, out.context, threshold, block_size)
+        out.extra += forwards
         if not more:
             break
-    methods = sorted({i["method"] for i in infos})
-    info = {"method": methods[0] if len(methods) == 1 else "+".join(methods),
-            "valid": all(i["valid"] for i in infos),
-            "forward_passes": sum(i["forward_passes"] for i in infos) + extra}
-    info["calls"] = infos
-    if "error" in infos[-1]:
-        info["error"] = infos[-1]["error"]
-    if note:
-        info["note"] = note
-    return Infilled(None, calls, used, info, "tool_calls" if finish == "stop" else finish)
+    return out.reply()
 
 
-__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "another_call", "format_plan", "infill_format", "infill_tool_call", "is_json_object"]
+__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "another_call", "format_plan", "infill_format", "infill_format_task",
+           "infill_tool_call", "infill_tool_call_task", "is_json_object"]

@@ -18,8 +18,9 @@ import time
 from dataclasses import replace
 from decimal import ROUND_HALF_EVEN, Decimal
 
-from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise, ends_after, in_context, pieces, token_ids,
-                             vocab_mask)
+from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends_after, in_context, pieces,
+                             token_ids, vocab_mask)
+from ..engine.slots import drive
 from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
 from . import schema as sk
 from .grammar import grammar_json
@@ -73,7 +74,14 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
     """Infill the JSON of `schema` (a dict, normalised here, or a `Skeleton` of a normalised one)
     after `prompt_ids`, between the fixed texts `prefix` and `suffix` (tokenized together with the
     JSON's scaffold). ValueError for a bad schema or argument, `Unsupported` for a schema the
-    infiller cannot lay out (no grammar path here)."""
+    infiller cannot lay out (no grammar path here). `infill_json_task`: the same as a task
+    (engine/slots.py: `yield from` it), whose job the server batches with other requests'."""
+    return drive(infill_json_task(model, tokenizer, prompt_ids, schema, prefix, suffix, threshold, block_size,
+                                  max_string_tokens))
+
+
+def infill_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
+                     threshold: float = INFILL_THRESHOLD, block_size: int = 32, max_string_tokens: int = 16):
     start = time.perf_counter()
     skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(normalize(schema))
     if not prompt_ids:
@@ -89,7 +97,7 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
     if need > model.config.max_position_embeddings:
         raise sk.Unsupported(f"the layout needs {need} tokens with the prompt, more than the model's context "
                              f"({model.config.max_position_embeddings})")
-    denoise(model, [row], threshold)
+    yield from denoise_task(model, [row], threshold)
     full = _render(parts, slots)
     text = full[len(prefix): len(full) - len(suffix)]
     value = json.loads(text)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.infill import decode_constrained, token_ids, vocab_mask
+from ..engine.infill import decode_constrained_task, token_ids, vocab_mask
+from ..engine.slots import drive
 from .normalize import STRING_CAP, Refused, for_decoding, unroll
 from .result import JsonResult, is_json_object, repair, validate
 
@@ -138,13 +139,19 @@ def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = 
     again one level tighter, and a document the final check rejects (a keyword the grammar does not
     enforce) again sampled, up to `tries` such times (the forwards of every try are counted). The
     first try is greedy. `complete` is False when even the tightest level ran out: the text is then
-    the truncated document, never valid."""
+    the truncated document, never valid. `grammar_json_task`: the same as a task (engine/slots.py)."""
+    return drive(grammar_json_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, tries))
+
+
+def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
+                      max_new_tokens: int = 256, tries: int = TRIES):
     start = time.perf_counter()
     level = start_level(schema, max_new_tokens)
     out, forwards, rejected = None, 0, 0
     while True:
         generator = None if rejected == 0 else torch.Generator().manual_seed(rejected)
-        out = _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, LADDER[level])
+        out = yield from _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator,
+                                 LADDER[level])
         forwards += out.forward_passes
         if out.valid:
             break
@@ -161,6 +168,11 @@ def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = 
 
 
 def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, caps=None):
+    """One try of `grammar_json` at `caps`, alone."""
+    return drive(_decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, caps))
+
+
+def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, caps=None):
     import xgrammar as xgr
 
     from ..api import eos_ids
@@ -185,9 +197,9 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
     def accept(t: int) -> bool:
         return matcher.accept_token(t) and not matcher.is_terminated()
 
-    tokens, complete, forwards = decode_constrained(model, list(prompt_ids) + head, allow, accept, set(stops),
-                                                    max_new_tokens, generator, _closers(tokenizer, stops),
-                                                    max_new_tokens // 4)
+    tokens, complete, forwards = yield from decode_constrained_task(
+        model, list(prompt_ids) + head, allow, accept, set(stops), max_new_tokens, generator,
+        _closers(tokenizer, stops), max_new_tokens // 4)
     text = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     tail = token_ids(tokenizer, suffix) if suffix and complete else []
     if not complete:
