@@ -21,6 +21,7 @@ import torch
 
 from ..settings import DEFAULTS, MODES, DecodeConfig  # noqa: F401 - re-exported (clover.engine)
 from .batch import RowBatch
+from .model_api import seam_of
 from .modes import make_mode
 from .runner import make_runner
 from .sampling import make_generator
@@ -31,10 +32,11 @@ class Engine:
         """`defer_compile` (runner "compiled"): a step of a shape with no graph yet runs eagerly and the
         shape waits for `runner.compile_deferred` (the server compiles when idle). `hook`: constrains
         `ar` decoding (modes.TokenHook: a grammar)."""
-        cfg, mc = config.check(model), model.config
+        self.seam = seam_of(model)  # the model seam (engine/model_api.py): all the engine reads of the model
+        cfg = config.check(model)
         self.model, self.cfg = model, cfg
         self.runner = make_runner(cfg.runner, model, defer=defer_compile)
-        self.mask_id = mc.mask_token_id
+        self.mask_id = self.seam.mask_id
         self.device = model.device
         self.eos = set(cfg.eos)
         self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device), hook)
@@ -79,7 +81,7 @@ class Engine:
         budgets = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
         if len(budgets) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(budgets)} max_new_tokens")
-        ctx = self.model.config.max_position_embeddings
+        ctx = self.seam.context
         for i, (p, n) in enumerate(zip(prompts, budgets)):
             if not p:
                 raise ValueError(f"prompt {i} is empty")

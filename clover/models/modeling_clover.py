@@ -578,6 +578,8 @@ class CloverModel(CloverPreTrainedModel):
 
 class CloverForBlockDiffusion(CloverPreTrainedModel):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    shift = True  # the model seam (engine/model_api.py): hidden state i predicts token i+1
+    block_align = "relative"  # blocks start right after the prompt
 
     def __init__(self, config: CloverConfig):
         super().__init__(config)

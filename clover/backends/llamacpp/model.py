@@ -97,6 +97,8 @@ class LlamaCppCache:
 class LlamaCppModel:
     """Presents `CloverForBlockDiffusion`'s forward / new_cache to the engine, computed by llama.cpp."""
 
+    shift, block_align = True, "relative"  # the model seam (engine/model_api.py), as Clover's
+
     def __init__(self, gguf_path: str | Path, config, max_rows: int = 8, threads: int = 1, n_ctx: int | None = None,
                  parity: bool = False, variant: str = "clover", build: str | Path | None = None):
         self.config = config
