@@ -216,7 +216,8 @@ def test_bench_pareto_writes_plot_and_table(model_dir, capsys, tmp_path):
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads(js.read_text())["results"]
     assert [(r["mode"], r["block_size"], r["threshold"]) for r in rows] == [
-        ("low_confidence", 4, 0.5), ("low_confidence", 4, 0.9), ("ar", 1, None)]
+        ("low_confidence", 4, 0.5), ("low_confidence", 4, 0.9), ("self_spec", 4, None), ("ar", 1, None)]
     assert rows[-1]["tpf"] == 1.0 and rows[0]["tpf"] >= rows[1]["tpf"] >= 1.0  # lower threshold, more per step
-    assert "| low_confidence | 4 | 0.5 |" in out and f"]({png})" in out
+    assert rows[2]["per_task"] == rows[3]["per_task"]  # self_spec answers what ar answers
+    assert "| low_confidence | 4 | 0.5 |" in out and f"]({png})" in out and "AUP" in out and "Pareto front" in out
     assert main(["bench", "pareto", "--model", model_dir, "--block-sizes", "99"]) == 2

@@ -1,5 +1,6 @@
 """`clover bench pareto`: the speed-quality curve, suite accuracy against tokens per forward and
-tokens/s over low_confidence thresholds and block sizes (the evaluation itself: clover.eval.pareto)."""
+tokens/s for ar, self_spec per block size and low_confidence over thresholds x block sizes, the
+Pareto front and d3LLM's AUP (the evaluation itself and AUP's definition: clover.eval.pareto)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def run(args) -> int:
         blocks = [int(x) for x in args.block_sizes.split(",") if x]
     except ValueError as e:
         raise UserError(f"--thresholds / --block-sizes: {e}") from None
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(pareto.MODES):
+        raise UserError(f"--modes: a comma list of {', '.join(pareto.MODES)}, got {args.modes!r}")
     if not thresholds or not blocks or args.batch < 1 or args.per_task < 0:
         raise UserError("need at least one threshold and block size, --batch >= 1, --per-task >= 0")
     if not str(args.plot).endswith(".png"):
@@ -34,10 +38,10 @@ def run(args) -> int:
         raise UserError(f"--block-sizes: {e}") from None
     exs = pareto.examples(args.per_task)
     eos = eos_ids(model, tokenizer)
-    settings = [("low_confidence", b, t) for b in blocks for t in thresholds] + ([] if args.no_ar else [("ar", 1, 0.0)])
+    settings = pareto.settings([m for m in modes if not (m == "ar" and args.no_ar)], blocks, thresholds)
     rows = []
     with torch.inference_mode():
-        pareto.evaluate(model, tokenizer, exs[:2], "low_confidence", blocks[0], thresholds[0], args.batch, eos)  # warm-up
+        pareto.evaluate(model, tokenizer, exs[:2], *settings[0], args.batch, eos)  # warm-up
         for mode, b, t in progress_iter(settings, "bench pareto"):
             rows.append(pareto.evaluate(model, tokenizer, exs, mode, b, t, args.batch, eos))
     described = args.model or "default model"
@@ -53,6 +57,15 @@ def run(args) -> int:
               f"{100 * r['accuracy']:.1f}" + (" *" if i in front else ""), f"{r['tpf']:.2f}", f"{r['tokens_per_second']:.1f}",
               *(f"{100 * r['per_task'][n]:.0f}" for n in names)] for i, r in enumerate(rows)]
     print(markdown_table(["mode", "block", "threshold", "accuracy %", "TPF", "tokens/s", *names], table))
+    scores = pareto.aup_report(rows)
+    print(f"\nPareto front (accuracy %, TPF): " + ", ".join(
+        f"{rows[i]['mode']} {rows[i]['block_size']}" + (f"/{rows[i]['threshold']:g}" if rows[i]["threshold"] else "")
+        + f" ({100 * rows[i]['accuracy']:.1f}, {rows[i]['tpf']:.2f})"
+        for i in sorted(front, key=lambda i: rows[i]["tpf"])))
+    print(f"\nAUP (d3LLM's accuracy under parallelism, clover/eval/pareto.py; y_max {scores['y_max']:.1f}): "
+          f"{scores['front']:.1f} on the Pareto front; per curve with ar: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in scores["per_curve"].items()))
     print(f"\n![accuracy against tokens per forward and tokens/s]({args.plot})")
-    write_json(args, dict(model=described, prompts=len(exs), per_task=args.per_task, batch=args.batch, results=rows))
+    write_json(args, dict(model=described, prompts=len(exs), per_task=args.per_task, batch=args.batch, results=rows,
+                          pareto_front=sorted(front), aup=scores))
     return 0

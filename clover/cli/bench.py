@@ -77,12 +77,24 @@ def add_decide_flags(p) -> None:
 def add_pareto_flags(p) -> None:
     add_model_flags(p)
     p.add_argument("--thresholds", default="0.5,0.7,0.8,0.9,0.95,0.99", help="low_confidence thresholds (comma list)")
-    p.add_argument("--block-sizes", default="8,16,32,64", help="block sizes (comma list)")
+    p.add_argument("--block-sizes", default="4,8,16,32", help="block sizes of low_confidence and self_spec (comma list)")
+    p.add_argument("--modes", default="ar,self_spec,low_confidence",
+                   help="decoding modes (comma list of ar, self_spec, low_confidence; default all three)")
     p.add_argument("--per-task", type=int, default=8, metavar="N",
                    help="first N prompts of each synthetic task (0 = all 40; default 8)")
     p.add_argument("--batch", type=int, default=64, metavar="N", help="rows decoded together (default 64)")
     p.add_argument("--plot", default="bench/pareto.png", metavar="PNG", help="where to write the plot")
-    p.add_argument("--no-ar", action="store_true", help="skip the ar reference point")
+    p.add_argument("--no-ar", action="store_true", help="skip the ar reference point (= --modes without ar)")
+
+
+# ---- calibration -------------------------------------------------------------------------------------
+def add_calibration_flags(p) -> None:
+    add_model_flags(p)
+    p.add_argument("--thresholds", default="0.8,0.9,0.95", help="low_confidence thresholds (comma list)")
+    p.add_argument("--block-size", type=int, default=8, help="block size (default 8)")
+    p.add_argument("--per-task", type=int, default=0, metavar="N",
+                   help="first N prompts of each synthetic task (default 0 = all 40: 280 prompts)")
+    p.add_argument("--batch", type=int, default=64, metavar="N", help="rows decoded together (default 64)")
 
 
 # ---- agent -------------------------------------------------------------------------------------------
@@ -128,7 +140,10 @@ DECODE_FLAGS = {"decode": ("block_size", "max_new_tokens", "runner"), "decide": 
 BENCHMARKS = {
     "decode": (add_decode_flags, "decode", "tokens/s and tokens per forward of each decoding mode vs transformers"),
     "decide": (add_decide_flags, "decide", "joint vs independent decision mode: accuracy, forwards, seconds per group"),
-    "pareto": (add_pareto_flags, "pareto", "speed-quality curve: suite accuracy vs tokens per forward and tokens/s (PNG + table)"),
+    "pareto": (add_pareto_flags, "pareto", "accuracy vs parallelism: ar, self_spec, low_confidence accuracy and tokens per forward, Pareto front, "
+               "AUP (PNG + table)"),
+    "calibration": (add_calibration_flags, "calibration",
+                    "committed-in-parallel tokens that differ from ar's choice, per threshold, against 1 - threshold"),
     "agent": (add_agent_flags, "agent", "tool use on the seeded toolbox: call accuracy (AST), irrelevance, real episodes"),
     "structured": (add_structured_flags, "structured",
                    "schema-guided JSON: infill vs free generation, valid and exact rates, forwards, seconds"),
