@@ -31,10 +31,10 @@ HF_TEXT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
                shared_expert_intermediate_size=32)
 
 
-def clover_cli(*argv, stdin: bytes | None = None) -> tuple[int, str]:
+def clover_cli(*argv, stdin: bytes | None = None, env: dict | None = None) -> tuple[int, str]:
     """Run `python -m clover ARGV` as a user would: (exit code, stderr)."""
-    p = subprocess.run([sys.executable, "-m", "clover", *map(str, argv)], input=stdin, capture_output=True, env=ENV,
-                       timeout=300)
+    p = subprocess.run([sys.executable, "-m", "clover", *map(str, argv)], input=stdin, capture_output=True,
+                       env={**ENV, **(env or {})}, timeout=300)
     return p.returncode, p.stderr.decode("utf-8", errors="replace")
 
 
@@ -58,6 +58,7 @@ BREAKAGES = {
     "truncated": _truncate,
     "empty": lambda d: (d / "model.safetensors").write_bytes(b""),
     "random": lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)),
+    "badtok": lambda d: (d / "tokenizer.json").write_text('{"model": {"type": "BPE"}, "added_tokens": []}'),
 }
 
 
@@ -100,6 +101,11 @@ CASES = {  # id: (argv with {fx} for the fixture folder, what the one line must 
     "convert-empty": (["convert", "{fx}/hf-empty", "{fx}/c"], "hf-empty/model.safetensors: empty file"),
     "convert-random": (["convert", "{fx}/hf-random", "{fx}/c"], "hf-random/model.safetensors: not a safetensors"),
     "convert-config-not-json": (["convert", "{fx}/hf-notjson", "{fx}/c"], "hf-notjson/config.json: not a JSON config"),
+    "export-gguf-truncated": (["export-gguf", "{fx}/truncated", "{fx}/t.gguf"], "truncated/model.safetensors: truncated"),
+    "export-gguf-llama": (["export-gguf", "{fx}/llama", "{fx}/t.gguf"], "llama/config.json: model_type 'llama' is not a Clover"),
+    "export-gguf-tokenizer": (["export-gguf", "{fx}/badtok", "{fx}/t.gguf"], "badtok/tokenizer.json: not a tokenizer"),
+    "generate-tokenizer": (["generate", "--model", "{fx}/badtok", "--prompt", "ab"], "badtok/tokenizer.json: not a tokenizer"),
+    "convert-tokenizer": (["convert", "{fx}/hf-badtok", "{fx}/c"], "hf-badtok/tokenizer.json: not a tokenizer"),
     "device-tpu": (["generate", "--model", "{fx}/good", "--prompt", "ab", "--device", "tpu"], "--device: unknown device 'tpu'"),
     "prompt-not-utf8": (["generate", "--model", "{fx}/good", "--prompt", os.fsdecode(b"caf\xe9")], "--prompt: not UTF-8"),
     "prompt-file-not-utf8": (["generate", "--model", "{fx}/good", "--prompt-file", "{fx}/bad.txt"], "bad.txt: not UTF-8"),
@@ -371,3 +377,144 @@ def test_serve_device_and_threads_flags_are_generates(capsys, argv):
         assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
         errs.append(err.removeprefix(f"clover {command}: "))
     assert errs[0] == errs[1]
+
+
+# ---- issue 53 (training and CLI): each a real subprocess, rc 2, one stderr line, no traceback -----------
+def one_line(code: int, err: str, command: str, needle: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"clover {command}: error: ") and needle in lines[0], lines[0]
+
+
+def test_llamacpp_build_is_checked_first_and_a_wrong_path_is_named(fx, tmp_path):
+    """No build: said before the model is read. A CLOVER_LLAMACPP that does not exist, or is not a
+    build, gets its own message (not the no-build one)."""
+    from clover.backends.llamacpp import find_build
+
+    gen = ["generate", "--model", fx / "good", "--prompt", "ab", "--backend", "llamacpp", *GEN]
+    code, err = clover_cli(*gen, env={"CLOVER_LLAMACPP": str(tmp_path / "nowhere")})
+    one_line(code, err, "generate", f"CLOVER_LLAMACPP {tmp_path / 'nowhere'}: no such folder")
+    code, err = clover_cli(*gen, env={"CLOVER_LLAMACPP": str(tmp_path)})
+    one_line(code, err, "generate", f"CLOVER_LLAMACPP {tmp_path}: not a llama.cpp build with the clover variant")
+    code, err = clover_cli("export-gguf", fx / "good", tmp_path / "q.gguf", "--outtype", "q4_k", "--llamacpp", tmp_path / "x")
+    one_line(code, err, "export-gguf", f"--llamacpp {tmp_path / 'x'}: no such folder")
+    if find_build() is None and find_build(variant="clover") is None:
+        code, err = clover_cli(*gen)  # the model folder is whole: this error comes from the build check
+        one_line(code, err, "generate", "no llama.cpp build with the clover variant: run `make llamacpp`")
+        code, err = clover_cli("export-gguf", fx / "truncated", tmp_path / "q.gguf", "--outtype", "q4_k")
+        one_line(code, err, "export-gguf", "truncated/model.safetensors: truncated")  # the folder first, then the build
+        code, err = clover_cli("export-gguf", fx / "good", tmp_path / "q.gguf", "--outtype", "q4_k")
+        one_line(code, err, "export-gguf", "no llama.cpp build: run `make llamacpp`")
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_broken_tune_cache_is_named(fx, tmp_path):
+    cache = tmp_path / "clover" / "tune.json"
+    cache.parent.mkdir()
+    for text in ('{"a": ', '{"a": [1]}'):
+        cache.write_text(text)
+        code, err = clover_cli("generate", "--model", fx / "good", "--prompt", "ab", "--max-new-tokens", "4",
+                               "--block-size", "auto", env={"XDG_CACHE_HOME": str(tmp_path)})
+        one_line(code, err, "generate", f"{cache}: not a tune cache")
+
+
+def test_show_writes_no_control_codes_into_a_file(fx):
+    p = subprocess.run([sys.executable, "-m", "clover", "generate", "--model", str(fx / "good"), "--prompt", "ab",
+                        "--show", *GEN], capture_output=True, env=ENV, timeout=300)
+    assert p.returncode == 0 and b"\x1b" not in p.stdout and p.stdout.strip(), p.stderr
+    assert b"--show needs a terminal" in p.stderr
+
+
+def test_ctrl_c_after_the_command_finished_keeps_its_exit_status(tmp_path):
+    """The work is done and written: a Ctrl-C while the interpreter tears down is not a signal exit."""
+    script = ("import os, signal, sys\n"
+              "sys.argv = ['clover', 'info', '--preset', 'clover-tiny', '--json']\n"
+              "from clover.cli import main\n"
+              "rc = main()\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "sys.exit(rc)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, env=ENV, timeout=300)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
+    assert json.loads(p.stdout)
+
+
+def test_git_hash_for_lm_eval_is_quiet_outside_a_repository(tmp_path, monkeypatch, capfd):
+    from clover.cli.eval import quiet_git_hash
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert quiet_git_hash() is None
+    assert capfd.readouterr().err == ""
+
+
+def _train_toml(tmp_path) -> Path:
+    from clover.data.tokenizer import train_tokenizer
+
+    texts = [f"{a} + {b} = {a + b}" for a in range(30) for b in range(10)]
+    (tmp_path / "train.txt").write_text("\n\n\n".join(texts))
+    train_tokenizer(texts, 300, tmp_path / "tok")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'objective = "ar"\ntokenizer = "{tmp_path / "tok"}"\npreset = "clover-tiny"\n'
+                   f'model_overrides = {{ vocab_size = 300 }}\ntrain_files = ["{tmp_path / "train.txt"}"]\n'
+                   f'out_dir = "{tmp_path / "run"}"\nseq_len = 16\nbatch_size = 2\nwarmup_steps = 1\nthreads = 1\n'
+                   f"max_steps = 4\nckpt_every = 2\nprogress = false\neval_every = 0\n")
+    return cfg
+
+
+def test_resume_flags_are_not_ignored(tmp_path):
+    """`--resume --max-steps N` stops at N (not the checkpoint's plan), or says why it cannot."""
+    cfg = _train_toml(tmp_path)
+    run = [sys.executable, "-m", "clover", "train", "--config", str(cfg)]
+    p = subprocess.run(run + ["--max-steps", "2"], capture_output=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run(run + ["--resume", "--max-steps", "3"], capture_output=True, env=ENV, timeout=300)
+    assert p.returncode == 0 and json.loads(p.stdout)["step"] == 3, p.stderr
+    code, err = clover_cli("train", "--config", cfg, "--resume", "--max-steps", "1")
+    one_line(code, err, "train", "--resume: max_steps 1 is before checkpoint step_000003's step 3")
+    code, err = clover_cli("train", "--config", cfg, "--resume", "--seed", "5")
+    one_line(code, err, "train", "--resume: seed cannot change on resume")
+    code, err = clover_cli("train", "--config", cfg)
+    one_line(code, err, "train", "holds checkpoints of an earlier run (step_000003): pass --resume")
+
+
+def test_user_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """Each rank checks the same arguments: rank 0 alone says it, before torch loads (so before any
+    model or process group), and every rank exits 2. What torchrun itself prints about a failed
+    worker, and its own exit status, are torchrun's."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        "-m", "clover", "generate", "--tp", "2", "--runner", "compiled", "--prompt", "ab"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    ours = [line for line in p.stderr.splitlines() if line.startswith("clover generate")]
+    assert ours == ["clover generate: error: --runner compiled runs in one process: not with --tp / --ep"], p.stderr
+    assert "exitcode  : 2" in p.stderr, p.stderr  # torchrun's report: the worker's status
+    assert "clover/" not in "".join(line for line in p.stderr.splitlines() if line.strip().startswith("File "))
+
+
+def test_compile_time_is_announced_on_a_terminal_and_kept_out_of_the_speed():
+    import io
+
+    from clover.cli.generate import COMPILING, without_compile_time
+    from clover.utils.compile_watch import CompileWatch
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    torch._dynamo.reset()
+    for stream, told in ((Terminal(), True), (io.StringIO(), False)):
+        f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+        with CompileWatch(COMPILING, stream) as watch:
+            f(torch.ones(3))
+            f(torch.ones(3))  # compiled already: no second notice
+            f(torch.ones(5, 2))  # a new shape compiles again
+        assert stream.getvalue() == (COMPILING + "\n" if told else "")
+        assert len(watch.intervals) == 2 and watch.total() > 0
+        torch._dynamo.reset()
+    from clover.api import Generation
+
+    watch = CompileWatch()
+    watch.intervals = [(10.0, 14.0), (19.0, 30.0)]  # 4 s inside the row's 10 s, one after it ended
+    r = Generation("x", [1] * 12, "length", 12, 1.0, 10.0, 1.2)
+    fixed, compile_s = without_compile_time(r, watch, start=10.0)
+    assert compile_s == pytest.approx(5.0) and fixed.tokens_per_second == pytest.approx(12 / 5.0)
+    assert without_compile_time(r, CompileWatch(), start=10.0) == (r, 0.0)

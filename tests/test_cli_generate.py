@@ -63,7 +63,10 @@ def test_prompt_file_dash_reads_stdin(model_dir, capsys, monkeypatch, tmp_path):
     assert code2 == 0 and json.loads(out)["text"] == json.loads(out2)["text"]
 
 
-def test_chat_think_show_and_trajectory(model_dir, capsys, tmp_path):
+def test_chat_think_show_and_trajectory(model_dir, capsys, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # the live view draws on terminals only
     for suffix in ("html", "png"):
         picture = tmp_path / f"traj.{suffix}"
         code, out, err = cli(capsys, "generate", "--model", model_dir, "--prompt", "2+2=", "--chat", "--think",

@@ -58,16 +58,18 @@ def load_checkpoint(folder: str | Path) -> Checkpoint:
 
     from ..models import CloverConfig
 
+    from ..utils.checkpoint import CheckpointError, check_folder, weight_files
+
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ExportError(f"{folder}: no config.json (not a model folder)")
+    try:  # the checks every command makes: a Clover config.json, every safetensors file whole
+        check_folder(folder)
+        files = weight_files(folder)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
     config = CloverConfig.from_pretrained(folder)
     if getattr(config, "quantization_config", None):
         raise ExportError(f"{folder}: an int4 checkpoint (clover quantize); export the full-precision model "
                           "and pick --outtype q4_0 / q4_k instead")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ExportError(f"{folder}: no .safetensors weights")
     tensors = {}
     for f in files:
         tensors.update({k: v.to(torch.float32) for k, v in load_file(str(f)).items()})
@@ -212,13 +214,21 @@ def tokenizer_fields(folder: Path, vocab_size: int) -> dict:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ExportError(f"{folder}: no tokenizer.json (export-gguf needs the model's byte-level BPE tokenizer)")
-    spec = json.loads(path.read_text(encoding="utf-8"))
-    model = spec.get("model", {})
+    from ..utils.checkpoint import CheckpointError, read_json
+
+    try:
+        spec = read_json(path, "a tokenizer.json")
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
         raise ExportError(f"{path}: only byte-level BPE tokenizers (clover train-tokenizer) can be written for "
                           f"llama.cpp, this one is {model.get('type')!r}")
-    vocab = dict(model["vocab"])
-    added = {a["id"]: a for a in spec.get("added_tokens", [])}
+    try:
+        vocab = {str(text): int(i) for text, i in model["vocab"].items()}
+        added = {int(a["id"]): a for a in spec.get("added_tokens", [])}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ExportError(f"{path}: not a tokenizer.json (its model.vocab or added_tokens is malformed)") from None
     for i, a in added.items():
         vocab[a["content"]] = i
     n = max(vocab_size, max(vocab.values()) + 1)
@@ -234,7 +244,10 @@ def tokenizer_fields(folder: Path, vocab_size: int) -> dict:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     config = {}
     if (folder / "tokenizer_config.json").is_file():
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        try:
+            config = read_json(folder / "tokenizer_config.json", "a tokenizer config")
+        except CheckpointError as e:
+            raise ExportError(str(e)) from None
     template = config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")

@@ -56,15 +56,42 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_process(args)
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         if os.environ.get("CLOVER_DEBUG"):
             raise
-        print(f"clover {args.command}: error: {e}", file=sys.stderr)
+        if not quiet_rank():
+            print(f"clover {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"clover {args.command}: interrupted", file=sys.stderr)
         return 130
+    if argv is None:  # the program itself (in-process callers keep their own Ctrl-C)
+        finished()
+    return rc
+
+
+def quiet_rank() -> bool:
+    """Under torchrun, a rank other than 0 before its process group started: every rank checks the same
+    arguments, so rank 0 alone reports a mistake (one line, not one per process). Once the group runs,
+    each rank reports its own."""
+    from ..distributed.flags import is_worker
+
+    if not is_worker():
+        return False
+    dist = sys.modules.get("torch.distributed")
+    return not (dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def finished() -> None:
+    """The command's work is done and its output complete: a Ctrl-C from here on (while the interpreter
+    tears torch down) no longer turns a finished run into a signal exit status."""
+    import signal
+    import threading
+
+    sys.stdout.flush()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

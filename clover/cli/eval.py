@@ -134,8 +134,20 @@ def run(args) -> int:
     return run_lm_eval(["--tasks", ",".join(tasks), *other])
 
 
+def quiet_git_hash() -> str | None:
+    """lm-eval's get_git_commit_hash without git's "fatal: not a git repository" on stderr outside a repo."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() or None if r.returncode == 0 else None
+
+
 def run_lm_eval(argv: list[str]) -> int:
     """lm-eval's own CLI (`lm-eval run ARGV`) in this process, so the `clover` model is registered."""
+    import lm_eval.evaluator
     import lm_eval.tasks
     from lm_eval._cli.harness import HarnessCLI
     from lm_eval.utils import setup_logging
@@ -154,8 +166,9 @@ def run_lm_eval(argv: list[str]) -> int:
         raise UserError(f"lm-eval: {message}")
 
     parser.error = error
-    saved, manager = sys.argv, lm_eval.tasks.TaskManager
+    saved, manager, git_hash = sys.argv, lm_eval.tasks.TaskManager, lm_eval.evaluator.get_git_commit_hash
     sys.argv = ["lm-eval", "run", *argv]
+    lm_eval.evaluator.get_git_commit_hash = quiet_git_hash
     if set(tasks) <= ours:  # only our tasks: skip indexing lm-eval's thousands of YAMLs (~30 s on a small CPU)
         lm_eval.tasks.TaskManager = functools.partial(manager, include_defaults=False)
     try:
@@ -163,7 +176,7 @@ def run_lm_eval(argv: list[str]) -> int:
     except KeyError as e:
         raise UserError(f"lm-eval: {e.args[0] if e.args else e}") from None
     finally:
-        sys.argv, lm_eval.tasks.TaskManager = saved, manager
+        sys.argv, lm_eval.tasks.TaskManager, lm_eval.evaluator.get_git_commit_hash = saved, manager, git_hash
     lm = CloverLM.last
     if lm is not None and lm.stats["forward_passes"]:
         s = lm.stats

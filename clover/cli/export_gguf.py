@@ -26,6 +26,16 @@ def register(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    from ..utils.checkpoint import check_folder
+
+    check_folder(args.model_dir)  # the checks every command makes, one line naming the file, before torch
+    if args.outtype == "q4_k":  # llama.cpp's quantizer: its build is needed, known before any weight is read
+        from ..backends.llamacpp import LlamaCppError, require_build
+
+        try:
+            require_build(args.llamacpp)
+        except LlamaCppError as e:
+            raise UserError(str(e)) from None
     try:
         from ..backends.gguf_export import ExportError, export_gguf
     except ModuleNotFoundError as e:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..distributed.flags import add_parallel_flags
 from . import UserError, print_json
-from .options import add_generation_args, add_model_args, decode_config, utf8
+from .options import add_generation_args, add_model_args, check_runner, decode_config, utf8
 
 STEP_COLOURS = (34, 36, 32, 33, 35, 31, 94, 96, 92, 93, 95, 91)  # ANSI: one per denoising step, cycling
 
@@ -129,10 +129,11 @@ def load_model(args, rows: int):
         from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
 
         return load_sharded(args)  # clover.load in one process
-    from ..backends.llamacpp import LlamaCppError
+    from ..backends.llamacpp import LlamaCppError, require_build
     from ..backends.llamacpp.model import load_llamacpp
 
     try:
+        require_build(variant="clover")  # before the model is read and exported
         return load_llamacpp(args.model, args.gguf, max_rows=rows, threads=getattr(args, "threads", None) or 1)
     except LlamaCppError as e:
         raise UserError(str(e)) from None
@@ -141,6 +142,7 @@ def load_model(args, rows: int):
 def run(args) -> int:
     from tqdm import tqdm
 
+    check_runner(args, args.runner)  # before torch loads (under torchrun: before the process group starts)
     if args.json_schema:
         if args.backend != "torch":
             raise UserError("--json-schema runs on the PyTorch back end only")
@@ -158,24 +160,49 @@ def run(args) -> int:
     cfg = decode_config(args)
     if args.trajectory_out and Path(args.trajectory_out).suffix.lower() not in FORMATS:
         raise UserError(f"--trajectory-out: {args.trajectory_out} must end in {' or '.join(FORMATS)}")
+    if args.show and not sys.stdout.isatty():  # the live view is terminal control codes: none into a file or pipe
+        print("clover generate: --show needs a terminal (standard output is redirected): printing the result only",
+              file=sys.stderr)
+        args.show = False
     model, tokenizer = load_model(args, len(prompts))
+    from ..utils.compile_watch import CompileWatch
+
+    notice = COMPILING if cfg.runner == "compiled" else None  # said on a terminal: a first compile takes minutes
     with tqdm(total=len(prompts) * cfg.max_new_tokens, unit="tok", desc="generate", leave=False,
-              disable=True if args.show else None, file=sys.stderr) as bar:  # None: on terminals only
+              disable=True if args.show else None, file=sys.stderr) as bar, CompileWatch(notice) as watch:
         progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))
+        start = time.perf_counter()
         results = generate(model, tokenizer, prompts, cfg, chat=args.chat or args.think, think=args.think,
                            trajectory=bool(args.trajectory_out), on_step=progress)
+    results = [without_compile_time(r, watch, start) for r in results]
     if args.trajectory_out:
-        first = results[0]
+        first = results[0][0]
         pieces = [tokenizer.decode([t]) for t in first.token_ids]
         write_trajectory(args.trajectory_out, pieces, first.trajectory, f"clover generate --mode {cfg.mode}")
     if args.json:
-        dicts = [r.to_dict(token_ids=False, trajectory=False) for r in results]
+        dicts = [{**r.to_dict(token_ids=False, trajectory=False), "compile_seconds": c} for r, c in results]
         print_json(dicts[0] if len(dicts) == 1 else dicts)
         return 0
-    for r in results:
+    for r, compile_s in results:
         if r.reasoning is not None:
             print(f"\x1b[2m{r.reasoning}\x1b[0m\n" if sys.stdout.isatty() else f"[thinking]\n{r.reasoning}\n[answer]")
         print(r.text)
         print(f"[{len(r.token_ids)} tokens, {r.forward_passes} forwards, {r.tokens_per_forward:.2f} tokens/forward, "
-              f"{r.tokens_per_second:.1f} tokens/s, finish: {r.finish_reason}]", file=sys.stderr)
+              f"{r.tokens_per_second:.1f} tokens/s{f' ({compile_s:.1f} s compiling not counted)' if compile_s else ''}, "
+              f"finish: {r.finish_reason}]", file=sys.stderr)
     return 0
+
+
+COMPILING = "clover generate: compiling (first use of this shape)..."
+
+
+def without_compile_time(result, watch, start: float):
+    """(result with tokens_per_second over its decode time only, compile seconds taken out): the
+    compilations `watch` saw while the row ran (rows start together, at `start`)."""
+    import dataclasses
+
+    compile_s = watch.seconds_within(start, start + result.seconds)
+    if not compile_s:
+        return result, 0.0
+    decode_s = max(result.seconds - compile_s, 1e-9)
+    return dataclasses.replace(result, tokens_per_second=len(result.token_ids) / decode_s), round(compile_s, 3)

@@ -138,12 +138,20 @@ def decode_config(args, **settings):
         cfg = DecodeConfig.from_settings(**given, **settings)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if cfg.runner == "compiled":  # it compiles the PyTorch model's own steps, in one process
+    check_runner(args, cfg.runner)
+    return cfg
+
+
+def check_runner(args, runner: str | None) -> None:
+    """--runner compiled compiles the PyTorch model's own steps, in one process (torch-free: a command
+    checks it before anything loads, or starts a process group)."""
+    from ..errors import UserError
+
+    if runner == "compiled":
         if getattr(args, "backend", "torch") != "torch":
             raise UserError(f"--runner compiled needs --backend torch (got --backend {args.backend})")
         if max(getattr(args, "tp", 1), getattr(args, "ep", 1)) > 1:
             raise UserError("--runner compiled runs in one process: not with --tp / --ep")
-    return cfg
 
 
 def utf8(data: bytes, name: str) -> str:

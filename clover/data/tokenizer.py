@@ -69,4 +69,7 @@ def load_tokenizer(path: str | Path):
     p = Path(path)
     if not (p / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer.json in {p}")
+    from ..utils.checkpoint import check_tokenizer
+
+    check_tokenizer(p)  # a broken file: one line naming it
     return AutoTokenizer.from_pretrained(str(p))

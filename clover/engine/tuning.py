@@ -75,11 +75,19 @@ def _cpu_name() -> str:
 
 
 def _read() -> dict:
+    """The cache's entries ({} when there is no file); a file that is not one: a one-line error naming it."""
+    path = cache_file()
     try:
-        data = json.loads(cache_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a tune cache ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                         "delete it and run `clover tune` again") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"{path}: not a tune cache (a JSON object of objects is needed); "
+                         "delete it and run `clover tune` again")
+    return data
 
 
 def store(model: str, machine: str, entry: dict) -> Path:

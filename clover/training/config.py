@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 OBJECTIVES = ("ar", "block_diffusion", "distill")
+RECIPE_HINT = ("recipes/default's stages get their data and tokenizer from `make model`, which builds "
+               "runs/default/ and trains them: recipes/default/README.md")
 
 
 @dataclass
@@ -82,9 +84,9 @@ class TrainConfig:
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"schedule must be cosine or wsd, got {self.schedule!r}")
         if not self.train_files:
-            raise ValueError("no train_files given")
+            raise ValueError(f"no train_files given (set train_files, or pass --train-files FILE.jsonl; {RECIPE_HINT})")
         if not self.tokenizer:
-            raise ValueError("no tokenizer given")
+            raise ValueError(f"no tokenizer given (set tokenizer, or pass --tokenizer DIR; {RECIPE_HINT})")
         if not 0 <= self.self_spec_frac <= 1:
             raise ValueError(f"self_spec_frac must be in [0, 1], got {self.self_spec_frac}")
         if not 0 <= self.suffix_frac <= 1:
@@ -109,6 +111,20 @@ class TrainConfig:
 
             if not torch.cuda.is_available():
                 raise ValueError("device cuda requested but CUDA is not available")
+        self.check_files()
         for stage in self.block_schedule:
             if len(stage) != 2 or not stage[1] or any(int(b) < 1 for b in stage[1]):
                 raise ValueError(f"bad block_schedule stage {stage!r}: want [until_fraction, [sizes...]]")
+
+    def check_files(self) -> None:
+        """The tokenizer folder and the data files exist (a one-line error naming the first missing one)."""
+        from pathlib import Path
+
+        hint = lambda path: f"; {RECIPE_HINT}" if "runs/default" in str(path) else ""  # noqa: E731
+        if not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer {self.tokenizer}: no tokenizer.json there{hint(self.tokenizer)}")
+        for name in ("train_files", "eval_files"):
+            for path in getattr(self, name):
+                if not Path(path).is_file():
+                    raise ValueError(f"{name}: {path}: no such file{hint(path)}")
+

@@ -1,7 +1,7 @@
 """Checks of a checkpoint folder before anything loads it, each failure one `CheckpointError`
 (a ValueError) that names the file: config.json is a JSON object (and a Clover config where one is
 needed), every safetensors file is whole (its header parses and the file holds every byte the
-header describes), and the weights' shapes fit the config. The file checks read only the 8-byte
+header describes), the tokenizer files parse, and the weights' shapes fit the config. The file checks read only the 8-byte
 length and the JSON header of each safetensors file (no torch), so they cost milliseconds.
 """
 
@@ -103,10 +103,33 @@ def read_weights(folder: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return tensors
 
 
+def check_tokenizer(folder: str | Path) -> None:
+    """The folder's tokenizer.json (if any) is one the tokenizers library reads, and its
+    tokenizer_config.json a JSON object; else a one-line CheckpointError naming the file."""
+    folder = Path(folder)
+    if (folder / "tokenizer_config.json").is_file():
+        read_json(folder / "tokenizer_config.json", "a tokenizer config")
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return
+    spec = read_json(path, "a tokenizer.json")
+    if not isinstance(spec.get("model"), dict) or not isinstance(spec.get("added_tokens"), list):
+        raise CheckpointError(f"{path}: not a tokenizer.json (no model object or added_tokens list)")
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # the library's own reason (a Rust error: no finer type)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: not a tokenizer the tokenizers library reads ({reason})") from None
+
+
 def check_folder(folder: str | Path, clover: bool = True) -> tuple[dict, dict]:
     """(config dict, {tensor: (dtype, shape)}) of a checkpoint folder, or a one-line CheckpointError."""
     config = read_config(folder, clover)
-    return config, read_weights(folder)
+    weights = read_weights(folder)
+    check_tokenizer(folder)
+    return config, weights
 
 
 def check_shapes(folder: str | Path, model, weights: dict) -> None:

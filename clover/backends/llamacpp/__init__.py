@@ -35,9 +35,30 @@ VARIANTS = ("stock", "clover")  # build sub-folders: unpatched llama.cpp, and wi
 def find_build(path: str | Path | None = None, variant: str = "stock") -> Path | None:
     """The build folder (argument, $CLOVER_LLAMACPP, then <repo>/build/llamacpp) holding `variant`, or None."""
     for cand in (path, os.environ.get("CLOVER_LLAMACPP"), REPO / "build" / "llamacpp"):
-        if cand and (Path(cand) / variant / "bin" / "libllama.so").is_file() and (Path(cand) / SDIST / "llama_cpp").is_dir():
+        if cand and _is_build(Path(cand), variant):
             return Path(cand)
     return None
+
+
+def _is_build(folder: Path, variant: str) -> bool:
+    return (folder / variant / "bin" / "libllama.so").is_file() and (folder / SDIST / "llama_cpp").is_dir()
+
+
+def require_build(path: str | Path | None = None, variant: str = "stock") -> Path:
+    """The build folder `find_build` finds, or a LlamaCppError that says what is wrong: a folder given
+    (argument or $CLOVER_LLAMACPP) that does not exist or is not a build, or no build at all."""
+    build = find_build(path, variant)
+    if build is not None:
+        return build
+    what = "" if variant == "stock" else f" with the {variant} variant"
+    for given, name in ((path, "--llamacpp"), (os.environ.get("CLOVER_LLAMACPP"), "CLOVER_LLAMACPP")):
+        if given and not Path(given).is_dir():
+            raise LlamaCppError(f"{name} {given}: no such folder (a llama.cpp build folder is needed; "
+                                "`make llamacpp` makes build/llamacpp)")
+        if given:
+            raise LlamaCppError(f"{name} {given}: not a llama.cpp build{what} (no {variant}/bin/libllama.so or "
+                                f"{SDIST}/ in it); `make llamacpp` makes one")
+    raise LlamaCppError(f"no llama.cpp build{what}: run `make llamacpp` (or set CLOVER_LLAMACPP to a build folder)")
 
 
 _LIBS: dict[str, object] = {}
@@ -53,10 +74,7 @@ def bindings(path: str | Path | None = None, variant: str = "stock"):
     and variant: the module file is loaded once per library, so stock and patched run side by side)."""
     if variant in _LIBS:
         return _LIBS[variant]
-    build = find_build(path, variant)
-    if build is None:
-        what = "" if variant == "stock" else f" with the {variant} variant"
-        raise LlamaCppError(f"no llama.cpp build{what}: run `make llamacpp` (or set CLOVER_LLAMACPP to a build folder)")
+    build = require_build(path, variant)
     os.environ["LLAMA_CPP_LIB_PATH"] = str(build / variant / "bin")
     if str(build / SDIST) not in sys.path:
         sys.path.insert(0, str(build / SDIST))
