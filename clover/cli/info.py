@@ -176,8 +176,13 @@ def _parallel_plan(args, name, config, stats) -> int:
 # ------------------------------------------------------------------------------------------------
 def _family_target(args):
     """(name, family, config, folder) when --model is a family's folder or --preset a family preset."""
-    from ..models.families import family_of, is_family_folder, read_family_config
     from ..presets import FAMILY_PRESETS
+    from ..utils.checkpoint import read_config
+
+    if args.model and read_config(args.model, clover=False).get("model_type") == "clover" or \
+            not args.model and args.preset not in FAMILY_PRESETS:
+        return None  # a Clover model or preset: no import of the families (clover.models loads torch)
+    from ..models.families import family_of, is_family_folder, read_family_config
 
     if args.model and is_family_folder(args.model):
         try:
