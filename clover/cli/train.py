@@ -73,6 +73,7 @@ def build_config(args):
         values[f.name] = v
     cfg = TrainConfig.from_dict(values)
     cfg.validate()
+    cfg.check_files()
     return cfg
 
 

@@ -111,13 +111,13 @@ class TrainConfig:
 
             if not torch.cuda.is_available():
                 raise ValueError("device cuda requested but CUDA is not available")
-        self.check_files()
         for stage in self.block_schedule:
             if len(stage) != 2 or not stage[1] or any(int(b) < 1 for b in stage[1]):
                 raise ValueError(f"bad block_schedule stage {stage!r}: want [until_fraction, [sizes...]]")
 
     def check_files(self) -> None:
-        """The tokenizer folder and the data files exist (a one-line error naming the first missing one)."""
+        """The tokenizer folder and the data files exist (a one-line error naming the first missing one);
+        apart from `validate`, which also checks configs prepared before their data is built."""
         from pathlib import Path
 
         hint = lambda path: f"; {RECIPE_HINT}" if "runs/default" in str(path) else ""  # noqa: E731

@@ -91,6 +91,7 @@ class Trainer:
         from ..models import CloverForBlockDiffusion, preset_config
 
         cfg.validate()
+        cfg.check_files()
         self.cfg = cfg
         self.dist = dist  # clover.distributed.runtime.Dist, or None: one process
         self.main = dist is None or dist.main
