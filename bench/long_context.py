@@ -1,0 +1,112 @@
+"""Long context: prefill seconds, peak RSS and decode step ms at 1K, 8K, 32K (and 128K) tokens.
+
+    python bench/long_context.py [--contexts 1024,8192,32768] [--slow] [--threads 1] [--steps 8]
+
+Random weights (seed 0) at the shipped default model's dims with a 131072-token limit. Each context
+runs in a fresh process (so its peak RSS is its own): the prompt is prefilled as the engine does it
+(chunks of `DecodeConfig.prefill_chunk` tokens, whole windows of the block size, eager runner), then
+--steps decode steps after it, each timed alone from the same cache: an AR step (1 token) and a
+draft step of one block (block size 8, nothing committed). `--slow` adds 128K (131072 - 64 tokens,
+room for the steps). Peak RSS is the process's high-water mark after the model is built and after
+the prefill; the attention layers' K/V grow with the context, the GDN layers' state does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+LIMIT = 131072
+BLOCK = 8
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def one(context: int, steps: int) -> dict:
+    """Prefill `context` tokens, then time the steps; every figure of one table row."""
+    import torch
+
+    from clover.api import DEFAULT_MODEL
+    from clover.engine import DecodeConfig
+    from clover.models import CloverConfig, CloverForBlockDiffusion
+
+    torch.manual_seed(0)
+    config = CloverConfig.from_pretrained(DEFAULT_MODEL)
+    config.max_position_embeddings = LIMIT
+    model = CloverForBlockDiffusion(config).eval()
+    base = rss_mb()
+    ids = torch.randint(2, config.vocab_size, (1, context + BLOCK), generator=torch.Generator().manual_seed(0))
+    chunk = DecodeConfig.prefill_chunk // BLOCK * BLOCK
+    cache = model.new_cache(1, capacity=context + 2 * BLOCK)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        cuts = [0] + list(range(context % chunk or chunk, context, chunk)) + [context]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            model(ids[:, a:b], cache=cache, clean_block_size=BLOCK, logits_to_keep=1)
+    prefill = time.perf_counter() - start
+    after = rss_mb()
+    snap = cache.snapshot()
+    timings = {"ar": [], "draft": []}
+    with torch.inference_mode():
+        for _ in range(steps):
+            for name, n, draft in (("ar", 1, 0), ("draft", BLOCK, BLOCK)):
+                cache.restore(snap)
+                start = time.perf_counter()
+                model(ids[:, context:context + n], cache=cache, block_size=BLOCK, draft_len=draft, logits_to_keep=n)
+                timings[name].append(time.perf_counter() - start)
+    return dict(context=context, prefill_s=prefill, rss_model_mb=base, rss_mb=max(after, rss_mb()),
+                ar_ms=1e3 * statistics.median(timings["ar"][1:] or timings["ar"]),
+                draft_ms=1e3 * statistics.median(timings["draft"][1:] or timings["draft"]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="1024,8192,32768", help="comma-separated context lengths in tokens")
+    ap.add_argument("--slow", action="store_true", help="add 128K (131072 - 64 tokens)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps of each kind (the first is a warm-up)")
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process: one context, JSON out
+    args = ap.parse_args(argv)
+    try:
+        contexts = [int(x) for x in args.contexts.split(",")] + ([LIMIT - 64] if args.slow else [])
+        if any(c < 1 or c > LIMIT - 2 * BLOCK for c in contexts) or args.steps < 1 or args.threads < 1:
+            raise ValueError
+    except ValueError:
+        ap.exit(2, f"bench/long_context.py: contexts are 1 to {LIMIT - 2 * BLOCK} tokens, --steps and --threads >= 1\n")
+    if args.one is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print(json.dumps(one(args.one, args.steps)))
+        return 0
+    rows = []
+    for c in contexts:
+        out = subprocess.run([sys.executable, __file__, "--one", str(c), "--steps", str(args.steps), "--threads",
+                              str(args.threads)], capture_output=True, text=True)
+        if out.returncode:
+            print(f"bench/long_context.py: context {c} failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]) | {"load": os.getloadavg()[0]})
+    print(f"`python bench/long_context.py --contexts {args.contexts}{' --slow' if args.slow else ''} --threads "
+          f"{args.threads} --steps {args.steps}`: random weights at the default model's dims, {LIMIT}-token limit, "
+          f"eager, {os.cpu_count()} CPU cores; prefill in the engine's chunks, steps after it (median of "
+          f"{args.steps - 1 or 1}).\n")
+    print("| context tokens | prefill s | prefill tokens/s | peak RSS MB | RSS over the model MB | AR step ms "
+          f"| {BLOCK}-token draft step ms | load avg |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['context']} | {r['prefill_s']:.2f} | {r['context'] / r['prefill_s']:.0f} | {r['rss_mb']:.0f} | "
+              f"{r['rss_mb'] - r['rss_model_mb']:.0f} | {r['ar_ms']:.2f} | {r['draft_ms']:.2f} | {r['load']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
