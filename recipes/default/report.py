@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     names = [("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)")]
     names += [(focus_name(i), f"focus round {i}: {_focus_mix(prov, rounds, i)} (`focus.toml`)")
               for i in range(1, recorded_rounds(prov) + 1)]
+    names.append(("distill", "self-distillation on the model's own greedy answers (`distill.toml`, `make distill`)"))
     stages = [(name, prov[f"{key}_stage"]) for key, name in names if f"{key}_stage" in prov]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
     cfg = json.loads((ROOT / "clover" / "assets" / "default" / "config.json").read_text())
