@@ -542,3 +542,50 @@ def test_the_documented_lm_eval_commands_name_a_served_model(loaded, model_dir):
             status, _, text = raw(s, "POST", path, body)
             assert status == 200, text
             assert lm.parse_generations(json.loads(text)) and json.loads(text)["model"] == names[0]
+
+
+# ---- issue 53, item 7: strict types as OpenAI's; a request that can never fit the queue is a 400 ----------------
+STRICT_BAD = [
+    ("/v1/completions", {"prompt": "a", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": "2"}, "n"),
+    ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "a", "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": [1, True]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "4"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": 1}, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2.0}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "8"},
+     "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", STRICT_BAD, ids=[f"{b}" for _, b, _ in STRICT_BAD])
+def test_strict_types_are_400_naming_the_field(server, path, body, param):
+    status, _, text = raw(server, "POST", path, body)
+    assert_error(text, 400, status, code="invalid_value")
+    if param is not None:
+        assert json.loads(text)["error"]["param"] == param
+    else:
+        assert json.loads(text)["error"]["param"].startswith("prompt")
+
+
+def test_strict_types_through_the_openai_client(server):
+    c = client(server)
+    for kw, param in ((dict(max_tokens="4"), "max_tokens"), (dict(n="2"), "n"), (dict(stream="yes"), "stream")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt="Hi", **kw)
+        assert e.value.body["param"] == param
+    assert c.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=1).choices  # an int for a float
+
+
+def test_a_request_that_can_never_fit_the_queue_is_400_not_503(server):
+    """1000 prompts (more rows than max_queue ever holds) is the client's mistake, not a moment's load:
+    a 400 naming the field, which the openai client does not retry (it retries 503s)."""
+    status, headers, text = raw(server, "POST", "/v1/completions", {"prompt": ["a"] * 1000, "max_tokens": 2})
+    assert_error(text, 400, status, param="prompt", code="invalid_value")
+    assert "Retry-After" not in headers and "1000" in json.loads(text)["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).completions.create(model="tiny", prompt=["a"] * 40, n=2, max_tokens=2)  # 80 rows > 64
+    assert e.value.body["param"] == "n"
+    assert client(server).completions.create(model="tiny", prompt=["a"] * 8, max_tokens=2).choices

@@ -7,16 +7,18 @@ corpus-level checks (BFCL-style tools, pydantic models through `parse`) are in t
 parallel forced calls and the openai client's `parse` in test_server_tools_openai.py."""
 
 import json
+import re
 
 import openai
 import pytest
+from jsonschema import validate
 
 from clover.api import eos_ids
 from clover.chat import render_chat
 from clover.server import Settings, create_app
 from clover.server.app import Choice
 from clover.server.protocol import ToolPlan
-from server_utils import TOOL_ASK, TOOL_CALL, WEATHER, RunningServer, tools_model
+from server_utils import TOOL_ASK, TOOL_CALL, WEATHER, RunningServer, raw, tools_model
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK, CALL = TOOL_ASK, TOOL_CALL
@@ -98,13 +100,12 @@ def calls_of(message):
 @pytest.mark.parametrize("tools,choice", [([WEATHER, TIME], NAMED), ([WEATHER], "required")],
                          ids=["named", "required-one-tool"])
 def test_forced_call_non_stream_and_stream(client, tools, choice):
-    kw = dict(model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=24)
+    kw = dict(model="tiny", messages=ASK, tools=tools, tool_choice=choice, max_tokens=64)
     one = client.chat.completions.create(**kw)
     msg, finish = one.choices[0].message, one.choices[0].finish_reason
     assert len(msg.tool_calls) == 1 and msg.tool_calls[0].function.name == "get_weather"
-    assert msg.tool_calls[0].id.startswith("call_") and finish in ("tool_calls", "length")
-    # the stream helpers of the official client reassemble the same call (get_final_completion would
-    # refuse a "length" finish, the random model's usual one: read the events and the snapshot instead)
+    assert msg.tool_calls[0].id.startswith("call_") and finish == "tool_calls"  # never a cut call
+    # the stream helpers of the official client reassemble the same call (read the events and the snapshot)
     with client.chat.completions.stream(**kw) as stream:
         done = [(e.index, e.name, e.arguments) for e in stream if e.type == "tool_calls.function.arguments.done"]
         snapshot = stream.current_completion_snapshot
@@ -198,7 +199,7 @@ def test_auto_calls_through_the_live_stream(loaded):
 
 def test_round_trip_with_a_tool_result(client, loaded):
     _, tokenizer = loaded
-    first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=24)
+    first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=64)
     msg = first.choices[0].message
     result = {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp_c": 21}'}
     written = {"role": "assistant", "content": None, "tool_calls": [  # as a client writes it by hand
@@ -295,15 +296,22 @@ def test_other_formats_take_the_grammar_path_and_are_valid(client, fmt, why):
     assert chunks[-1].model_extra["clover"]["structured"] == info
 
 
-def test_a_document_cut_by_max_tokens_is_length_and_not_valid(client):
-    """As OpenAI: finish_reason "length" with the truncated content; the verdict says not valid."""
+def test_a_document_that_cannot_fit_max_tokens_is_refused_before_decoding(client, server):
+    """Never a cut document (issue 53): when even the smallest valid document cannot fit max_tokens the
+    request is a 400 naming max_tokens and the tokens it needs (official client and raw HTTP); with
+    that many tokens the reply is a complete, valid document."""
     fmt = schema_format({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{40}$"}},
                          "required": ["a"]})
-    one = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=6)
-    info = one.model_extra["clover"]["structured"][0]
-    assert one.choices[0].finish_reason == "length" and not info["valid"] and "max_tokens" in info["error"]
-    with pytest.raises(openai.LengthFinishReasonError):  # what the official client makes of it
-        client.chat.completions.parse(model="tiny", messages=ASK, response_format=fmt, max_tokens=6)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=6)
+    assert e.value.body["param"] == "max_tokens" and "max_tokens (6)" in e.value.body["message"]
+    need = int(re.search(r"needs (\d+) tokens", e.value.body["message"]).group(1))
+    status, _, text = raw(server, "POST", "/v1/chat/completions",
+                          {"messages": ASK, "response_format": fmt, "max_tokens": 6})
+    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
+    one = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, max_tokens=need)
+    assert one.choices[0].finish_reason == "stop" and one.usage.completion_tokens <= need
+    validate(json.loads(one.choices[0].message.content), fmt["json_schema"]["schema"])
 
 
 @pytest.mark.parametrize("schema,keyword,path", [

@@ -6,6 +6,7 @@ its schema, takes at most one forward per slot, and tokenizes as the whole text 
 import json
 import math
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 import clover
 from clover.cli import main
 from clover.engine import DecodeConfig, Engine
-from clover.structured import Unsupported, generate_json, infill_json, skeleton
+from clover.structured import BudgetTooSmall, Unsupported, generate_json, infill_json, skeleton
 from clover.structured.generate import _number
 from helpers import tiny_tokenizer
 
@@ -70,8 +71,6 @@ UNSUPPORTED = {
     "pattern": ({"type": "string", "pattern": "^a+$"}, "'pattern'"),
     "type_list": ({"type": ["string", "null"]}, "a list of types"),
     "any": ({}, "without a type"),
-    "required_unknown": ({"type": "object", "properties": {}, "required": ["a"]},
-                         "required 'a' is not in properties"),
 }
 BAD = [
     ([1, 2], "a JSON schema must be an object"),
@@ -291,9 +290,11 @@ def test_grammar_path_for_what_infilling_cannot_lay_out(tiny):
     obj = generate_json(model, tok, PROMPT, {"type": "json_object"}, max_new_tokens=200)
     assert obj.method == "grammar" and "json_object" in obj.fallback_reason
     assert obj.valid and isinstance(json.loads(obj.text), dict)
-    cut = generate_json(model, tok, PROMPT, {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{30}$"}},
-                                             "required": ["a"]}, max_new_tokens=5)
-    assert cut.method == "grammar" and not cut.complete and not cut.valid and "ran out" in cut.error
+    long = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{30}$"}}, "required": ["a"]}
+    with pytest.raises(BudgetTooSmall, match=r"max_tokens \(5\) .* the smallest one needs \d+ tokens") as e:
+        generate_json(model, tok, PROMPT, long, max_new_tokens=5)  # refused before decoding
+    fits = generate_json(model, tok, PROMPT, long, max_new_tokens=e.value.need)
+    assert fits.complete and fits.valid and len(fits.token_ids) <= e.value.need
 
 
 @pytest.mark.parametrize("schema,message", BAD)
@@ -513,7 +514,7 @@ def test_grammar_path_ends_within_the_budget_by_its_caps(tiny):
     budget = 70
     assert grammar.size(grammar.decodable(WIDE)) > grammar.CHARS_PER_TOKEN * budget  # caps alone do not fit
     out = _biased_grammar(model, tok, WIDE, str.isalpha, budget)
-    assert out.complete and out.valid, (out.text, out.error)
+    assert out.complete and out.valid and out.note is None, (out.text, out.error)
     assert len(out.token_ids) <= budget and out.forward_passes <= budget * len(grammar.LADDER)
     assert len(out.value["id"]) >= 2 and len(out.value["steps"]) >= 1 and len(out.value.get("labels", [0])) >= 1
     old = grammar.LADDER
@@ -522,7 +523,8 @@ def test_grammar_path_ends_within_the_budget_by_its_caps(tiny):
         cut = _biased_grammar(model, tok, WIDE, str.isalpha, budget)
     finally:
         grammar.LADDER = old
-    assert not cut.complete and not cut.valid
+    # the model's try was cut: the smallest valid document stands in (never a cut one)
+    assert cut.complete and cut.valid and "cut by max_tokens" in cut.note and len(cut.token_ids) <= budget
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -541,7 +543,8 @@ def test_every_ladder_level_keeps_the_schema_and_its_size_bound(tiny, seed):
         "e": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "string"}}}, "required": ["c"]})
     ids = clover.api.encode(tok, PROMPT)
     for caps in grammar.LADDER:
-        out = grammar._decode(model, tok, ids, schema, "", "", 400, torch.Generator().manual_seed(seed), caps)
+        compiled = grammar.compile_schema(tok, model.config.vocab_size, clover.api.eos_ids(model, tok), schema, caps)
+        out = grammar._decode(model, tok, ids, schema, "", "", 400, torch.Generator().manual_seed(seed), compiled)
         assert out.complete and out.valid, (caps, out.text, out.error)
         assert len(out.text) <= grammar.size(grammar.decodable(schema, caps)), (caps, out.text)
     minimal = grammar.decodable(schema, grammar.LADDER[-1])
@@ -595,8 +598,9 @@ def test_conditionals_keyed_on_a_const_decode_valid(tiny, seed):
     schema = normalize(FORM_ITEM)
     cases = grammar.conditionals(schema)
     assert "if" not in json.dumps(cases) and len(cases["allOf"][-1]["anyOf"]) == 2
+    compiled = grammar.compile_schema(tok, model.config.vocab_size, clover.api.eos_ids(model, tok), schema)
     out = grammar._decode(model, tok, clover.api.encode(tok, PROMPT), schema, "", "", 120,
-                          torch.Generator().manual_seed(seed))
+                          torch.Generator().manual_seed(seed), compiled)
     assert out.complete and out.valid, (out.text, out.error)
     assert out.value["type"] in ("markdown", "input")
 
@@ -618,3 +622,139 @@ def test_a_recursion_through_a_ref_with_siblings_is_bounded(tiny):
     assert 1 <= depth <= RECURSION + 1
     out = _biased_grammar(model, tok, schema, lambda t: t in ('"', "next", "{", ":", ","), 120)
     assert out.complete and out.valid, (out.text, out.error)
+
+
+# ---- issue 53: satisfiable schemas answered, documents never cut, compiles bounded ---------------------------
+UNDECLARED = {"type": "object", "required": ["title"], "properties": {"titles": {"type": "string"}}}
+MAP_REQUIRED = {"type": "object", "additionalProperties": {"type": "string"}, "required": ["a", "b", "c", "d"]}
+NEVER_OPTIONAL = {"type": "object", "properties": {"b": {"type": "object", "enum": ["x"]}, "c": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize("method", ["auto", "grammar"])
+@pytest.mark.parametrize("schema", [UNDECLARED, MAP_REQUIRED, NEVER_OPTIONAL], ids=["undeclared", "map", "never"])
+def test_satisfiable_schemas_give_valid_documents(tiny, schema, method):
+    """A required key `properties` does not declare takes any value (it used to be a 500), a map's
+    required keys may outnumber its cap (a false 400 from the grammar library), an optional property
+    no value satisfies is left out (a false 400): a valid document, infilled or under the grammar."""
+    from jsonschema import validate as check
+
+    model, tok = tiny
+    out = generate_json(model, tok, PROMPT, schema, max_new_tokens=120, method=method)
+    assert out.valid and out.complete, (out.method, out.text, out.error)
+    check(out.value, schema)
+    assert set(schema.get("required", [])) <= set(out.value)
+    assert schema is not NEVER_OPTIONAL or "b" not in out.value
+
+
+def test_unsatisfiable_schemas_are_refused_naming_the_keyword(tiny):
+    from clover.structured.grammar import decodable
+    from clover.structured.normalize import Refused, normalize
+
+    model, tok = tiny
+    closed = {"type": "object", "required": ["a"], "properties": {"b": {}}, "additionalProperties": False}
+    with pytest.raises(Refused, match="'required' at #: 'a' is required"):
+        decodable(normalize(closed))
+    with pytest.raises(ValueError, match="additionalProperties is false"):
+        generate_json(model, tok, PROMPT, closed)
+    with pytest.raises(Refused, match="'enum' at #/properties/b: no value"):  # required: nothing to leave out
+        decodable(normalize(NEVER_OPTIONAL | {"required": ["b"]}))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_smallest_document_is_valid_and_no_longer_than_the_sampled_ones(tiny, seed):
+    """smallest_text on random schemas (the reference: documents sampled under the tightest grammar,
+    validated by jsonschema): when it builds one it is valid, and never longer than a sampled one."""
+    from clover.structured import grammar
+    from clover.structured.normalize import normalize
+    from clover.structured.smallest import smallest_text
+
+    model, tok = tiny
+    rng = random.Random(seed)
+    schema = normalize(_random_schema(rng, 3))
+    tight = grammar.decodable(schema, grammar.LADDER[-1])
+    text = smallest_text(tight, schema)
+    compiled = grammar.compile_schema(tok, model.config.vocab_size, clover.api.eos_ids(model, tok), schema,
+                                      grammar.LADDER[-1])
+    sampled = grammar._decode(model, tok, clover.api.encode(tok, PROMPT), schema, "", "", 300,
+                              torch.Generator().manual_seed(seed), compiled)
+    if text is not None:
+        from jsonschema import validate as check
+
+        check(json.loads(text), schema)
+        if sampled.valid:
+            assert len(text) <= len(json.dumps(sampled.value, ensure_ascii=False)), (text, sampled.text)
+
+
+def _random_schema(rng, depth: int) -> dict:
+    kinds = ["string", "integer", "number", "boolean", "null", "enum"] + (["object", "array", "anyOf"] if depth else [])
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return rng.choice([{"type": "string"}, {"type": "string", "minLength": rng.randint(0, 4)},
+                           {"type": "string", "pattern": rng.choice(["^[a-z]{2,5}$", "^x-", "^[0-9]+(\\.[0-9]+)?$"])},
+                           {"type": "string", "format": rng.choice(["date", "uuid", "email"])}])
+    if kind in ("integer", "number"):
+        s = {"type": kind}
+        if rng.random() < 0.6:
+            s[rng.choice(["minimum", "exclusiveMinimum"])] = rng.randint(-5, 7)
+        if rng.random() < 0.5:
+            s["maximum"] = s.get("minimum", s.get("exclusiveMinimum", 0)) + rng.randint(2, 30)
+        if rng.random() < 0.3:
+            s["multipleOf"] = rng.choice([2, 5])
+        return s
+    if kind == "enum":
+        return {"enum": rng.sample(["a", "bb", 3, None, True, "cccc"], rng.randint(1, 4))}
+    if kind == "object":
+        props = {f"k{i}": _random_schema(rng, depth - 1) for i in range(rng.randint(0, 4))}
+        return {"type": "object", "properties": props, "required": [k for k in props if rng.random() < 0.5]}
+    if kind == "array":
+        return {"type": "array", "items": _random_schema(rng, depth - 1), "minItems": rng.randint(0, 2)}
+    if kind == "anyOf":
+        return {"anyOf": [_random_schema(rng, depth - 1) for _ in range(2)]}
+    return {"type": kind}
+
+
+def test_pattern_min_matches_its_pattern():
+    from clover.structured.smallest import pattern_min
+
+    for pattern in ("^/", "^[a-z]+$", "^([0-9]{3})$|^(default)$", "^x-", "^[^{}/ :\\\\]{1,16}(?::\\d{1,16})?$",
+                    "^\\$\\{\\{(.|[\\r\\n])*\\}\\}$", "a|bc", "[A-Z][a-z]{2}\\d"):
+        text = pattern_min(pattern)
+        assert text is not None and re.search(pattern, text), (pattern, text)
+    assert pattern_min("^(?=ab)a$") is None  # a lookahead the layout cannot honour: None, never a wrong string
+    assert pattern_min("^(a)\\1$") is None
+
+
+def test_a_slow_grammar_compile_is_stopped_and_refused(tiny, monkeypatch):
+    """A compile past its time is stopped (the worker process killed) and the request refused, naming
+    the budget; a compile within it gives the same grammar as one in this process."""
+    import xgrammar as xgr
+
+    from clover.structured import compiler, grammar
+    from clover.structured.normalize import Refused, normalize
+
+    model, tok = tiny
+    props = {f"slow{i}": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "additionalProperties": {"type": "string", "pattern": "^[a-z]+$"}}} for i in range(12)}
+    schema = normalize({"type": "object", "properties": props, "required": list(props)})  # no level seen before
+    monkeypatch.setattr(grammar, "IN_PROCESS_CHARS", 0)  # every compile in the worker
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 1e-4)
+    with pytest.raises(Refused, match="did not compile within the grammar path's 0.0001 s"):
+        generate_json(model, tok, PROMPT, schema, method="grammar", max_new_tokens=300)
+    assert not compiler._WORKER  # stopped
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 60.0)
+    out = generate_json(model, tok, PROMPT, schema, method="grammar", max_new_tokens=300)
+    assert out.valid and compiler._WORKER and compiler._WORKER[0].proc.poll() is None
+    stops = clover.api.eos_ids(model, tok)
+    remote = grammar.compile_schema(tok, model.config.vocab_size, stops, {"type": "string", "pattern": "^[ab]{2}$"})
+    for text, ok in (('"ab"', True), ('"ba"', True), ('"abc"', False), ('"c"', False)):
+        assert xgr.GrammarMatcher(remote).accept_string(text) == ok
+
+
+def test_grammar_library_errors_name_no_internal_path():
+    from clover.structured.grammar import _keyword, clean_message
+
+    raw = "[11:58:51] /project/cpp/json_schema_converter.cc:5082: maxProperties is less than the number of " \
+          "required properties: 1 < 2\n"
+    clean = clean_message(raw)
+    assert clean == "maxProperties is less than the number of required properties: 1 < 2"
+    assert _keyword(clean) == "maxProperties" and "/" not in clean_message("[1:2:3] C:\\x\\regex.cc:9: bad")

@@ -76,7 +76,7 @@ def test_free_method_never_infills(tiny, monkeypatch):
 def test_benchmark_runs_on_a_tiny_model(tiny):
     _, model, tok = tiny
     done = []
-    out = bench.run_benchmark(model, tok, n=1, block_size=8, max_new_tokens=8, progress=done.append)
+    out = bench.run_benchmark(model, tok, n=1, block_size=8, max_new_tokens=64, progress=done.append)
     assert sum(done) == len(bench.KINDS) == out["cases"] and len(out["records"]) == len(bench.METHODS) * len(bench.KINDS)
     assert {"n", "seed", "threshold", "block_size", "max_new_tokens", "kinds", "results"} <= set(out)
     for m in bench.METHODS:
@@ -86,7 +86,7 @@ def test_benchmark_runs_on_a_tiny_model(tiny):
         assert 1 <= r["overall"]["forward_passes_per_case"]
     assert out["results"]["infill"]["overall"]["valid_rate"] == 1.0
     assert all(r["ran"] == r["method"] for r in out["records"])
-    assert all(r["forward_passes"] <= 8 for r in out["records"] if r["method"] == "free")
+    assert all(r["forward_passes"] <= 64 for r in out["records"] if r["method"] == "free")
     for r in out["records"]:
         assert r["exact"] == (r["valid"] and r["fields_right"] == r["fields"])
 

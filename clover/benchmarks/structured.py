@@ -28,6 +28,7 @@ from ..data import tasks
 from ..errors import UserError
 from ..settings import INFILL_THRESHOLD, check_block_size
 from ..structured.generate import JsonResult, generate_json, infill_json
+from ..structured.result import BudgetTooSmall
 from ..structured.grammar import grammar_json
 from ..structured.normalize import normalize
 from .report import markdown_table, progress, set_threads, write_json
@@ -155,7 +156,18 @@ def case_prompt(tokenizer, case: dict):
 
 def answer(model, tokenizer, case: dict, method: str, threshold: float = INFILL_THRESHOLD, block_size: int = 32,
            max_new_tokens: int = 64) -> JsonResult:
-    """The case answered by `method` ("infill", "grammar" or "free")."""
+    """The case answered by `method` ("infill", "grammar" or "free"); a case whose smallest valid
+    document does not fit max_new_tokens is refused (not valid, its reason as the error)."""
+    import time
+
+    start = time.perf_counter()
+    try:
+        return _answer(model, tokenizer, case, method, threshold, block_size, max_new_tokens)
+    except BudgetTooSmall as e:
+        return JsonResult("", None, False, method, 0, time.perf_counter() - start, None, str(e), complete=False)
+
+
+def _answer(model, tokenizer, case, method, threshold, block_size, max_new_tokens) -> JsonResult:
     from ..api import encode
 
     prompt = case_prompt(tokenizer, case)

@@ -37,6 +37,7 @@ class Metrics:
         self.prompt_tokens = self.generated_tokens = self.row_forwards = self.model_forwards = 0
         self.finished_rows = self.cancelled_rows = self.failed_rows = self.isolated_rows = self.rejected_queue_full = 0
         self.queue_length = self.running_rows = 0
+        self.structured_replies = 0  # response_format / forced tool call replies (also in the token counters)
         self.graphs_compiled = self.graphs_deferred = 0  # --runner compiled: compiled when idle / waiting for it
         self.compile_seconds = 0.0
         self.latency = Histogram()  # request arrival -> last token
@@ -52,6 +53,20 @@ class Metrics:
             self.row_forwards += forwards
             self.finished_rows += 1
             self.cancelled_rows += int(cancelled)
+
+    def structured_done(self, prompt_tokens: int, completion_tokens: int, forwards: int, rows: int,
+                        seconds: float) -> None:
+        """A structured reply (response_format, forced tool calls) of `rows` choices, counted as the
+        scheduler counts a generated row: tokens, forwards, latency (its whole reply is its first block)."""
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += completion_tokens
+            self.row_forwards += forwards
+            self.finished_rows += rows
+            self.structured_replies += 1
+            for _ in range(rows):
+                self.latency.observe(seconds)
+                self.first_token.observe(seconds)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -79,6 +94,8 @@ class Metrics:
                 ("clover_isolated_rows_total", "counter", self.isolated_rows,
                  "Rows moved to an engine of their own after a batched step raised."),
                 ("clover_rejected_queue_full_total", "counter", self.rejected_queue_full, "Requests answered 503."),
+                ("clover_structured_replies_total", "counter", self.structured_replies,
+                 "Structured replies (response_format, forced tool calls), also counted in the token and latency metrics."),
                 ("clover_queue_length", "gauge", self.queue_length, "Rows waiting for a batch slot."),
                 ("clover_graphs_deferred", "gauge", self.graphs_deferred,
                  "--runner compiled: step shapes run eagerly so far, waiting to be compiled when the server is idle."),

@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic) and the response / chunk / error shapes the server writes.
 
-Unknown fields are accepted and ignored (clients send many); Clover's own decoding parameters
-(`block_size`, `threshold`, `mode`, `steps`) and vLLM's `ignore_eos` are extra body fields
+Unknown fields are accepted and ignored (clients send many); known ones have strict types, as OpenAI
+checks them (`max_tokens: "4"`, `n: true`, `stream: "yes"` are 400s naming the field). Clover's own
+decoding parameters (`block_size`, `threshold`, `mode`, `steps`) and vLLM's `ignore_eos` are extra body fields
 (`extra_body=` in the openai client). Function calling (`tools`, `tool_choice`, `parallel_tool_calls`)
 is checked by `ChatRequest.tool_plan`; `ToolPlan` parses the reply (docs/serving.md)."""
 
@@ -47,11 +48,13 @@ def bad_text(value, path: str = "") -> str | None:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict types, as OpenAI checks them: "4" or true is no max_tokens, "yes" no stream (400 naming the field)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -174,7 +177,7 @@ class ChatRequest(_Common):
 
 class DecideQuestion(BaseModel):
     """One question of POST /v1/decide: {"question", "options"} or {"question", "type", "max_tokens"}."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     question: str
     options: list[str] | None = None
@@ -184,7 +187,7 @@ class DecideQuestion(BaseModel):
 
 class DecideRequest(BaseModel):
     """POST /v1/decide: the fields of `clover decide` (joint decision mode, docs/decide.md)."""
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     material: str

@@ -5,6 +5,7 @@ adds them to an app (server/app.py assembles it)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -136,6 +137,13 @@ class Routes:
         """What a request's slots commit at: its own threshold, else the server's infill threshold."""
         return self.settings.infill_threshold if req.threshold is None else req.threshold
 
+    def check_rows(self, rows: int, param: str) -> None:
+        """A request of more rows (prompts x n) than the queue holds can never run: 400, not a 503 to retry."""
+        if rows > self.settings.max_queue:
+            raise APIError(400, f"the request asks for {rows} completions (prompts x n), more than this server ever "
+                           f"queues at once ({self.settings.max_queue}, clover serve --max-queue): split it",
+                           param=param, code="invalid_value")
+
     def budget(self, prompt_ids: list[int], max_tokens: int | None) -> int:
         ctx = self.ctx
         if not prompt_ids:
@@ -152,6 +160,7 @@ class Routes:
 
     def submit(self, request: Request, req, prompts: list[list[int]], max_tokens: int | None, key: DecodeConfig):
         ticket = Ticket(asyncio.get_running_loop())
+        self.check_rows(len(prompts) * req.n, "n")
         budgets = [self.budget(p, max_tokens) for p in prompts]  # every check before any work
         jobs = [Job(ticket, i * req.n + k, p, b, key, live=req.clover_live and req.stream)
                 for i, (p, b) in enumerate(zip(prompts, budgets)) for k in range(req.n)]
@@ -279,6 +288,7 @@ class Routes:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
+        self.check_rows(len(prompts) * req.n, "prompt" if req.n == 1 else "n")
         ids = []
         vocab = self.model.config.vocab_size
         for p in prompts:
@@ -310,8 +320,32 @@ class Routes:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenize(text, "messages", add_special_tokens=False)
 
+    async def encode_chat(self, messages: list[dict], plan: ToolPlan | None, kwargs: dict) -> list[int]:
+        """The chat prompt's token ids. A prompt that fills the context only with the tools' definitions
+        rendered into it (a huge enum) is blamed on `tools`, not on `messages`."""
+        text = await self.off_loop(self.chat_text, messages, plan.tools if plan else None, kwargs)
+        try:
+            ids = await self.off_loop(self.encode_text, text)
+            if plan is not None and len(ids) >= self.ctx:
+                self.budget(ids, None)  # raises: the context is full
+            return ids
+        except APIError as e:
+            if plan is None or e.code != "context_length_exceeded":
+                raise
+            bare = await self.off_loop(self.chat_text, messages, None, kwargs)
+            try:
+                n = len(await self.off_loop(self.encode_text, bare))
+            except APIError:
+                raise e from None
+            if n >= self.ctx:
+                raise
+            raise APIError(400, f"the tools' definitions, rendered into the prompt, make it longer than the model's "
+                           f"context of {self.ctx} tokens (the messages alone are {n} tokens): send fewer or smaller "
+                           "tools (a long enum?)", param="tools", code="context_length_exceeded") from None
+
     async def chat_completions(self, req: ChatRequest, request: Request):
         model, tokenizer, off_loop, budget = self.model, self.tokenizer, self.off_loop, self.budget
+        arrived = time.perf_counter()
         self.check_model(req)
         await off_loop(self.check_text, req)  # walks every string of the body: off the loop too
         if not req.messages:
@@ -329,9 +363,8 @@ class Routes:
         think = bool(kwargs.get("enable_thinking", False)) and not infill and not (plan and plan.forced)
         kwargs["enable_thinking"] = think
         messages = [m.for_template() for m in req.messages]
-        text = await off_loop(self.chat_text, messages, plan.tools if plan else None, kwargs)
+        ids = await self.encode_chat(messages, plan, kwargs)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        ids = await off_loop(self.encode_text, text)
         if infill:
             key = self.check_common(req)
             room = budget(ids, max_tokens)
@@ -341,6 +374,8 @@ class Routes:
                      if fmt is None else infill_format_task(model, tokenizer, ids, fmt, threshold, key.block_size,
                                                             room))
             done = await self.structured(request, steps)
+            self.metrics.structured_done(len(ids) * req.n, done.completion_tokens * req.n,
+                                         done.info.get("forward_passes", 0), req.n, time.perf_counter() - arrived)
             return self.respond_infilled(req, len(ids), done)
         return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
 

@@ -5,9 +5,11 @@ The schema is normalised, then infilled when the infiller can lay it out (the fi
 braces, quotes, the call's `<tool_call>` frame - as known tokens, the values denoised: about one
 forward per value), else decoded left to right under its grammar (xgrammar). A schema nothing can
 honour is a 400 naming the keyword and its path. The reply's `clover.structured` says which method
-ran and whether the returned text itself validates (`valid`); a document cut by max_tokens is
-returned as OpenAI does (finish_reason "length", truncated content) with `valid: false`; a complete
-document the final check rejects is never returned (500).
+ran and whether the returned text itself validates (`valid`). A document is never cut: when even the
+schema's smallest valid document cannot fit max_tokens the request is refused before decoding (400
+naming max_tokens and the tokens it needs), and when the model's tries do not end within it the
+smallest valid document is returned; a complete document the final check rejects is never returned
+(500).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ..structured import JsonResult, Refused, Skeleton, Unsupported, check_grammar, is_json_object, normalize, skeleton
+from ..structured import (BudgetTooSmall, JsonResult, Refused, Skeleton, Unsupported, check_budget, check_grammar,
+                          is_json_object, normalize, skeleton, smallest_document)
 from ..structured.generate import infill_json_task
 from ..structured.grammar import grammar_json_task
 from ..structured import check as check_schema
@@ -85,30 +88,49 @@ class Infilled:
     extra_forwards: int = field(default=0, repr=False)
 
 
+class Cut(ValueError):
+    """max_tokens ran out before a valid document was complete (and no smaller one could stand in)."""
+
+    keyword = "max_tokens"
+
+
+def budget_error(e: ValueError) -> APIError:
+    """A BudgetTooSmall / Cut as the 400 that names max_tokens."""
+    return APIError(400, str(e), param="max_tokens", code="invalid_value")
+
+
 def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
          suffix="", param=SCHEMA_PARAM) -> JsonResult:
-    """The JSON of a plan: infilled, or decoded under its grammar within max_tokens (also when the
-    infill layout, every optional part at its largest, does not fit the context after this prompt,
-    and when the infilled document came out longer than max_tokens: the grammar path's caps ladder
-    fits the budget, where a cut document would be no answer)."""
+    """The JSON of a plan within max_tokens: refused first (BudgetTooSmall) when even the schema's
+    smallest valid document cannot fit; then infilled, or decoded under its grammar (also when the
+    infill layout does not fit the context after this prompt, and when the infilled document came out
+    longer than max_tokens: the grammar path's caps ladder fits the budget, and its smallest document
+    stands in when no try does)."""
+    check_budget(tokenizer, plan.schema, max_tokens, prefix, suffix)
     infilled = None
-    if plan.skeleton is not None:
+    if plan.skeleton is None:  # compiled now, while the task is planned off the scheduler's thread
+        _check_grammar(model, tokenizer, plan, param)
+    else:
         try:
             infilled = yield from infill_json_task(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix,
                                                    suffix=suffix, threshold=threshold, block_size=block_size)
         except Unsupported:
             pass
         else:
-            if len(infilled.token_ids) <= max_tokens:
+            if infilled.valid and len(infilled.token_ids) <= max_tokens:
                 return infilled
+        if infilled is None:  # the layout does not fit the context: the grammar path or a 400
+            _check_grammar(model, tokenizer, plan, param)
+        else:
+            try:
+                check_grammar(model, tokenizer, plan.schema)
+            except Refused:
+                return _instead(tokenizer, plan, infilled, prefix, suffix, max_tokens)
     try:
-        check_grammar(model, tokenizer, plan.schema)
-    except Refused as e:
-        if infilled is not None:  # no grammar to fit the budget with: the infilled document, cut
-            return infilled
-        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema")
-    r = yield from grammar_json_task(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
-                                     max_new_tokens=max_tokens)
+        r = yield from grammar_json_task(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
+                                         max_new_tokens=max_tokens)
+    except Refused as e:  # e.g. no level's grammar compiled within the time budget
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
     if infilled is not None:  # the infill's forwards were spent too
         r.forward_passes += infilled.forward_passes
         r.fallback_reason = (f"the infilled document ({len(infilled.token_ids)} tokens) was longer than "
@@ -116,19 +138,36 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
     return r
 
 
-def _verdict(r: JsonResult, max_tokens: int, tokenizer, extra_forwards: int = 0, prefix: str = "") -> tuple[str, str, dict]:
-    """(text, finish_reason, info) of a result: cut at max_tokens (finish "length", not valid);
-    a complete document that fails the check is a 500, never a reply."""
+def _check_grammar(model, tokenizer, plan: FormatPlan, param: str) -> None:
+    try:
+        check_grammar(model, tokenizer, plan.schema)
+    except Refused as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
+
+
+def _instead(tokenizer, plan: FormatPlan, infilled: JsonResult, prefix, suffix, max_tokens) -> JsonResult:
+    """No grammar to fit the budget with: the smallest valid document in place of an infilled one that
+    did not fit (or was rejected), else the infilled one (_verdict judges it)."""
+    smallest = smallest_document(tokenizer, plan.schema, prefix, suffix)
+    if smallest is None or len(smallest[1]) > max_tokens:
+        return infilled
+    text, ids = smallest
+    return JsonResult(text, json.loads(text), True, infilled.method, infilled.forward_passes, 0.0,
+                      token_ids=ids, note="the smallest valid document: the infilled one did not fit")
+
+
+def _verdict(r: JsonResult, max_tokens: int, extra_forwards: int = 0) -> tuple[str, str, dict]:
+    """(text, finish_reason, info) of a result: a document max_tokens cut is never a reply (Cut: a 400
+    naming max_tokens), nor is a complete one that fails the check (a 500)."""
     info = {"method": r.method, "valid": r.valid, "forward_passes": r.forward_passes + extra_forwards}
-    text, finish = r.text, "stop"
+    if r.note:
+        info["note"] = r.note
     if not r.complete or len(r.token_ids) > max_tokens:
-        if r.complete:  # an infilled document longer than the budget: cut as generation would be
-            text = tokenizer.decode(r.token_ids[:max_tokens], skip_special_tokens=False)[len(prefix):]
-        info |= {"valid": False, "error": f"max_tokens ({max_tokens}) ran out before the document was complete"}
-        return text, "length", info
+        raise Cut(f"max_tokens ({max_tokens}) ran out before a document valid under the schema was complete: "
+                  "ask for more")
     if not r.valid:
         raise APIError(500, f"no document valid under the schema was produced ({r.error})", "server_error")
-    return text, finish, info
+    return r.text, "stop", info
 
 
 def infill_format(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
@@ -139,9 +178,12 @@ def infill_format(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, thr
 
 def infill_format_task(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
                        block_size: int, max_tokens: int = 1 << 30):
-    r = yield from _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens)
-    text, finish, info = _verdict(r, max_tokens, tokenizer)
-    return Infilled(text, [], min(len(r.token_ids), max_tokens), info, finish)
+    try:
+        r = yield from _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens)
+        text, finish, info = _verdict(r, max_tokens)
+    except (BudgetTooSmall, Cut) as e:
+        raise budget_error(e) from None
+    return Infilled(text, [], len(r.token_ids), info, finish)
 
 
 def _function_plans(functions: list[dict], names: list[str]) -> tuple[dict[str, FormatPlan], dict[str, str]]:
@@ -195,7 +237,7 @@ def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan]
     head = lead + CALL_HEAD + json.dumps(name) + ', "arguments": '
     r = yield from _run(model, tokenizer, context, plans[name], threshold, block_size, room, prefix=head,
                         suffix=CALL_END, param="tools")
-    text, finish, info = _verdict(r, room, tokenizer, forwards, head)
+    text, finish, info = _verdict(r, room, forwards)
     return name, r, text, finish, info
 
 
@@ -271,9 +313,9 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
         try:
             name, r, text, done, info = yield from _one_call(model, tokenizer, out.context, plans,
                                                              "\n" if out.calls else "", threshold, block_size, room)
-        except (Unsupported, ValueError) as e:  # a later call the context cannot hold
+        except (Unsupported, ValueError) as e:  # a later call the context or max_tokens cannot hold
             if not out.calls:
-                raise
+                raise budget_error(e) if isinstance(e, (BudgetTooSmall, Cut)) else e
             out.finish, out.note = "length", f"call {n} left out: {e}"
             break
         if done != "stop" and out.calls:  # a later call cut by the budget: left out, the reply ends here

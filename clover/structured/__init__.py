@@ -8,9 +8,11 @@ the schema whatever the model. Normalisation, layout and the grammar path: docs/
 """
 
 from .generate import JsonResult, check_output, generate_json, infill_json, is_json_object
-from .grammar import check_grammar, grammar_json
+from .grammar import check_budget, check_grammar, grammar_json, smallest_document
+from .result import BudgetTooSmall
 from .normalize import Refused, normalize
 from .schema import Skeleton, Unsupported, check, skeleton
 
-__all__ = ["JsonResult", "Refused", "Skeleton", "Unsupported", "check", "check_grammar", "check_output",
-           "generate_json", "grammar_json", "infill_json", "is_json_object", "normalize", "skeleton"]
+__all__ = ["BudgetTooSmall", "JsonResult", "Refused", "Skeleton", "Unsupported", "check", "check_budget",
+           "check_grammar", "check_output", "generate_json", "grammar_json", "infill_json", "is_json_object",
+           "normalize", "skeleton", "smallest_document"]

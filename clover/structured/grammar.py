@@ -24,8 +24,10 @@ import torch
 
 from ..engine.infill import decode_constrained_task, token_ids, vocab_mask
 from ..engine.slots import drive
+from .compiler import IN_PROCESS_CHARS, CompileError, CompileTimeout, compile_in_worker, compile_options
 from .normalize import STRING_CAP, Refused, for_decoding, unroll
-from .result import JsonResult, is_json_object, repair, validate
+from .result import BudgetTooSmall, JsonResult, is_json_object, repair, validate
+from .smallest import smallest_text
 
 # OpenAI's json_object (any object), bounded for decoding
 JSON_OBJECT = {"type": "object", "maxProperties": 4, "propertyNames": {"maxLength": 16},
@@ -48,19 +50,24 @@ class Caps:
 LADDER: tuple[Caps | None, ...] = (None, Caps(string=8, items=1), Caps(string=0, items=0, optional=False))
 GRAMMAR_CHARS = 2_000_000  # the largest decodable schema (JSON characters) compiled; past it: Refused
 CHARS_PER_TOKEN = 2  # the worst case a level's estimated size may reach per token of budget to start there
-_COMPILERS: dict[int, tuple[object, object, tuple]] = {}  # id(tokenizer) -> (tokenizer, compiler, stop ids)
+COMPILE_SECONDS = 20.0  # one request's grammar compiles, all ladder levels together; past it: Refused
+LEVEL_SECONDS = 5.0  # of which a level above the tightest may take (a tighter one compiles faster)
+_COMPILERS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, compiler, (vocab, stops), TokenizerInfo)
 _GRAMMARS: dict[tuple[int, str], object] = {}  # (id(compiler), schema JSON) -> compiled grammar
+_SLOW: dict[tuple[int, str], float] = {}  # (id(compiler), schema JSON) -> the seconds its compile outran
 _DECODABLE: dict[str, object] = {}  # normalised schema JSON -> decodable (caps-free)
 
 
 def _compiler(tokenizer, vocab_size: int, stops: tuple[int, ...]):
+    """(xgrammar GrammarCompiler, its TokenizerInfo) of a tokenizer, kept."""
     import xgrammar as xgr
 
     entry = _COMPILERS.get(id(tokenizer))
     if entry is None or entry[0] is not tokenizer or entry[2] != (vocab_size, stops):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stops))
-        entry = _COMPILERS[id(tokenizer)] = (tokenizer, xgr.GrammarCompiler(info, max_threads=1), (vocab_size, stops))
-    return entry[1]
+        entry = _COMPILERS[id(tokenizer)] = (tokenizer, xgr.GrammarCompiler(info, max_threads=1), (vocab_size, stops),
+                                             info)
+    return entry[1], entry[3]
 
 
 def decodable(schema, caps: Caps | None = None):
@@ -85,23 +92,43 @@ def decodable(schema, caps: Caps | None = None):
     return out if caps is None else tighten(out, caps)
 
 
-def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema, caps: Caps | None = None) -> object:
+def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema, caps: Caps | None = None,
+                   seconds: float | None = None) -> object:
     """The compiled grammar of a normalised schema (cached) within `caps`; `Refused` for what it
-    cannot enforce or xgrammar cannot compile."""
-
+    cannot enforce or xgrammar cannot compile, `CompileTimeout` when compiling takes more than
+    `seconds` (a large schema compiles in the worker process, clover.structured.compiler)."""
+    seconds = COMPILE_SECONDS if seconds is None else seconds
     decodable_ = decodable(schema, caps)
-    compiler = _compiler(tokenizer, vocab_size, tuple(stops))
+    compiler, info = _compiler(tokenizer, vocab_size, tuple(stops))
     key = (id(compiler), json.dumps(decodable_, sort_keys=True))
+    if _SLOW.get(key, 0.0) >= seconds:  # it did not compile in as much time before: not tried again
+        raise CompileTimeout()
     if key not in _GRAMMARS:
         try:
-            _GRAMMARS[key] = compiler.compile_json_schema(key[1], any_whitespace=False, strict_mode=True)
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its reason
-            raise Refused(_keyword(str(e)), "#", f"the grammar library cannot compile it: {str(e).splitlines()[0][:200]}")
+            if len(key[1]) <= IN_PROCESS_CHARS:
+                _GRAMMARS[key] = compiler.compile_json_schema(key[1], **compile_options())
+            else:
+                _GRAMMARS[key] = compile_in_worker((id(compiler), vocab_size, tuple(stops)), info, key[1], seconds)
+        except CompileTimeout:
+            _SLOW[key] = max(_SLOW.get(key, 0.0), seconds)
+            raise
+        except (CompileError, RuntimeError, ValueError) as e:  # xgrammar's reason
+            reason = clean_message(str(e))
+            raise Refused(_keyword(reason), "#", f"the grammar library cannot compile it: {reason}") from None
     return _GRAMMARS[key]
 
 
+def clean_message(message: str) -> str:
+    """xgrammar's error without its log prefix (time, C++ source file and line): the first line, cut."""
+    line = (message.strip().splitlines() or [""])[0]
+    line = re.sub(r"^\[[\d:]+\]\s*", "", line)
+    line = re.sub(r"\S*[/\\]\S+\.(?:cc|cpp|cxx|h|hpp|py):\d+:\s*", "", line)
+    return line[:200]
+
+
 def _keyword(message: str) -> str:
-    for word in ("pattern", "format", "$ref", "multipleOf", "patternProperties", "propertyNames", "anyOf", "oneOf"):
+    for word in ("maxProperties", "minProperties", "maxItems", "minItems", "pattern", "format", "$ref", "multipleOf",
+                 "patternProperties", "propertyNames", "anyOf", "oneOf", "enum", "required"):
         if word in message:
             return word
     return "schema"
@@ -124,34 +151,85 @@ def _closers(tokenizer, stops):
     return closers
 
 
-def check_grammar(model, tokenizer, schema) -> None:
-    """`Refused` unless the grammar path can decode the (normalised) schema."""
+def _stops(model, tokenizer) -> tuple[int, ...]:
     from ..api import eos_ids
 
-    compile_schema(tokenizer, model.config.vocab_size, eos_ids(model, tokenizer), schema)
+    stops = tuple(eos_ids(model, tokenizer))
+    if not stops:
+        raise ValueError("the tokenizer and model define no EOS token (needed after the JSON)")
+    return stops
+
+
+def _too_slow(seconds: float) -> Refused:
+    return Refused("schema", "#", f"its grammar did not compile within the grammar path's {seconds:g} s "
+                   "(a smaller schema: fewer maps, arrays or alternatives, or tighter maxItems / maxProperties)")
+
+
+def check_grammar(model, tokenizer, schema, seconds: float | None = None) -> None:
+    """`Refused` unless the grammar path can decode the (normalised) schema: its tightest level (the
+    cheapest grammar) compiled within `seconds` (COMPILE_SECONDS)."""
+    seconds = COMPILE_SECONDS if seconds is None else seconds
+    try:
+        compile_schema(tokenizer, model.config.vocab_size, _stops(model, tokenizer), schema, LADDER[-1], seconds)
+    except CompileTimeout:
+        raise _too_slow(seconds) from None
+
+
+def smallest_document(tokenizer, schema, prefix: str = "", suffix: str = "") -> tuple[str, list[int]] | None:
+    """(text, token ids with prefix and suffix) of the schema's smallest valid document (smallest.py),
+    or None when none could be built (or the schema is refused)."""
+    try:
+        tight = JSON_OBJECT if is_json_object(schema) else decodable(schema, LADDER[-1])
+    except Refused:
+        return None
+    text = smallest_text(tight, schema)
+    if text is None:
+        return None
+    return text, (token_ids(tokenizer, prefix) if prefix else []) + token_ids(tokenizer, text) + (
+        token_ids(tokenizer, suffix) if suffix else [])
+
+
+def check_budget(tokenizer, schema, max_new_tokens: int, prefix: str = "", suffix: str = "") -> None:
+    """BudgetTooSmall when even the schema's smallest valid document (with prefix and suffix) does
+    not fit `max_new_tokens`."""
+    smallest = smallest_document(tokenizer, schema, prefix, suffix)
+    if smallest is not None and len(smallest[1]) > max_new_tokens:
+        raise BudgetTooSmall(len(smallest[1]), max_new_tokens)
 
 
 def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                  max_new_tokens: int = 256, tries: int = TRIES):
     """Decode the JSON of `schema` (normalised) after `prompt_ids` and the fixed text `prefix`, then
-    `suffix`; a JsonResult with method "grammar". The caps start at the first LADDER level whose
-    documents fit the budget by estimate (`start_level`); a try that `max_new_tokens` cuts is decoded
-    again one level tighter, and a document the final check rejects (a keyword the grammar does not
-    enforce) again sampled, up to `tries` such times (the forwards of every try are counted). The
-    first try is greedy. `complete` is False when even the tightest level ran out: the text is then
-    the truncated document, never valid. `grammar_json_task`: the same as a task (engine/slots.py)."""
+    `suffix`; a JsonResult with method "grammar". BudgetTooSmall first when even the smallest valid
+    document cannot fit `max_new_tokens`. The caps start at the first LADDER level whose documents
+    fit the budget by estimate (`start_level`); a level whose grammar does not compile within its
+    share of COMPILE_SECONDS is skipped for a tighter one (Refused when the tightest does not); a try
+    that `max_new_tokens` cuts is decoded again one level tighter, and a document the final check
+    rejects (a keyword the grammar does not enforce) again sampled, up to `tries` such times (the
+    forwards of every try are counted). The first try is greedy. When no try gave a valid document,
+    the smallest one is returned (`note` says so); `complete` is False only when none could be built
+    and the tightest level ran out. `grammar_json_task`: the same as a task (engine/slots.py)."""
     return drive(grammar_json_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, tries))
 
 
 def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                       max_new_tokens: int = 256, tries: int = TRIES):
     start = time.perf_counter()
+    check_budget(tokenizer, schema, max_new_tokens, prefix, suffix)
     level = start_level(schema, max_new_tokens)
+    deadline = time.monotonic() + COMPILE_SECONDS
     out, forwards, rejected = None, 0, 0
     while True:
+        try:
+            grammar = _level_grammar(model, tokenizer, schema, level, deadline)
+        except CompileTimeout:
+            if level == len(LADDER) - 1:
+                raise _too_slow(COMPILE_SECONDS) from None
+            level += 1
+            continue
         generator = None if rejected == 0 else torch.Generator().manual_seed(rejected)
-        out = yield from _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator,
-                                 LADDER[level])
+        out = yield from _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens,
+                                      generator, grammar)
         forwards += out.forward_passes
         if out.valid:
             break
@@ -163,26 +241,46 @@ def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: s
         rejected += 1
         if rejected >= tries:
             break
+    if not out.valid:
+        out = _smallest_result(tokenizer, schema, prefix, suffix, max_new_tokens, out)
     out.forward_passes, out.seconds = forwards, time.perf_counter() - start
     return out
 
 
-def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, caps=None):
-    """One try of `grammar_json` at `caps`, alone."""
-    return drive(_decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, caps))
+def _level_grammar(model, tokenizer, schema, level: int, deadline: float):
+    """The compiled grammar of one LADDER level within what is left of the request's compile time (a
+    level above the tightest: at most LEVEL_SECONDS of it)."""
+    left = max(deadline - time.monotonic(), 0.0)
+    seconds = left if level == len(LADDER) - 1 else min(left, LEVEL_SECONDS)
+    if seconds <= 0:
+        raise CompileTimeout()
+    return compile_schema(tokenizer, model.config.vocab_size, _stops(model, tokenizer), schema, LADDER[level], seconds)
 
 
-def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, caps=None):
+def _smallest_result(tokenizer, schema, prefix, suffix, max_new_tokens, out: JsonResult) -> JsonResult:
+    """The smallest valid document in place of a last try that was cut or rejected (kept when none fits)."""
+    smallest = smallest_document(tokenizer, schema, prefix, suffix)
+    if smallest is None or len(smallest[1]) > max_new_tokens:
+        return out
+    text, ids = smallest
+    why = "cut by max_tokens" if not out.complete else f"rejected by the final check ({out.error})"
+    return JsonResult(text, json.loads(text), True, "grammar", 0, 0.0, None, None, ids,
+                      note=f"the smallest valid document: the model's last try was {why}")
+
+
+def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, grammar):
+    """One try of `grammar_json` under a compiled grammar, alone."""
+    return drive(_decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator,
+                              grammar))
+
+
+def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, grammar):
     import xgrammar as xgr
 
-    from ..api import eos_ids
-
     start = time.perf_counter()
-    stops = eos_ids(model, tokenizer)
-    if not stops:
-        raise ValueError("the tokenizer and model define no EOS token (needed after the JSON)")
+    stops = _stops(model, tokenizer)
     vocab = model.config.vocab_size
-    matcher = xgr.GrammarMatcher(compile_schema(tokenizer, vocab, stops, schema, caps))
+    matcher = xgr.GrammarMatcher(grammar)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     head = token_ids(tokenizer, prefix) if prefix else []
     # never a control character (xgrammar lets some through inside strings) nor a special or added token
@@ -246,6 +344,12 @@ def tighten(schema, caps: Caps):
     if isinstance(s.get("maxProperties"), int):
         floor = max(s.get("minProperties", 0), len(s.get("required", [])))
         s["maxProperties"] = max(floor, min(s["maxProperties"], floor + caps.items))
+    if is_map and s.get("maxProperties") == len(required) == len(set(s.get("required", []))) and not any(
+            re.search(p, k) for p in s.get("patternProperties", {}) for k in required):
+        # no room for a key beyond the required ones: the map's parts go (its grammar is the costly part)
+        for key in ("patternProperties", "propertyNames"):
+            s.pop(key, None)
+        s["additionalProperties"], is_map = False, False
     if not caps.optional and isinstance(s.get("properties"), dict) and not is_map:
         room = max(s.get("minProperties", 0) - len(required), 0)  # optional ones minProperties still asks for
         optional = [k for k in s["properties"] if k not in required][:room]

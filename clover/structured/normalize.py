@@ -643,6 +643,8 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
                 s = met
     s.pop("then", None)
     s.pop("else", None)
+    if "enum" in s or "const" in s:
+        return _enum_only(s, path, defs)
     branches = [k for k in ("anyOf", "oneOf") if k in s]
     if len(branches) == 1 and set(s) - {branches[0], "$defs"}:
         return for_decoding(_distribute(s, branches[0], path, defs), path, defs, refs)
@@ -682,6 +684,9 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
         raise Refused("not" if "not" in schema else "dependentRequired", path, "cannot be met")
     for key in drop:  # left out (without additionalProperties the grammar writes no other key)
         props.pop(key, None)
+    for key in required:
+        if key not in props:
+            props[key] = _undeclared(s, key, path)
     if "properties" in s or props:
         out = {}
         for k, v in props.items():
@@ -689,10 +694,12 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
                 continue  # a property that may not be present: left out
             try:
                 out[k] = for_decoding(v, f"{path}/properties/{_escape(k)}", defs, refs)
-            except TooDeep:
+            except Refused:
                 if k in required:
                     raise
-                continue  # a recursion bounded as unroll bounds one: the optional property left out
+                # no value satisfies it, or none the grammar can enforce, or a recursion bounded as unroll
+                # bounds one: the optional property is left out (a strengthening)
+                continue
         s["properties"] = out
     if required:
         s["required"] = required
@@ -734,6 +741,39 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
     if "maxItems" not in s and (types is None or "array" in types) and ("type" in s or "items" in s):
         s["maxItems"] = max(s.get("minItems", 0), len(s.get("prefixItems", [])), ARRAY_CAP)
     return s
+
+
+ANY_VALUE = {"type": ["string", "integer", "boolean", "null"]}  # what a required key nothing declares is given
+
+
+def _undeclared(s: dict, key: str, path: str):
+    """The schema of a required key `properties` does not declare: its patternProperties' (merged), else
+    additionalProperties' (a schema, or true: ANY_VALUE); Refused when additionalProperties is false."""
+    patterns = [v for p, v in (s.get("patternProperties") or {}).items() if re.search(p, key)]
+    if patterns:
+        return patterns[0] if len(patterns) == 1 else {"allOf": patterns}
+    extra = s.get("additionalProperties", True)
+    if extra is False or _never(extra):
+        raise Refused("required", path, f"{key!r} is required, but properties does not declare it and "
+                      "additionalProperties is false")
+    return extra if isinstance(extra, dict) and extra != {} else dict(ANY_VALUE)
+
+
+def _enum_only(s: dict, path: str, defs: dict) -> dict:
+    """An enum / const node as the enum of its values that the keywords beside them accept (xgrammar reads
+    the enum alone); Refused (keyword "enum") when none does."""
+    from jsonschema import FormatChecker, validators
+
+    values = s["enum"] if "enum" in s else [s["const"]]
+    if "enum" in s and "const" in s:
+        values = [v for v in values if v == s["const"]]
+    rest = {k: v for k, v in s.items() if k not in ("enum", "const", "$defs")}
+    if rest:
+        check = validators.validator_for({})({**rest, "$defs": defs}, format_checker=FormatChecker())
+        values = [v for v in values if check.is_valid(v)]
+    if not values:
+        raise Refused("enum", path, "no value satisfies the keywords beside it")
+    return {"enum": values, **({"$defs": s["$defs"]} if "$defs" in s else {})}
 
 
 def _entered(refs: tuple, ref: str, path: str) -> tuple:

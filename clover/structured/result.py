@@ -19,9 +19,21 @@ class JsonResult:
     error: str | None = None  # why the value is not valid
     token_ids: list[int] = field(default_factory=list)  # prefix + JSON + suffix (free: generated)
     complete: bool = True  # False: the token budget ran out before the document was complete
+    note: str | None = None  # e.g. that the smallest valid document stands in for the model's tries
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "token_ids"}
+
+
+class BudgetTooSmall(ValueError):
+    """max_tokens cannot hold even the schema's smallest valid document (`need` tokens)."""
+
+    keyword = "max_tokens"
+
+    def __init__(self, need: int, budget: int):
+        super().__init__(f"max_tokens ({budget}) is too small for any document valid under the schema: the "
+                         f"smallest one needs {need} tokens")
+        self.need, self.budget = need, budget
 
 
 def is_json_object(schema) -> bool:

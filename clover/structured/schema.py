@@ -7,8 +7,9 @@ written as `json.dumps` writes it (", " and ": " separators), properties in sche
 Supported subset (anything else raises `Unsupported`, and `generate_json` falls back to free
 generation checked with `jsonschema`):
 
-* `type: object` with `properties` (every property emitted, nested objects allowed), `required`
-  naming only listed properties, `additionalProperties` true or false;
+* `type: object` with `properties` (every property emitted but an optional one no value satisfies,
+  nested objects allowed), `required` (a key `properties` does not declare is laid out as a string
+  unless `additionalProperties` is false), `additionalProperties` true or false;
 * `enum` / `const` (one options slot over the values' JSON texts; a single value is scaffold);
 * `boolean` (true / false), `null` (scaffold);
 * `integer` with `minimum` / `maximum` (and the exclusive forms): every value an option when there
@@ -207,16 +208,26 @@ class _Builder:
         self.parts.append(Options(tuple(sep + _dumps(v) for v in values), path, groups))
 
     def object(self, s, path, sep, groups) -> None:
-        props = s.get("properties", {})
-        missing = [r for r in s.get("required", []) if r not in props]
-        if missing:
-            raise Unsupported(f"{path}: required {missing[0]!r} is not in properties")
+        props, required = dict(s.get("properties", {})), s.get("required", [])
         if not isinstance(s.get("additionalProperties", True), bool):
             raise Unsupported(f"{path}: additionalProperties as a schema")
+        for key in [r for r in required if r not in props]:  # may take any value: laid out as a string
+            if s.get("additionalProperties") is False:
+                raise ValueError(f"{path}: required {key!r} is not in properties and additionalProperties is false")
+            props[key] = {"type": "string"}
         self.text(sep + "{", groups)
-        for i, (key, sub) in enumerate(props.items()):
-            self.text(("" if i == 0 else ", ") + _dumps(key) + ":", groups)
-            self.value(sub, f"{path}.{key}", " ", groups)
+        first = True
+        for key, sub in props.items():
+            saved = (list(self.parts), self.lists)
+            self.text(("" if first else ", ") + _dumps(key) + ":", groups)
+            try:
+                self.value(sub, f"{path}.{key}", " ", groups)
+            except ValueError:  # no value satisfies it: an optional property is left out
+                if key in required:
+                    raise
+                self.parts, self.lists = saved
+                continue
+            first = False
         self.text("}", groups)
 
     def array(self, s, path, sep, groups) -> None:
