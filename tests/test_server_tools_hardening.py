@@ -102,7 +102,7 @@ def test_a_grammar_that_compiles_too_long_is_a_400_in_bounded_time(client, serve
     from clover.structured import grammar
 
     monkeypatch.setattr(grammar, "IN_PROCESS_CHARS", 0)
-    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.001)
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.0)  # past it at once, whatever the machine
     schema = {"type": "object", "required": ["a", "b"], "properties": {
         "a": {"anyOf": [{"type": "string", "pattern": "^q[0-9]+$"}, {"type": "integer"}]},
         "b": {"type": "array", "items": {"type": "object", "patternProperties": {"^z": {"type": "string"}}}}}}

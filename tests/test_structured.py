@@ -737,8 +737,8 @@ def test_a_slow_grammar_compile_is_stopped_and_refused(tiny, monkeypatch):
         "type": "object", "additionalProperties": {"type": "string", "pattern": "^[a-z]+$"}}} for i in range(12)}
     schema = normalize({"type": "object", "properties": props, "required": list(props)})  # no level seen before
     monkeypatch.setattr(grammar, "IN_PROCESS_CHARS", 0)  # every compile in the worker
-    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 1e-4)
-    with pytest.raises(Refused, match="did not compile within the grammar path's 0.0001 s"):
+    monkeypatch.setattr(grammar, "COMPILE_SECONDS", 0.0)
+    with pytest.raises(Refused, match="did not compile within the grammar path.s 0 s"):
         generate_json(model, tok, PROMPT, schema, method="grammar", max_new_tokens=300)
     assert not compiler._WORKER  # stopped
     monkeypatch.setattr(grammar, "COMPILE_SECONDS", 60.0)
