@@ -265,7 +265,7 @@ def run(args) -> int:
     try:
         check_block_size(args.block_size, model, low=2)
     except ValueError as e:
-        raise UserError(f"--{e}") from None
+        raise UserError(f"--block-size {str(e).removeprefix('block_size ')}") from None
     with progress(args.n * len(KINDS), "bench structured") as bar:
         out = run_benchmark(model, tokenizer, args.n, args.seed, args.threshold, args.block_size,
                             args.max_new_tokens, progress=bar.update)
