@@ -29,6 +29,16 @@ class Forward(NamedTuple):
 
 
 class RowBatch:
+    @classmethod
+    def for_runner(cls, runner, width: int, clean_bs: int, mask_id: int, device, prefill_chunk: int) -> "RowBatch":
+        """A row batch whose prompts' last chunk rides with the first window: a runner that caps the
+        tokens of a forward (compiled graphs) gets chunks that fit with the window (a 60-token tail and
+        4 columns is 64, not 68)."""
+        cap = runner.prefill_chunk
+        if cap:
+            prefill_chunk = min(prefill_chunk, max(cap - width, clean_bs))
+        return cls(runner, width, clean_bs, mask_id, device, prefill_chunk)
+
     def __init__(self, runner, width: int, clean_bs: int, mask_id: int, device, prefill_chunk: int):
         self.runner, self.width, self.clean_bs = runner, width, clean_bs  # window columns, clean windows
         self.mask_id, self.device, self.prefill_chunk = mask_id, device, prefill_chunk
@@ -53,6 +63,11 @@ class RowBatch:
             self.cache, self.pending = cache, pending
         self.window = window
         self.seqs += seqs
+
+    def commit_next(self, pending: Pending, clean_bs: int) -> None:
+        """The next forward commits `pending` (clean ids, left padding) first, as clean windows of
+        `clean_bs` (a job's finished window: one clean block of its own width)."""
+        self.pending, self.clean_bs = pending, clean_bs
 
     def drop_finished(self) -> torch.Tensor | None:
         """Free the rows of finished sequences; returns the kept row indices when some left (for the

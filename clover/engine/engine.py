@@ -25,7 +25,7 @@ from .model_api import seam_of
 from .modes import make_mode
 from .runner import make_runner
 from .sampling import make_generator
-from .sequence import Sequence
+from .sequence import Sequence, sequences
 
 class Engine:
     def __init__(self, model, config: DecodeConfig, defer_compile: bool = False, hook=None):
@@ -40,11 +40,8 @@ class Engine:
         self.device = model.device
         self.eos = set(cfg.eos)
         self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device), hook)
-        cap = self.runner.prefill_chunk  # a compiled runner takes prompts in chunks its graphs fit
-        if cap:  # the prompt's last chunk rides with the first window: both fit, a 60-token tail + 4 columns is 64, not 68
-            cap = max(cap - self.mode.width, self.mode.clean_bs)
-        self.batch = RowBatch(self.runner, self.mode.width, self.mode.clean_bs, self.mask_id, self.device,
-                              min(cfg.prefill_chunk, cap) if cap else cfg.prefill_chunk)
+        self.batch = RowBatch.for_runner(self.runner, self.mode.width, self.mode.clean_bs, self.mask_id, self.device,
+                                         cfg.prefill_chunk)
         self.added = 0
 
     # the row batch's parts the server scheduler reads (the slot mode takes the whole `batch`)
@@ -66,31 +63,14 @@ class Engine:
         """Validate every prompt before any work, prefill them as a batch and join the running rows
         (continuous batching: requests may be added between steps). `max_new_tokens` gives each row
         its own budget (default: the config's)."""
-        budgets = self._budgets(prompts, max_new_tokens)
-        seqs = [Sequence(self.added + i, list(p), n) for i, (p, n) in enumerate(zip(prompts, budgets))]
+        budgets = [self.cfg.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
+        seqs = sequences(prompts, budgets, self.seam.context, self.added)
         self.added += len(seqs)
         first = not self.batch.seqs
         longest = max(len(p) + n for p, n in zip(prompts, budgets))
         self.batch.join(seqs, capacity=longest + self.batch.width)
         self.mode.join(seqs, first)
         return seqs
-
-    def _budgets(self, prompts: list[list[int]], max_new_tokens: list[int] | None) -> list[int]:
-        if not prompts:
-            raise ValueError("no prompts")
-        budgets = list(max_new_tokens) if max_new_tokens is not None else [self.cfg.max_new_tokens] * len(prompts)
-        if len(budgets) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(budgets)} max_new_tokens")
-        ctx = self.seam.context
-        for i, (p, n) in enumerate(zip(prompts, budgets)):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            if n < 1:
-                raise ValueError(f"max_new_tokens must be >= 1, got {n}")
-            if len(p) + n > ctx:
-                raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({n}) "
-                                 f"exceeds the model's context of {ctx} tokens")
-        return budgets
 
     def block_view(self, row: int = 0) -> list[tuple[int | None, int]]:
         """The current block of a running row as (token or None while masked, fill step) pairs."""

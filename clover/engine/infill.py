@@ -35,7 +35,11 @@ from typing import Callable
 
 import torch
 
+from ..settings import DEFAULTS, check_block_size
+from .batch import RowBatch
 from .engine import DecodeConfig, Engine
+from .runner import make_runner
+from .sequence import sequences
 from .slots import Forward, Job, drive
 
 _PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
@@ -305,12 +309,14 @@ def _start_denoise(model, rows: list[Row], threshold: float, runner: str = "eage
     mask = model.config.mask_token_id
     longest = max(sum(len(u.scaffold) + u.width for u in r.units) for r in rows)
     # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
-    # windows of one size); the engine validates the context length and prefills prompt[:-1]
+    # windows of one size); the row batch prefills prompt[:-1], its last chunk with the first window
     first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
-    engine = Engine(model, DecodeConfig(block_size=first, max_new_tokens=longest + 1, runner=runner),
-                    defer_compile=defer)
-    engine.add([r.prompt for r in rows])
-    return engine.batch, _denoise_steps(engine.batch, rows, threshold, mask)
+    check_block_size(first, model)
+    seqs = sequences([r.prompt for r in rows], [longest + 1] * len(rows), model.config.max_position_embeddings)
+    batch = RowBatch.for_runner(make_runner(runner, model, defer=defer), first, first, mask, model.device,
+                                DEFAULTS.prefill_chunk)
+    batch.join(seqs, capacity=max(len(r.prompt) for r in rows) + longest + 1 + first)
+    return batch, _denoise_steps(batch, rows, threshold, mask)
 
 
 def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int):
@@ -348,7 +354,7 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int):
             calls += 1
             for r in rows:
                 r.forwards += 1
-        batch.pending, batch.clean_bs = _finished_window(rows, w, mask, anchors, batch.device)
+        batch.commit_next(*_finished_window(rows, w, mask, anchors, batch.device))
     return calls
 
 

@@ -44,3 +44,21 @@ class Sequence:
     def finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.finished_at = time.perf_counter()
+
+
+def sequences(prompts: list[list[int]], budgets: list[int], context: int, first: int = 0) -> list[Sequence]:
+    """The records of new rows (`first`: the index of the first), every prompt checked before any
+    work: not empty, a budget >= 1, prompt + budget within the model's context."""
+    if not prompts:
+        raise ValueError("no prompts")
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(budgets)} max_new_tokens")
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if n < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {n}")
+        if len(p) + n > context:
+            raise ValueError(f"prompt {i} ({len(p)} tokens) + max_new_tokens ({n}) "
+                             f"exceeds the model's context of {context} tokens")
+    return [Sequence(first + i, list(p), n) for i, (p, n) in enumerate(zip(prompts, budgets))]
