@@ -62,6 +62,7 @@ class Server:
     proc: subprocess.Popen | None = None
     url: str | None = None
     runs: dict = field(default_factory=dict)
+    error: str | None = None  # why it stopped taking part (a failed request), if it did
 
     @property
     def name(self) -> str:
@@ -250,15 +251,15 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
     try:
         for s in servers:
             start(s, args, files, max(levels), slot_ctx)
-        up = [s for s in servers if s.url]
         for n in levels:
-            for s in up:  # untimed: a compiled server meets this level's shapes, then compiles them
-                asyncio.run(level(s.url, prompts, n, 1, args.max_tokens))
-                if s.runner == "compiled":
+            for s in servers:  # untimed: a compiled server meets this level's shapes, then compiles them
+                if attempt(s, n, prompts, 1, args.max_tokens) and s.runner == "compiled":
                     settle(s.url)
             for _ in range(args.rounds):
-                for s in up:
-                    s.runs.setdefault(n, []).append(asyncio.run(level(s.url, prompts, n, args.requests, args.max_tokens)))
+                for s in servers:
+                    run = attempt(s, n, prompts, args.requests, args.max_tokens)
+                    if run:
+                        s.runs.setdefault(n, []).append(run)
     finally:
         for s in servers:
             if s.proc is not None:
@@ -266,10 +267,23 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
     return dict(params=files["params"], levels=levels, slot_ctx=slot_ctx)
 
 
-def peer(s: Server, servers: list[Server]) -> Server | None:
-    """llama-server at the precision matching a clover server's, when it ran."""
+def attempt(s: Server, n: int, prompts: list[str], requests: int, max_tokens: int) -> dict | None:
+    """One level on a server that is up and has not failed; a failure is kept (s.error) and the
+    server leaves the comparison, the others go on."""
+    if s.url is None or s.error:
+        return None
+    try:
+        return asyncio.run(level(s.url, prompts, n, requests, max_tokens))
+    except Exception as e:  # noqa: BLE001  (any client or server failure: reported in the table)
+        s.error = f"{n} clients: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        print(f"bench/serve_peer.py: {s.name} failed at {s.error}", file=sys.stderr)
+        return None
+
+
+def peer(s: Server, servers: list[Server], n: int) -> Server | None:
+    """llama-server at the precision matching a clover server's, when it ran the level of n clients."""
     want = MATCH.get(s.precision)
-    return next((p for p in servers if p.kind == "llama-server" and p.precision == want and p.runs), None)
+    return next((p for p in servers if p.kind == "llama-server" and p.precision == want and n in p.runs), None)
 
 
 def print_size(size: str, facts: dict, servers: list[Server], args) -> list[str]:
@@ -283,7 +297,7 @@ def print_size(size: str, facts: dict, servers: list[Server], args) -> list[str]
         for s in servers:
             if n not in s.runs:
                 continue
-            m, p = median_run(s.runs[n]), peer(s, servers)
+            m, p = median_run(s.runs[n]), peer(s, servers, n)
             ratio = p99 = "-"
             if p is not None:
                 pm = median_run(p.runs[n])
@@ -294,7 +308,9 @@ def print_size(size: str, facts: dict, servers: list[Server], args) -> list[str]
             print(f"| {n} | {s.name} | {m['tps']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ttft']:.3f} | "
                   f"{m['p50']:.2f} | {m['p99']:.2f} | {ratio} | {p99} | {m['load']:.1f} |")
     for s in servers:
-        if not s.runs:
+        if s.error:
+            print(f"\n{s.name}: failed at {s.error}.")
+        elif s.url is None:
             print(f"\n{s.name}: did not start (no figures).")
     return verdicts
 

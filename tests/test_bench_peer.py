@@ -49,8 +49,9 @@ def test_servers_pair_by_precision():
     for s in servers:
         s.runs = {1: [dict(tps=1.0, p99=1.0, load=0.0)]}
     by = {s.name: s for s in servers}
-    assert peer.peer(by["clover eager fp32"], servers).name == "llama-server f32"
-    assert peer.peer(by["clover compiled int4"], servers).name == "llama-server q4_0"
+    assert peer.peer(by["clover eager fp32"], servers, 1).name == "llama-server f32"
+    assert peer.peer(by["clover compiled int4"], servers, 1).name == "llama-server q4_0"
+    assert peer.peer(by["clover compiled int4"], servers, 4) is None  # llama-server did not run that level
     assert all(s.kind == "clover" for s in peer.pick_servers(None, have_llama=False))
     assert [s.name for s in peer.pick_servers("llama-server q8_0,clover eager int4", True)] == [
         "clover eager int4", "llama-server q8_0"]
@@ -72,3 +73,15 @@ def test_flag_mistakes_are_one_line_and_exit_2(capsys):
         assert capsys.readouterr().err.count("\n") == 1
     assert peer.main(["--dry-run"]) == 0
     assert "llama-server q4_0" in capsys.readouterr().out
+
+
+def test_a_failing_server_leaves_the_comparison_with_its_reason(monkeypatch):
+    s = peer.Server("clover", "compiled", "int4", url="http://127.0.0.1:9")
+
+    async def boom(*a):
+        raise RuntimeError("500 Internal Server Error\ntraceback")
+
+    monkeypatch.setattr(peer, "level", boom)
+    assert peer.attempt(s, 4, ["p"], 1, 8) is None
+    assert s.error == "4 clients: RuntimeError: 500 Internal Server Error"
+    assert peer.attempt(s, 16, ["p"], 1, 8) is None and s.error.startswith("4 clients")
