@@ -130,7 +130,7 @@ def main() -> None:
             for x in dtypes) + ".")
 
     print("\nForwards by shape, per round: columns fed (clean + draft; a compiled runner may left-pad the clean part "
-          "to a graph's width, engine/runner.bucket), columns whose logits come out, median ms per call, and "
+          "to a graph's width, compile.bucket), columns whose logits come out, median ms per call, and "
           "the floor of that forward\n")
     print("| mode | columns | of them draft | logits | calls | ms each | floor ms | ms per round |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -4,8 +4,9 @@ tests/test_runner_compiled.py compiles)."""
 import pytest
 import torch
 
+from clover.compile import is_steady
 from clover.engine import DecodeConfig, Engine
-from clover.engine.runner import CompiledRunner, EagerRunner, is_steady, make_runner
+from clover.engine.runner import CompiledRunner, EagerRunner, make_runner
 from clover.models import CloverForBlockDiffusion
 from clover.models.modeling_clover import commit_slots
 from clover.ops.moe import grouped_experts, grouped_experts_op, naive_experts
@@ -159,7 +160,7 @@ def test_steady_shapes_and_bucketed_capacity(model):
     (3, 1, 3),  # 4 columns: already a bucket
 ])
 def test_bucket_pads_the_clean_segment_to_the_narrowest_graph(clean, window, padded):
-    from clover.engine.runner import bucket, bucket_width
+    from clover.compile import bucket, bucket_width
 
     ids = torch.arange(clean + window)[None].repeat(2, 1)
     pad = torch.zeros_like(ids, dtype=torch.bool)
@@ -180,7 +181,7 @@ def test_unknown_runner_is_a_clear_error():
 def test_replay_checks_the_captured_shapes_and_strides():
     """A Replay calls its graph only with inputs laid out as captured; anything else returns None
     (the runner then goes through dynamo, which recompiles or raises)."""
-    from clover.engine.runner import Replay
+    from clover.compile import Replay
 
     m = torch.nn.Linear(3, 1, bias=False)
     w = m.weight

@@ -112,7 +112,7 @@ def check_equal(model, mode, prompts, late=(), block=4):
 
 @pytest.mark.parametrize("mode", ["ar", "low_confidence"])
 def test_a_batch_between_buckets_replays_the_bucket_graphs(model, mode):
-    """Rows come in buckets (runner.bucket_width): 3 rows run the graphs of 4 with a spare row (the
+    """Rows come in buckets (compile.bucket_width): 3 rows run the graphs of 4 with a spare row (the
     model's steps and the mode's fused step), so a server's batch of any size between two buckets
     compiles nothing new; rows leaving (3 -> 2 -> 1) re-home the cache, and every call equals eager."""
     four = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6, 9, 9, 1, 2], [40, 41, 42, 9, 9, 9, 1, 7, 7],
@@ -216,7 +216,7 @@ def test_compiled_equals_eager_rows_join_and_leave(model, mode):
 @full_only
 @pytest.mark.timeout(2400)
 def test_compiled_self_spec_of_an_odd_block_equals_eager_and_ar(model):
-    """Block 3: a verify of 3 clean columns is left-padded to a 4-column graph (runner.bucket), so the
+    """Block 3: a verify of 3 clean columns is left-padded to a 4-column graph (compile.bucket), so the
     recorded segment it rolls back starts with padding; the compiled decode once kept the pad as a
     token and repeated one (the task prompts' accuracy fell from ar's 0.614 to 0.143)."""
     prompts = [[5, 9, 2, 7, 7, 1, 3, 11, 4], [8, 3, 30, 2, 6]]

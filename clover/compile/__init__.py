@@ -12,7 +12,8 @@ dynamo guard evaluation). A mode's pure tensor functions are traced once per inp
 called as one graph (`Fused`).
 
 Everything compiled for a model lives in its `CompileState` (`state_of(model)`), shared by every
-compiled runner on that model.
+compiled runner on that model: it calls a shape's graph (`call`: its Replay, else through dynamo),
+queues the shapes a deferring runner ran eagerly and compiles them one at a time (`compile_next`).
 """
 
 from .backend import c_shim_config, capturing_backend, route_linears, route_ops, route_solves

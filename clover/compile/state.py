@@ -4,6 +4,7 @@ shapes and fused-function layouts waiting to be compiled, the fused functions' g
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
@@ -11,6 +12,8 @@ import torch
 from ..models.modeling_clover import stream_layout
 from ..ops.linear import tiled
 from .backend import capturing_backend
+from .replay import Replay
+from .shapes import ShapeKey
 
 # graphs of the step function per model (shape buckets x variants): `clover tune`'s default grid on
 # all held-out prompts needs ~80; past the limit new shapes run eagerly
@@ -37,7 +40,7 @@ class CompileState:
         self.step_fn = None
         self.captures: list = []  # graphs the backend compiled in the current call (CPU)
         self.replays: dict = {}  # ShapeKey -> Replay, or None (compiled, called through dynamo)
-        self.deferred: dict = {}  # ShapeKey -> None, oldest first: ran eagerly, wait for `compile_deferred`
+        self.deferred: dict = {}  # ShapeKey -> None, oldest first: ran eagerly, wait for `compile_next`
         self.full = False  # the step hit dynamo's recompile limit: new shapes run eagerly
         self.fused_graphs: dict = {}  # (key, input layouts, mode flags) -> compiled graph
         self.fused_deferred: dict = {}  # the same keys -> the Fused that ran them eagerly
@@ -70,8 +73,73 @@ class CompileState:
             self._limits.raised = True
 
     def waiting(self) -> int:
-        """How many shapes and fused-function layouts wait for `compile_deferred`."""
+        """How many shapes and fused-function layouts wait for `compile_next`."""
         return len(self.deferred) + len(self.fused_deferred)
+
+    def call(self, key: ShapeKey, ids, pad_mask, cache, replay: bool = True, defer: bool = False):
+        """(logits, whether a Replay gave them) of the key's graph on these inputs: its Replay
+        (`replay`), else through dynamo, which compiles the graph if it has none. (None, False) where
+        the call must run eagerly, before any cache write: a shape with no graph when `defer` (queued
+        for `compile_next`) or past the recompile limit."""
+        if key not in self.replays and (self.full or defer):
+            if defer and not self.full:
+                self.deferred[key] = None
+            return None, False
+        found = self.replays.get(key) if replay else None
+        if found is not None and not found.current():
+            found = self.replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
+        logits = found(ids, pad_mask, cache) if found is not None else None
+        if logits is not None:
+            return logits, True
+        return self.through_dynamo(key, ids, pad_mask, cache), False
+
+    def through_dynamo(self, key: ShapeKey, ids, pad_mask, cache) -> torch.Tensor | None:
+        """The step through dynamo, which compiles the key's graph if it has none; the key is then
+        known: with its Replay where this call captured the graph, else with None (CUDA graphs:
+        dynamo's call replays them). None when dynamo refused a new graph (its recompile limit) before
+        running anything: this and every later new shape run eagerly, the compiled ones still replay."""
+        step, model = self.step(), self.model()
+        del self.captures[:]
+        self.raise_recompile_limits()  # in this thread (the step may have been made in another)
+        try:
+            logits = step(model, ids, pad_mask, cache, key.logits_to_keep, key.draft_len, key.clean_block_size,
+                          key.block)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
+                          "graphs) reached, new shapes now run eagerly", stacklevel=4)
+            self.full = True
+            return None
+        if self.captures:
+            self.replays[key] = Replay.build(self.captures.pop(), model, logits, ids, pad_mask, cache)
+        else:
+            self.replays.setdefault(key, None)
+        return logits
+
+    def compile_shape(self, key: ShapeKey) -> None:
+        """Compile the graph of a shape key on a cache and ids of its own (zeros: only the layouts
+        matter) and keep its Replay, as a call of that shape would have."""
+        cache = self.model().new_cache(key.rows, capacity=key.capacity)
+        if key.recording:
+            cache.start_recording()
+        ids = torch.zeros(key.shape, dtype=torch.long, device=key.device)
+        pad_mask = None if key.no_pad else torch.zeros(key.shape, dtype=torch.bool, device=key.device)
+        with torch.inference_mode(key.inference), torch.set_grad_enabled(key.grad):
+            self.through_dynamo(key, ids, pad_mask, cache)
+
+    def compile_next(self) -> bool:
+        """Compile one graph a deferring runner ran eagerly (a fused-function layout first, then the
+        oldest model shape); False when none waits."""
+        if self.fused_deferred:
+            k, fused = self.fused_deferred.popitem()
+            fused.compile(k)
+            return True
+        if not self.deferred:
+            return False
+        key = next(iter(self.deferred))
+        del self.deferred[key]
+        if key not in self.replays and not self.full:
+            self.compile_shape(key)
+        return True
 
 
 _states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its CompileState

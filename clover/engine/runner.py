@@ -15,13 +15,10 @@ layout (`compile.Fused`).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from ..compile import Fused, Replay, state_of
-from ..compile.shapes import (CAPACITY_BUCKET, STEADY_MAX, ShapeKey, bucket, bucket_width, dense, is_steady, pad_rows,
-                              shape_key)
+from ..compile import Fused, state_of
+from ..compile.shapes import CAPACITY_BUCKET, STEADY_MAX, bucket, bucket_width, dense, is_steady, pad_rows, shape_key
 
 RUNNERS = ("eager", "compiled")
 
@@ -102,10 +99,11 @@ class CompiledRunner(EagerRunner):
         rows = ids.shape[0]
         run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
         key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_bs, block)
-        logits = self._compiled(key, run_ids, run_pad, run_cache)
+        logits, replayed = self.state.call(key, run_ids, run_pad, run_cache, replay=self.replay, defer=self.defer)
         if logits is None:
             return self._eager(given, cache, call)
         self.compiled_calls += 1
+        self.replayed_calls += replayed
         if run_cache is not cache:
             logits = logits[:rows]
             if cache.recording:  # the spare rows' records go: rollback rewinds the real rows
@@ -113,60 +111,9 @@ class CompiledRunner(EagerRunner):
         self.model.commit_lens(cache, num_clean, pad)
         return logits if logits_index is None else logits[:, logits_index]
 
-    def _compiled(self, key: ShapeKey, ids, pad, cache) -> torch.Tensor | None:
-        """The key's graph on these inputs: its Replay, else through dynamo (which compiles it if it
-        has none); None where the call must run eagerly (no cache write yet)."""
-        state = self.state
-        if key not in state.replays and (state.full or self.defer):  # a shape no graph was compiled for
-            if self.defer and not state.full:
-                state.deferred[key] = None
-            return None
-        replay = state.replays.get(key) if self.replay else None
-        if replay is not None and not replay.current():
-            replay = state.replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
-        logits = replay(ids, pad, cache) if replay is not None else None
-        if logits is not None:
-            self.replayed_calls += 1
-            return logits
-        return self._through_dynamo(key, ids, pad, cache)
-
     def _eager(self, ids, cache, call: dict) -> torch.Tensor:
         self.eager_calls += 1
         return super().forward(ids, cache, **call)
-
-    def _through_dynamo(self, key: ShapeKey, ids, pad, cache) -> torch.Tensor | None:
-        """The step through dynamo, which compiles the key's graph if it has none; the key is then known:
-        with its Replay where this call captured the graph, else with None (CUDA graphs: dynamo's call
-        replays them). None when dynamo refused a new graph (its recompile limit) before running anything
-        (no cache write yet): this and every later new shape of the model run eagerly (same logits), the
-        compiled ones still replay."""
-        state = self.state
-        step = state.step()
-        del state.captures[:]
-        state.raise_recompile_limits()  # in this thread (the step may have been made in another)
-        try:
-            logits = step(self.model, ids, pad, cache, key.logits_to_keep, key.draft_len, key.clean_block_size, key.block)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
-                          "graphs) reached, new shapes now run eagerly", stacklevel=4)
-            state.full = True
-            return None
-        if state.captures:
-            state.replays[key] = Replay.build(state.captures.pop(), self.model, logits, ids, pad, cache)
-        else:
-            state.replays.setdefault(key, None)
-        return logits
-
-    def compile_shape(self, key: ShapeKey) -> None:
-        """Compile the graph of a shape key on a cache and ids of its own (zeros: only the layouts
-        matter) and keep its Replay, as a call of that shape would have."""
-        cache = self.model.new_cache(key.rows, capacity=key.capacity)
-        if key.recording:
-            cache.start_recording()
-        ids = torch.zeros(key.shape, dtype=torch.long, device=key.device)
-        pad = None if key.no_pad else torch.zeros(key.shape, dtype=torch.bool, device=key.device)
-        with torch.inference_mode(key.inference), torch.set_grad_enabled(key.grad):
-            self._through_dynamo(key, ids, pad, cache)
 
 
 def deferred(model) -> int:
@@ -177,18 +124,7 @@ def deferred(model) -> int:
 def compile_deferred(model) -> bool:
     """Compile one graph that a deferring runner (`CompiledRunner(defer=True)`) of `model` ran eagerly
     (a fused-function layout first, then the oldest model shape); False when none waits."""
-    state = state_of(model)
-    if state.fused_deferred:
-        k, fused = state.fused_deferred.popitem()
-        fused.compile(k)
-        return True
-    if not state.deferred:
-        return False
-    key = next(iter(state.deferred))
-    del state.deferred[key]
-    if key not in state.replays and not state.full:
-        CompiledRunner(model).compile_shape(key)
-    return True
+    return state_of(model).compile_next()
 
 
 def make_runner(kind: str, model, defer: bool = False) -> EagerRunner:

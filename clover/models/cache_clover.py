@@ -225,7 +225,7 @@ class CloverCache:
     def rollback(self, keep: torch.Tensor) -> None:
         """After a recorded forward that committed n tokens per row, keep only the first `keep[b]`.
         The recorded segment may be left-padded (a batch's shorter rows; a compiled runner's bucket,
-        engine/runner.bucket): `keep` counts real tokens, after each row's padding."""
+        compile.bucket): `keep` counts real tokens, after each row's padding."""
         if not self.recording:
             raise RuntimeError("rollback() needs a forward recorded after start_recording()")
         keep = keep.to(self.device)

@@ -1,11 +1,10 @@
 // X = (I + L)^-1 R for the gated delta rule's per-chunk systems (chunk.py): `system` [..., C, C] is
 // unit lower-triangular (its diagonal and upper part are not read), `rhs` [..., C, N], fp32 CPU.
 // Row by row forward substitution, x_i = r_i - sum_{j<i} L_ij x_j (j ascending), each row an axpy
-// over N that the compiler vectorises. For a decode step's chunks (C = 8-64, N = 2 x 64, 4 heads)
-// this is well under a microsecond of work, where torch.linalg.solve_triangular pays ~25 us of
-// column-major copies and one MKL trsm call per matrix. Bound into the extension that
-// ops/linear/tiled.py builds (clover_cpu_ops); the compiled CPU runner routes its graphs' unit
-// lower-triangular solves here (engine/runner.route_ops); eager keeps torch's.
+// over N that the compiler vectorises. For a decode step's small chunks torch.linalg.solve_triangular
+// spends far more on column-major copies and one MKL trsm call per matrix than on the work. Bound into
+// the extension that ops/linear/tiled.py builds (clover_cpu_ops); compiled CPU graphs send their unit
+// lower-triangular solves here (ops.gated_delta_rule.graph_solve_kernel); eager keeps torch's.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>

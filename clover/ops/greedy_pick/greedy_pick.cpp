@@ -4,9 +4,8 @@
 // (softmax with the banned ids at -inf, argmax, gather); the fill policies scored by probability
 // (low_confidence, topk) need nothing else. Three passes over a row held in L1 (max, first index of
 // the max, sum of exponentials) on vector-register values (GCC/Clang vector extensions: 16 floats on AVX-512, 8 on
-// AVX2), with Cephes' expf polynomial (~1 ulp): ~20 us for 8 x 4096 (1 thread) where inductor's softmax +
-// argmax + gather took ~90 us, torch's eager softmax + argmax + gather ~85 us and its max + exp-sum ~45 us.
-// Rows run in parallel (at::parallel_for).
+// AVX2), with Cephes' expf polynomial (~1 ulp), instead of forming the softmax, its argmax and a
+// gather. Rows run in parallel (at::parallel_for).
 // Bound into the extension ops/linear/tiled.py builds (clover_cpu_ops).
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -23,8 +22,7 @@
 namespace {
 
 // One vector register of floats as one value (GCC/Clang vector extension): 16 lanes on AVX-512, else
-// 8 (AVX2). 16-float values on an AVX2 build were split into halves through memory: 4 x 4096 took
-// ~86 us on an AVX2-only AMD EPYC, ~4x the time of 8-lane values.
+// 8 (AVX2): wider values on an AVX2 build are split into halves through memory.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #else

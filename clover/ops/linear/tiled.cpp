@@ -15,8 +15,8 @@
 // K = 256) stays in L1 while every row tile passes over it, so the weight is read from memory once
 // per call whatever the row count. AVX-512 where the compiler targets it; AVX2 + FMA (16 registers
 // of 8 floats: a panel is two halves, every tile 8 accumulators: 1 row x 4 panels, 2 x 2, up to 4 x 1,
-// walk_avx2); else plain C++ that the compiler may vectorise (fp32 panels only). The plain C++ was 5-8x slower
-// than torch's linear on an AVX2-only AMD EPYC (Zen 3): routing there needs the AVX2 tiles.
+// walk_avx2); else plain C++ that the compiler may vectorise (fp32 panels only), slower than torch's
+// linear: graphs route here only where the vector tiles are built (ops.linear.worth_routing).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -135,9 +135,9 @@ inline void in_register(__m256& v) {
 // R rows x P panels, R*P*2 <= 8 accumulators (walk_avx2 picks the shape). Every output is the same
 // chain of FMAs in k order whatever the tile's shape, so a row's result does not depend on the rows
 // or panels it shares a call with. GCC's register allocation decides the speed here, and small changes
-// upset it (bench/linear.py, 4+ rows, bf16 panels: 88 GFLOP/s as written, 44 with any of these: the
-// tile inlined into the walk, lambdas over the accumulators, an odd-K tail after the pair loop; each
-// kept the accumulators on the stack, stored on every k). Hence noinline and the plain loops.
+// upset it (bench/linear.py): the tile inlined into the walk, lambdas over the accumulators or an odd-K
+// tail after the pair loop each keep the accumulators on the stack, stored on every k. Hence noinline
+// and the plain loops.
 template <int R, int P, typename W>
 __attribute__((noinline)) void tile(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t K, float* y, int64_t ldy,
                  int64_t n0, int64_t N, const float* bias) {
@@ -266,11 +266,11 @@ inline void walk_tiles(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
 }
 
 #if defined(CLOVER_AVX2)
-// The AVX2 tiles' walk: 8 accumulators of the 16 registers in every shape (12 spilled: 1.5x slower),
+// The AVX2 tiles' walk: 8 accumulators of the 16 registers in every shape (12 would spill),
 // enough independent FMA chains to keep both FMA pipes busy (a chain waits 4 cycles per FMA). One
 // row: 4 panels a tile; two rows: 2 panels; more: single panels under row tiles of up to 4 rows,
-// split evenly (6 rows as 3 + 3, not 4 + 2). On an AMD EPYC (Zen 3), K = 256: 40-95 GFLOP/s from 1
-// to 64 rows, where 4-row tiles alone ran 11 (1 row) to 45 (bench/linear.py).
+// split evenly (6 rows as 3 + 3, not 4 + 2): 4-row tiles alone leave few rows badly served
+// (bench/linear.py).
 template <typename W, typename Fn>
 inline void walk_avx2(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
   const auto by_panels = [&](auto np, auto&& rows) {
@@ -279,7 +279,7 @@ inline void walk_avx2(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
     for (; p < p1; ++p) rows(Int<1>{}, p);
   };
   if (M == 1) return by_panels(Int<4>{}, [&](auto np, int64_t p) { fn(Int<1>{}, np, 0, p); });
-  if (M == 2) {  // fp32 panels: 1 panel (2 x 2 ran 0.7x as fast)
+  if (M == 2) {  // fp32 panels: 1 panel (2 x 2 is slower there)
     constexpr int kP = std::is_same_v<W, uint16_t> ? 2 : 1;
     return by_panels(Int<kP>{}, [&](auto np, int64_t p) { fn(Int<2>{}, np, 0, p); });
   }
@@ -365,7 +365,7 @@ constexpr int64_t panel_k(int64_t K) { return std::is_same_v<W, uint16_t> ? K + 
 // AMX (bf16 tiles, fp32 accumulators) for bf16 panels. The weights are bf16 numbers, and x is split
 // exactly-enough into three bf16 terms, x = x1 + x2 + x3 + e with |e| <= 2^-27 |x| (below fp32's own
 // rounding), so every product x_i * w is exact in fp32 and only the summation order differs from the
-// fp32 kernel: the accuracy of an fp32 GEMM, at AMX's rate (bench/linear.py: 0.4-0.6x the AVX-512 time from 8 rows). Used from kAmxMinRows rows, K a multiple
+// fp32 kernel: the accuracy of an fp32 GEMM, at AMX's rate (bench/linear.py). Used from kAmxMinRows rows, K a multiple
 // of 32 (one tile row of bf16 pairs). Under bf16 activations (bf16_activations above) x is one term,
 // its bf16 rounding: a third of the tile products, the numbers of the AVX512-BF16 tile above.
 constexpr int64_t kAmxMinRows = 6;
@@ -740,7 +740,7 @@ TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
 }
 
 
-// C entry points for inductor's C++ wrapper (runner.C_SHIMS): a compiled graph calls these directly
+// C entry points for inductor's C++ wrapper (tiled.c_shims, compile.c_shim_config): a compiled graph calls these directly
 // instead of looking each op up in the dispatcher by name and boxing its arguments on each of the 29
 // calls of an AR step (a few percent of a step at most: BENCHMARKS step-c-shims). Names: aoti_torch_<device>_<op
 // name>, the convention the wrapper calls by.
