@@ -45,7 +45,7 @@ def test_gathered_experts_compiled_match_naive():
 def test_other():
     pass
 """)
-    result = pytester.runpytest("-m", "compiled", "-q")
+    result = pytester.runpytest_subprocess("-m", "compiled", "-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, deselected=2)
-    result = pytester.runpytest("-m", "not compiled", "-q")
+    result = pytester.runpytest_subprocess("-m", "not compiled", "-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, deselected=2)
