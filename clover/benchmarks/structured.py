@@ -325,13 +325,17 @@ def run_corpus(args) -> int:
           f"BFCL-style functions, OpenAPI/Kubernetes payloads), each answered as a json_schema response_format "
           f"(normalised, then infilled or decoded under its grammar, or refused: a 400 naming the keyword), "
           f"up to {args.max_tokens} tokens, {model.device}, {torch.get_num_threads()} threads. valid = json.loads + "
-          f"jsonschema accept the returned text; coverage = valid / total; invalid = complete replies that fail "
-          f"(never returned by the server); cut = max_tokens ran out (finish_reason length). docs/structured.md.\n")
-    header = ["", "schemas", "valid", "coverage %", "refused", "invalid", "cut", "forwards / reply", "s / reply"]
+          f"jsonschema accept the returned text; coverage = valid / total; refused = a 400 naming the keyword (or "
+          f"max_tokens: the smallest valid document does not fit); invalid = complete replies that fail (a 500 in "
+          f"the server); cut = max_tokens ran out (never returned: a 400); errors = exceptions (a 500); slowest = "
+          f"the longest answer or refusal, wall time. docs/structured.md.\n")
+    header = ["", "schemas", "valid", "coverage %", "refused", "invalid", "cut", "errors", "forwards / reply",
+              "s / reply", "slowest s", "> 60 s"]
 
     def row(label, g):
         return [label, g["total"], g["valid"], _rate_cell(g["coverage"]), g["refused"], g["invalid"] - g["incomplete"],
-                g["incomplete"], f"{g['forward_passes_per_reply']:.1f}", f"{g['seconds_per_reply']:.2f}"]
+                g["incomplete"], g["errors"], f"{g['forward_passes_per_reply']:.1f}", f"{g['seconds_per_reply']:.2f}",
+                f"{g['slowest_seconds']:.1f}", g["over_60s"]]
     print(markdown_table(["source"] + header[1:], [row(k, g) for k, g in out["per_source"].items()]
                          + [row("**overall**", out["overall"])]))
     print()

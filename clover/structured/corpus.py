@@ -294,10 +294,12 @@ def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: 
         out = generate_json(model, tokenizer, prompt_for(entry), schema, chat=True, threshold=threshold,
                             block_size=block_size, max_new_tokens=min(max_new_tokens, room))
     except ValueError as e:  # Refused, or a schema that is not valid (both a 400 in the server)
-        return rec | {"method": "refused", "valid": False, "forward_passes": 0, "seconds": time.perf_counter() - start,
+        wall = time.perf_counter() - start
+        return rec | {"method": "refused", "valid": False, "forward_passes": 0, "seconds": wall, "wall_seconds": wall,
                       "error": str(e), "keyword": getattr(e, "keyword", "schema")}
     except Exception as e:  # a failure of ours (a 500 in the server): counted against coverage, not hidden
-        return rec | {"method": "error", "valid": False, "forward_passes": 0, "seconds": time.perf_counter() - start,
+        wall = time.perf_counter() - start
+        return rec | {"method": "error", "valid": False, "forward_passes": 0, "seconds": wall, "wall_seconds": wall,
                       "error": f"{type(e).__name__}: {e}"}
     # the verdict again, from the returned text alone
     valid = out.complete
@@ -310,12 +312,14 @@ def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: 
             valid = False
     return rec | {"method": out.method, "valid": valid, "claimed_valid": out.valid, "complete": out.complete,
                   "forward_passes": out.forward_passes, "seconds": out.seconds, "error": out.error,
-                  "tokens": len(out.token_ids)}
+                  "tokens": len(out.token_ids), "wall_seconds": time.perf_counter() - start,
+                  **({"note": out.note} if out.note else {})}
 
 
 def summarize(records: list[dict]) -> dict:
-    """Coverage (valid / total), refused and invalid counts, forwards and seconds per reply: overall,
-    per source and per method."""
+    """Coverage (valid / total), refused, invalid and error counts, forwards and seconds per reply, the
+    slowest answer (wall time, refusals included) and how many took over 60 s: overall, per source and
+    per method."""
     def stats(rs):
         n = len(rs)
         answered = [r for r in rs if r["method"] in ("infill", "grammar")]
@@ -323,7 +327,10 @@ def summarize(records: list[dict]) -> dict:
                 "refused": n - len(answered), "invalid": sum(not r["valid"] for r in answered),
                 "incomplete": sum(not r.get("complete", True) for r in answered),
                 "forward_passes_per_reply": sum(r["forward_passes"] for r in answered) / max(len(answered), 1),
-                "seconds_per_reply": sum(r["seconds"] for r in answered) / max(len(answered), 1)}
+                "seconds_per_reply": sum(r["seconds"] for r in answered) / max(len(answered), 1),
+                "errors": sum(r["method"] == "error" for r in rs),  # a 500 in the server
+                "slowest_seconds": max((r.get("wall_seconds", r["seconds"]) for r in rs), default=0.0),
+                "over_60s": sum(r.get("wall_seconds", r["seconds"]) > 60 for r in rs)}
 
     sources = list(dict.fromkeys(r["source"] for r in records))
     methods = [m for m in ("infill", "grammar", "refused", "error") if any(r["method"] == m for r in records)]
