@@ -182,6 +182,18 @@ def test_distill_trains_on_the_teacher_answers_and_resumes(setup, tmp_path):
         _cfg(setup, tmp_path / "x", init="").validate()
 
 
+def test_replay_rows_join_the_teacher_rows(setup, tmp_path):
+    d, _ = setup
+    (d / "replay.jsonl").write_text("\n".join(json.dumps({"text": f"plain data number {i} " * 3}) for i in range(60)))
+    plain = Trainer(_cfg(setup, tmp_path / "a"))
+    mixed = Trainer(_cfg(setup, tmp_path / "b", replay_files=[str(d / "replay.jsonl")], replay_frac=0.25))
+    n = plain.rows.shape[0]
+    assert torch.equal(mixed.rows[:n], plain.rows) and mixed.rows.shape[0] == n + round(n / 3)
+    assert mixed.rmask[n:].all()  # replayed text: every token a target
+    with pytest.raises(ValueError, match="replay_frac"):
+        _cfg(setup, tmp_path / "c", replay_frac=1.0).validate()
+
+
 def test_distill_fits_the_teacher(setup, tmp_path):
     """A few dozen steps move the student toward the teacher's answers (held-out = the same rows)."""
     tr = Trainer(_cfg(setup, tmp_path / "fit", max_steps=30, lr=1e-2, ckpt_every=0, log_every=5))

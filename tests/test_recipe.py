@@ -106,6 +106,7 @@ def test_distill_step_prepares_a_valid_stage(make_model, tmp_path):
     assert (run / "teacher" / "config.json").read_text() == "x" and cfg.objective == "distill"
     assert cfg.init == cfg.teacher == str(run / "teacher") and cfg.time_budget == 60
     assert cfg.teacher_cache == str(run / "teacher_cache") and cfg.out_dir == str(run / "train")
+    assert cfg.replay_files == [str(tmp_path / "run" / "data" / "train.jsonl")] and cfg.replay_frac > 0
     prompts = [json.loads(x) for x in (run / "prompts.jsonl").read_text().splitlines()]
     held = {e["prompt"] for e in heldout_tasks(0, 30, 3)}
     texts = [p["prompt"].rstrip("\n") if "prompt" in p else p["messages"][0]["content"] for p in prompts]

@@ -83,7 +83,7 @@ def add_pareto_flags(p) -> None:
     p.add_argument("--per-task", type=int, default=8, metavar="N",
                    help="first N prompts of each synthetic task (0 = all 40; default 8)")
     p.add_argument("--batch", type=int, default=64, metavar="N", help="rows decoded together (default 64)")
-    p.add_argument("--plot", default="bench/pareto.png", metavar="PNG", help="where to write the plot")
+    p.add_argument("--plot", default="docs/pareto.png", metavar="PNG", help="where to write the plot")
     p.add_argument("--no-ar", action="store_true", help="skip the ar reference point (= --modes without ar)")
 
 

@@ -61,6 +61,8 @@ class TrainConfig:
     teacher_max_new_tokens: int = 64  # budget of each teacher answer (a record's own max_new_tokens if smaller)
     teacher_batch: int = 32  # prompts per engine run (and per cache part)
     ar_weight: float = 0.0  # distill: weight of the AR loss added to the block loss of every block > 1 step
+    replay_files: list = field(default_factory=list)  # distill: data files trained as they are beside the teacher's rows
+    replay_frac: float = 0.0  # distill: their share of the training rows (< 1)
     self_spec_frac: float = 0.0  # share of steps on causal-prefix + one-noisy-window samples (self_spec_loss)
     # bookkeeping
     log_every: int = 10
@@ -93,6 +95,8 @@ class TrainConfig:
             raise ValueError(f"suffix_frac must be in [0, 1], got {self.suffix_frac}")
         if self.conf_weight < 0:
             raise ValueError(f"conf_weight must be >= 0, got {self.conf_weight}")
+        if not 0 <= self.replay_frac < 1:
+            raise ValueError(f"replay_frac must be in [0, 1), got {self.replay_frac}")
         if self.ar_weight < 0:
             raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
         if self.objective == "distill":

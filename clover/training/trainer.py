@@ -155,7 +155,7 @@ class Trainer:
                 self.expert_params = apply_expert_parallel(self.model, dist)
             shard_model(self.model, dist, cfg.bf16, self.expert_params)
         ids, mask = self._train_stream()
-        self.rows, self.rmask = pack(ids, mask, cfg.seq_len)
+        self.rows, self.rmask = self._with_replay(*pack(ids, mask, cfg.seq_len))
         self.eval_rows = None
         if cfg.eval_files:
             e_ids, e_mask = encode_files(cfg.eval_files, self.tok)
@@ -200,6 +200,17 @@ class Trainer:
         if self.dist is not None and self.main:
             self.dist.barrier()
         return out
+
+    def _with_replay(self, rows: torch.Tensor, rmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """distill: the teacher's rows plus rows of `replay_files` (data trained as it is, so skills the
+        prompts do not cover are kept), a `replay_frac` share of all rows, drawn by a seeded generator."""
+        cfg = self.cfg
+        if cfg.objective != "distill" or not cfg.replay_files or not cfg.replay_frac:
+            return rows, rmask
+        r_rows, r_mask = pack(*encode_files(cfg.replay_files, self.tok, cfg.chat_eos_pad), cfg.seq_len)
+        want = round(rows.shape[0] * cfg.replay_frac / (1 - cfg.replay_frac))
+        pick = torch.randperm(r_rows.shape[0], generator=torch.Generator().manual_seed(cfg.seed + 17))[:want]
+        return torch.cat([rows, r_rows[pick]]), torch.cat([rmask, r_mask[pick]])
 
     def config_json(self) -> str:
         return json.dumps(dataclasses.asdict(self.cfg), indent=2)

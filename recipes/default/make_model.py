@@ -231,7 +231,7 @@ def distill(rec: dict, args, common: dict, export_dir: Path) -> Path:
         shutil.copytree(export_dir, data / "teacher.tmp")
         os.replace(data / "teacher.tmp", teacher)
     if not (base / "heldout.jsonl").exists():
-        log("data: generating (for the held-out losses)")
+        log("data: generating (the replayed share and the held-out losses)")
         build(base, seed=rec["seed"], **rec["data"])
     prompts = data / "prompts.jsonl"
     if not (args.resume and prompts.exists()):
@@ -240,7 +240,8 @@ def distill(rec: dict, args, common: dict, export_dir: Path) -> Path:
     cfg = stage_config(HERE / "distill.toml", **{**common, "out_dir": str(data / "train"), "init": str(teacher),
                                                  "teacher": str(teacher), "tokenizer": str(teacher),
                                                  "teacher_cache": str(data / "teacher_cache"),
-                                                 "train_files": [str(prompts)], "time_budget": float(spec["time_budget"])})
+                                                 "train_files": [str(prompts)], "replay_files": [str(base / "train.jsonl")],
+                                                 "time_budget": float(spec["time_budget"])})
     return cfg
 
 
