@@ -493,7 +493,7 @@ def test_user_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
 def test_compile_time_is_announced_on_a_terminal_and_kept_out_of_the_speed():
     import io
 
-    from clover.cli.generate import COMPILING, without_compile_time
+    from clover.cli.generate import COMPILING, speed_text, without_compile_time
     from clover.utils.compile_watch import CompileWatch
 
     class Terminal(io.StringIO):
@@ -503,18 +503,27 @@ def test_compile_time_is_announced_on_a_terminal_and_kept_out_of_the_speed():
     torch._dynamo.reset()
     for stream, told in ((Terminal(), True), (io.StringIO(), False)):
         f = torch.compile(lambda x: x * 2 + 1, backend="eager")
-        with CompileWatch(COMPILING, stream) as watch:
+        with CompileWatch(COMPILING, stream) as watch:  # three steps
             f(torch.ones(3))
-            f(torch.ones(3))  # compiled already: no second notice
+            watch.mark()
+            f(torch.ones(3))  # compiled already: no second notice, and not a compile step
+            watch.mark()
             f(torch.ones(5, 2))  # a new shape compiles again
         assert stream.getvalue() == (COMPILING + "\n" if told else "")
         assert len(watch.intervals) == 2 and watch.total() > 0
+        (a, b), (c, d) = watch.intervals
+        assert a < b < c < d
         torch._dynamo.reset()
     from clover.api import Generation
 
     watch = CompileWatch()
-    watch.intervals = [(10.0, 14.0), (19.0, 30.0)]  # 4 s inside the row's 10 s, one after it ended
+    watch.intervals = [(10.0, 14.0), (19.0, 30.0)]  # steps that compiled: 4 s, and 1 s of the row's last 10 s
+    watch.plain_steps = 3
     r = Generation("x", [1] * 12, "length", 12, 1.0, 10.0, 1.2)
     fixed, compile_s = without_compile_time(r, watch, start=10.0)
     assert compile_s == pytest.approx(5.0) and fixed.tokens_per_second == pytest.approx(12 / 5.0)
     assert without_compile_time(r, CompileWatch(), start=10.0) == (r, 0.0)
+    watch.plain_steps = 0  # every step compiled: no decode speed to report
+    fixed, compile_s = without_compile_time(r, watch, start=10.0)
+    assert fixed.tokens_per_second is None and "not measured" in speed_text(None, compile_s)
+    assert speed_text(2.4, 5.0) == "2.4 tokens/s (5.0 s compiling not counted)" and speed_text(3.0, 0.0) == "3.0 tokens/s"

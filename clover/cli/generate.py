@@ -170,8 +170,13 @@ def run(args) -> int:
     notice = COMPILING if cfg.runner == "compiled" else None  # said on a terminal: a first compile takes minutes
     with tqdm(total=len(prompts) * cfg.max_new_tokens, unit="tok", desc="generate", leave=False,
               disable=True if args.show else None, file=sys.stderr) as bar, CompileWatch(notice) as watch:
-        progress = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))
-        start = time.perf_counter()
+        show = LiveView(tokenizer) if args.show else (lambda engine, events: bar.update(sum(len(t) for _, t in events)))
+
+        def progress(engine, events):
+            watch.mark()  # a step ended: its time is compile time if it compiled
+            show(engine, events)
+
+        start = watch.mark()  # the rows start here
         results = generate(model, tokenizer, prompts, cfg, chat=args.chat or args.think, think=args.think,
                            trajectory=bool(args.trajectory_out), on_step=progress)
     results = [without_compile_time(r, watch, start) for r in results]
@@ -180,7 +185,8 @@ def run(args) -> int:
         pieces = [tokenizer.decode([t]) for t in first.token_ids]
         write_trajectory(args.trajectory_out, pieces, first.trajectory, f"clover generate --mode {cfg.mode}")
     if args.json:
-        dicts = [{**r.to_dict(token_ids=False, trajectory=False), "compile_seconds": c} for r, c in results]
+        dicts = [{**r.to_dict(token_ids=False, trajectory=False), "tokens_per_second": r.tokens_per_second,
+                  "compile_seconds": c} for r, c in results]
         print_json(dicts[0] if len(dicts) == 1 else dicts)
         return 0
     for r, compile_s in results:
@@ -188,21 +194,27 @@ def run(args) -> int:
             print(f"\x1b[2m{r.reasoning}\x1b[0m\n" if sys.stdout.isatty() else f"[thinking]\n{r.reasoning}\n[answer]")
         print(r.text)
         print(f"[{len(r.token_ids)} tokens, {r.forward_passes} forwards, {r.tokens_per_forward:.2f} tokens/forward, "
-              f"{r.tokens_per_second:.1f} tokens/s{f' ({compile_s:.1f} s compiling not counted)' if compile_s else ''}, "
-              f"finish: {r.finish_reason}]", file=sys.stderr)
+              f"{speed_text(r.tokens_per_second, compile_s)}, finish: {r.finish_reason}]", file=sys.stderr)
     return 0
 
 
 COMPILING = "clover generate: compiling (first use of this shape)..."
 
 
+def speed_text(tokens_per_second: float | None, compile_s: float) -> str:
+    if tokens_per_second is None:
+        return f"tokens/s not measured: every step compiled ({compile_s:.1f} s; a second run of these shapes shows it)"
+    return f"{tokens_per_second:.1f} tokens/s" + (f" ({compile_s:.1f} s compiling not counted)" if compile_s else "")
+
+
 def without_compile_time(result, watch, start: float):
-    """(result with tokens_per_second over its decode time only, compile seconds taken out): the
-    compilations `watch` saw while the row ran (rows start together, at `start`)."""
+    """(result, compile seconds): tokens_per_second over the row's time less the steps that compiled
+    (`watch`; rows start together, at `start`), None where every step compiled (no decode to time)."""
     import dataclasses
 
     compile_s = watch.seconds_within(start, start + result.seconds)
     if not compile_s:
         return result, 0.0
-    decode_s = max(result.seconds - compile_s, 1e-9)
-    return dataclasses.replace(result, tokens_per_second=len(result.token_ids) / decode_s), round(compile_s, 3)
+    decode_s = result.seconds - compile_s
+    speed = len(result.token_ids) / decode_s if watch.plain_steps and decode_s > 0 else None
+    return dataclasses.replace(result, tokens_per_second=speed), round(compile_s, 3)

@@ -1,7 +1,9 @@
-"""When torch.compile compiles during a block of work, through dynamo's compile callbacks (start /
-end of each outermost compilation, whichever runner or fused function asked for it): a notice on
-the first one (a compile of a new shape can take minutes on a CPU, and says nothing by itself),
-and the intervals, so a speed can be reported without the compile time in it."""
+"""When torch.compile compiles during a block of work, through dynamo's compile callbacks (the start
+of each outermost compilation, whichever runner or fused function asked for it): a notice on the
+first one (a compile of a new shape can take minutes on a CPU, and says nothing by itself), and the
+time of the steps that compiled, so a speed can be reported without it. A step's whole time counts:
+the first call of a new graph also waits for its kernels (compiled and loaded after dynamo's own
+callback has ended)."""
 
 from __future__ import annotations
 
@@ -10,39 +12,48 @@ import time
 
 
 class CompileWatch:
-    """Context manager: `intervals` [(start, end)] in time.perf_counter() seconds; `notice` is
-    written once to `stream` when the first compilation starts, only when `stream` is a terminal."""
+    """Context manager over a loop of steps (call `mark()` after each): `intervals` [(start, end)] in
+    time.perf_counter() seconds, one per step in which a compilation started (the block is one step
+    when nothing marks it); `notice` is written once to `stream` when the first compilation starts,
+    only when `stream` is a terminal."""
 
     def __init__(self, notice: str | None = None, stream=None):
         self.notice, self.stream = notice, stream if stream is not None else sys.stderr
         self.intervals: list[tuple[float, float]] = []
-        self._start = None
+        self.plain_steps = 0  # steps in which nothing compiled
+        self._mark = time.perf_counter()
+        self._compiled = False
         self._told = False
 
     def _on_start(self, args) -> None:
-        self._start = time.perf_counter()
+        self._compiled = True
         if self.notice and not self._told and getattr(self.stream, "isatty", lambda: False)():
             self._told = True
             self.stream.write(self.notice + "\n")
             self.stream.flush()
 
-    def _on_end(self, args) -> None:
-        if self._start is not None:
-            self.intervals.append((self._start, time.perf_counter()))
-            self._start = None
+    def mark(self) -> float:
+        """A step ended (now, returned): it is a compile interval if a compilation started in it."""
+        now = time.perf_counter()
+        if self._compiled:
+            self.intervals.append((self._mark, now))
+        else:
+            self.plain_steps += 1
+        self._mark, self._compiled = now, False
+        return now
 
     def __enter__(self) -> "CompileWatch":
         from torch._dynamo.callback import callback_handler
 
         callback_handler.register_start_callback(self._on_start)
-        callback_handler.register_end_callback(self._on_end)
+        self._mark, self._compiled, self.plain_steps = time.perf_counter(), False, 0
         return self
 
     def __exit__(self, *exc) -> None:
         from torch._dynamo.callback import callback_handler
 
         callback_handler.remove_start_callback(self._on_start)
-        callback_handler.remove_end_callback(self._on_end)
+        self.mark()
 
     def seconds_within(self, start: float, end: float) -> float:
         """Compile seconds inside [start, end]."""
