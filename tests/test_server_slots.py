@@ -274,3 +274,41 @@ def test_concurrent_forced_tool_calls_equal_their_solo_replies(loaded):
             together = list(pool.map(call, asks))
     assert together == alone and all(alone)
     assert max(batched.rows) > 1  # some forward served several requests
+
+
+def test_a_client_that_goes_away_cancels_its_rows_at_once(loaded):
+    """Over HTTP, a completion whose client disconnects while its tokens keep coming (not streamed)
+    has its rows leave the engine long before their budget is spent."""
+    import http.client
+    import json
+
+    from server_utils import RunningServer
+
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+
+    model, tok = loaded
+    app = create_app(model, tok, Settings(model_id="tiny", block_size=4, mode="ar"), eos_ids(model, tok))
+    sched, forwards = app.state.scheduler, []
+
+    def slow(*_):
+        forwards.append(1)
+        time.sleep(0.02)
+
+    hook = model.register_forward_hook(slow)
+    body = {"prompt": "Once upon", "max_tokens": 400, "n": 2, "ignore_eos": True}
+    try:
+        with RunningServer(app) as server:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            deadline = time.time() + 120
+            while not any(s.token_ids for e in list(sched.engines.values()) for s in e.seqs) and time.time() < deadline:
+                time.sleep(0.005)
+            assert sched.running_rows == 2  # decoding
+            conn.sock.close()
+            deadline = time.time() + 30
+            while sched.engines and time.time() < deadline:
+                time.sleep(0.01)
+            assert not sched.engines and len(forwards) < 200
+    finally:
+        hook.remove()

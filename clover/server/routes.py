@@ -172,15 +172,19 @@ class Routes:
 
     async def drive(self, request: Request, ticket: Ticket, jobs: list[Job], choices: list[Choice]):
         """Scheduler events -> Delta / Live / Finished; ends when every choice is done. A client that
-        goes away cancels its jobs."""
-        scheduler = self.scheduler
+        goes away cancels its jobs (looked for every POLL_S, also while events keep coming)."""
+        scheduler, checked = self.scheduler, time.monotonic()
         while not all(c.done for c in choices):
             try:
                 item = await asyncio.wait_for(ticket.queue.get(), POLL_S)
             except (asyncio.TimeoutError, TimeoutError):
+                item = None
+            if item is None or time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     scheduler.cancel(jobs)
                     return
+            if item is None:
                 continue
             choice = choices[item.index]
             if choice.done:
