@@ -481,13 +481,17 @@ def test_user_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
     """Each rank checks the same arguments: rank 0 alone says it, before torch loads (so before any
     model or process group), and every rank exits 2. What torchrun itself prints about a failed
     worker, and its own exit status, are torchrun's."""
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        "-m", "clover", "generate", "--tp", "2", "--runner", "compiled", "--prompt", "ab"],
-                       capture_output=True, text=True, env=ENV, timeout=300)
-    ours = [line for line in p.stderr.splitlines() if line.startswith("clover generate")]
-    assert ours == ["clover generate: error: --runner compiled runs in one process: not with --tp / --ep"], p.stderr
-    assert "exitcode  : 2" in p.stderr, p.stderr  # torchrun's report: the worker's status
-    assert "clover/" not in "".join(line for line in p.stderr.splitlines() if line.strip().startswith("File "))
+    cfg = _train_toml(tmp_path)
+    for argv, line in ((["generate", "--tp", "2", "--runner", "compiled", "--prompt", "ab"],
+                        "clover generate: error: --runner compiled runs in one process: not with --tp / --ep"),
+                       (["train", "--config", str(cfg), "--resume"],
+                        f"clover train: error: --resume: no checkpoint in {tmp_path / 'run' / 'checkpoints'}")):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "-m", "clover", *argv], capture_output=True, text=True, env=ENV, timeout=300)
+        ours = [x for x in p.stderr.splitlines() if x.startswith(f"clover {argv[0]}")]
+        assert ours == [line], p.stderr
+        assert "exitcode  : 2" in p.stderr, p.stderr  # torchrun's report: the worker's status
+        assert "clover/" not in "".join(x for x in p.stderr.splitlines() if x.strip().startswith("File "))
 
 
 def test_compile_time_is_announced_on_a_terminal_and_kept_out_of_the_speed():

@@ -79,6 +79,9 @@ def build_config(args):
 
 def run(args) -> int:
     cfg = build_config(args)  # option mistakes are one line before torch loads
+    from ..training.config import resume_point
+
+    resume_point(cfg, args.resume)  # checkpoint mistakes too (under torchrun: from rank 0 alone, before the group)
     from ..distributed import runtime
     from ..training.trainer import Trainer
 

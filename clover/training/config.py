@@ -7,7 +7,9 @@ loop (clover/training/trainer.py, which re-exports TrainConfig) imports it.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 OBJECTIVES = ("ar", "block_diffusion", "distill")
 RECIPE_HINT = ("recipes/default's stages get their data and tokenizer from `make model`, which builds "
@@ -131,4 +133,37 @@ class TrainConfig:
             for path in getattr(self, name):
                 if not Path(path).is_file():
                     raise ValueError(f"{name}: {path}: no such file{hint(path)}")
+
+
+# what a resumed run takes from its checkpoint whatever it is given: the model (its shape and
+# weights) and the seeded generator's state
+RESUME_FIXED = ("preset", "model_overrides", "init", "seed")
+
+
+def resume_point(cfg: TrainConfig, resume: bool) -> Path | None:
+    """The checkpoint a run starts from: with `resume` the newest complete one in out_dir, else None;
+    a one-line error where there is none to resume, where a fresh run would mix its checkpoints with
+    an earlier run's, or where an option cannot be honoured on resume (RESUME_FIXED changed, max_steps
+    before the checkpoint). Torch-free: `clover train` asks before any process group starts."""
+    from ..utils.checkpoint_dirs import find_checkpoint, step_of
+
+    ckdir = Path(cfg.out_dir) / "checkpoints"
+    latest = find_checkpoint(ckdir)
+    if resume and latest is None:
+        raise ValueError(f"--resume: no checkpoint in {ckdir}")
+    if not resume and latest is not None:
+        raise ValueError(f"{ckdir} holds checkpoints of an earlier run ({latest.name}): pass --resume "
+                         f"to continue it, or use a new --out-dir")
+    if latest is None:
+        return None
+    saved_file = latest / "train_config.json"
+    saved = json.loads(saved_file.read_text()) if saved_file.is_file() else {}
+    for name in RESUME_FIXED:
+        if name in saved and saved[name] != getattr(cfg, name):
+            raise ValueError(f"--resume: {name} cannot change on resume (checkpoint {latest.name} has {saved[name]!r}, "
+                             f"this run {getattr(cfg, name)!r}); drop the option or use a new --out-dir")
+    step = step_of(latest)
+    if cfg.time_budget <= 0 and cfg.max_steps < step:
+        raise ValueError(f"--resume: max_steps {cfg.max_steps} is before checkpoint {latest.name}'s step {step}")
+    return latest
 

@@ -10,7 +10,7 @@ has the rules), so a run killed at any instant leaves every finished checkpoint 
 continues from the newest complete one (found by looking, not by trusting `checkpoints/latest`, a
 hint written after each save) bit-for-bit on CPU (the batch order and the noise come from one seeded
 generator whose state is saved). Options given on resume win over the checkpoint's (`max_steps`,
-the learning rate, ...), except those it cannot change (RESUME_FIXED): a one-line error. A run
+the learning rate, ...), except those it cannot change (config.RESUME_FIXED): a one-line error. A run
 without --resume refuses an out_dir that already holds checkpoints.
 
 Outputs in `out_dir`: metrics.jsonl (one record per logged step / eval), loss.png, final/ (model +
@@ -38,7 +38,7 @@ import torch
 from ..data.dataset import encode_files, pack
 from ..utils.files import atomic_write
 from ..utils import checkpoint_dirs as checkpoints
-from .config import TrainConfig  # its home is config.py (torch-free); re-exported here
+from .config import TrainConfig, resume_point  # their home is config.py (torch-free); re-exported here
 from .objectives import ar_loss, block_diffusion_loss, distill_loss, self_spec_loss
 
 
@@ -65,24 +65,6 @@ def block_sizes_at(step: int, max_steps: int, schedule: list) -> list[int]:
 
 def _atomic_write(path: Path, text: str) -> None:
     atomic_write(path, text)
-
-
-# what a resumed run takes from its checkpoint whatever it is given: the model (its shape and
-# weights) and the seeded generator's state
-RESUME_FIXED = ("preset", "model_overrides", "init", "seed")
-
-
-def check_resume_options(cfg: TrainConfig, ck: Path, step: int | None = None) -> None:
-    """A one-line error for an option the resumed run cannot honour (RESUME_FIXED changed, or
-    max_steps before the checkpoint's step); `step`: the checkpoint's, once known."""
-    saved_file = ck / "train_config.json"
-    saved = json.loads(saved_file.read_text()) if saved_file.is_file() else {}
-    for name in RESUME_FIXED:
-        if name in saved and saved[name] != getattr(cfg, name):
-            raise ValueError(f"--resume: {name} cannot change on resume (checkpoint {ck.name} has {saved[name]!r}, "
-                             f"this run {getattr(cfg, name)!r}); drop the option or use a new --out-dir")
-    if step is not None and cfg.time_budget <= 0 and cfg.max_steps < step:
-        raise ValueError(f"--resume: max_steps {cfg.max_steps} is before checkpoint {ck.name}'s step {step}")
 
 
 class Trainer:
@@ -113,14 +95,7 @@ class Trainer:
         self.device = torch.device(cfg.device) if dist is None else dist.device
         self.tok = load_tokenizer(cfg.tokenizer)
         torch.manual_seed(cfg.seed)
-        latest = checkpoints.find_checkpoint(self.ckdir)
-        if resume and latest is None:
-            raise ValueError(f"--resume: no checkpoint in {self.ckdir}")
-        if not resume and latest is not None:
-            raise ValueError(f"{self.ckdir} holds checkpoints of an earlier run ({latest.name}): pass --resume "
-                             f"to continue it, or use a new --out-dir")
-        if latest is not None:
-            check_resume_options(cfg, latest)
+        latest = resume_point(cfg, resume)  # the newest complete checkpoint, or a one-line error
         if latest is not None and self._sharded_checkpoint(latest):
             from ..models import CloverConfig
 
@@ -262,7 +237,6 @@ class Trainer:
         (each set only where it differs, so an unchanged run resumes bit-for-bit)."""
         cfg = self.cfg
         self._saved_step = self.step
-        check_resume_options(cfg, ck, self.step)
         if cfg.time_budget <= 0:
             self.max_steps = cfg.max_steps
         for group, decay in zip(self.opt.param_groups, (cfg.weight_decay, 0.0)):

@@ -28,6 +28,11 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint folder, from its name."""
+    return int(NAME.match(path.name).group(2))
+
+
 def is_complete(path: Path) -> bool:
     """A plain checkpoint (model + trainer state) or a distributed one (its DCP metadata + state)."""
     plain = all((path / f).is_file() for f in ("trainer_state.pt", "config.json"))
