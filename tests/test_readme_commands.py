@@ -25,6 +25,7 @@ RUN = "runs as written"
 EXPECTED = {
     "make demo": ("elsewhere", "installs; .ci/run runs it"),
     "make test": ("elsewhere", "the test suite itself"),
+    "make distill": ("elsewhere", "trains for its time budget; tests/test_distill.py, tests/test_recipe.py"),
     "make llamacpp": ("elsewhere", "builds llama.cpp from PyPI's sdist; tests/test_llamacpp*.py"),
     'clover generate --prompt "What is 47+385?" --json': RUN,
     'clover generate --prompt "What is 47+385?" --mode ar': RUN,
@@ -88,8 +89,14 @@ def clone(tmp_path, monkeypatch):
 
 
 def _cheap(kind) -> list[str]:
-    return [c for c in readme_commands() if expectation(c) == kind or
-            (isinstance(expectation(c), tuple) and expectation(c)[0] == kind)]
+    """The README commands of one kind (unclassified ones fail test_every_readme_command_is_classified)."""
+    out = []
+    for command in readme_commands():
+        keys = [key for key in EXPECTED if command.startswith(key)]
+        want = EXPECTED[max(keys, key=len)] if keys else None
+        if want == kind or isinstance(want, tuple) and want[0] == kind:
+            out.append(command)
+    return out
 
 
 @pytest.mark.parametrize("command", _cheap(RUN) + _cheap("error") + _cheap("build"))
