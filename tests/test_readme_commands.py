@@ -27,7 +27,6 @@ EXPECTED = {
     "make test": ("elsewhere", "the test suite itself"),
     "make distill": ("elsewhere", "trains for its time budget; tests/test_distill.py, tests/test_recipe.py"),
     "make llamacpp": ("elsewhere", "builds llama.cpp from PyPI's sdist; tests/test_llamacpp*.py"),
-    "make distill": ("elsewhere", "trains on the shipped model's answers for hours; tests/test_distill.py"),
     'clover generate --prompt "What is 47+385?" --json': RUN,
     'clover generate --prompt "What is 47+385?" --mode ar': RUN,
     'clover generate --prompt "What is 47+385?" --mode self_spec': RUN,
