@@ -184,7 +184,7 @@ async def level(url: str, prompts: list[str], clients: int, requests: int, max_t
     await asyncio.gather(*(client_loop(c, prompts, i, requests, max_tokens, out) for i in range(clients)))
     wall = time.perf_counter() - t0
     await c.close()
-    return summarise(out, wall, (load0 + os.getloadavg()[0]) / 2)
+    return summarise(out, wall, (load0 + os.getloadavg()[0]) / 2) | {"short": sum(t != max_tokens for *_, t in out)}
 
 
 def summarise(out: list, wall: float, load: float) -> dict:
@@ -305,7 +305,9 @@ def print_size(size: str, facts: dict, servers: list[Server], args) -> list[str]
                 ok = m["tps"] >= pm["tps"] and m["p99"] <= 1.5 * pm["p99"]
                 if not ok:
                     verdicts.append(f"{size}, {n} clients, {s.name} vs {p.name}: tokens/s {ratio}, p99 {p99}")
-            print(f"| {n} | {s.name} | {m['tps']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ttft']:.3f} | "
+            short = sum(r.get("short", 0) for r in s.runs[n])  # replies not of --max-tokens tokens: flagged
+            name = s.name + (f" ({short} replies not {args.max_tokens} tokens)" if short else "")
+            print(f"| {n} | {name} | {m['tps']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ttft']:.3f} | "
                   f"{m['p50']:.2f} | {m['p99']:.2f} | {ratio} | {p99} | {m['load']:.1f} |")
     for s in servers:
         if s.error:
