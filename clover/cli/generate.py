@@ -122,6 +122,18 @@ def run_schema(args) -> int:
     return 0
 
 
+def check_backend(args) -> None:
+    """--backend llamacpp: its build is there (torch-free; before any model is read or exported)."""
+    if getattr(args, "backend", "torch") != "llamacpp":
+        return
+    from ..backends.llamacpp import LlamaCppError, require_build
+
+    try:
+        require_build(variant="clover")
+    except LlamaCppError as e:
+        raise UserError(str(e)) from None
+
+
 def load_model(args, rows: int):
     """(model, tokenizer): PyTorch (sharded under torchrun with --tp / --ep), or the llama.cpp
     model behind the same interface."""
@@ -129,11 +141,10 @@ def load_model(args, rows: int):
         from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
 
         return load_sharded(args)  # clover.load in one process
-    from ..backends.llamacpp import LlamaCppError, require_build
+    from ..backends.llamacpp import LlamaCppError
     from ..backends.llamacpp.model import load_llamacpp
 
     try:
-        require_build(variant="clover")  # before the model is read and exported
         return load_llamacpp(args.model, args.gguf, max_rows=rows, threads=getattr(args, "threads", None) or 1)
     except LlamaCppError as e:
         raise UserError(str(e)) from None
@@ -154,6 +165,7 @@ def run(args) -> int:
 
     prompts = read_prompts(args)
     model_folder(args.model)  # a bad model folder: one line, before torch is imported
+    check_backend(args)
 
     from ..engine.trajectory import FORMATS, write_trajectory
 

@@ -97,6 +97,9 @@ def run(args) -> int:
     cfg = check_args(args)
     if args.gguf and args.backend != "llamacpp":
         raise UserError("--gguf needs --backend llamacpp")
+    from .generate import check_backend
+
+    check_backend(args)  # a missing llama.cpp build: said before the port is taken or the model read
     sock = None if is_worker() else bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
     import uvicorn
 
