@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .layout import Layout
 from .sequence import Sequence
 
 Pending = tuple[torch.Tensor, torch.Tensor | None]  # clean ids [rows, L], left padding [rows, L] or None
@@ -29,6 +30,8 @@ class Forward(NamedTuple):
 
 
 class RowBatch:
+    layout = Layout()  # where windows sit (engine/layout.py); the engine sets the model's
+
     @classmethod
     def for_runner(cls, runner, width: int, clean_bs: int, mask_id: int, device, prefill_chunk: int) -> "RowBatch":
         """A row batch whose prompts' last chunk rides with the first window: a runner that caps the
@@ -50,11 +53,11 @@ class RowBatch:
     # ---- join / leave -----------------------------------------------------------------------------
     def join(self, seqs: list[Sequence], capacity: int) -> None:
         """Prefill new rows in caches of their own and append them to the running rows; their window
-        starts as [last prompt token, MASK...]."""
+        starts as the layout's first window ([last prompt token, MASK...] for Clover)."""
         cache = self.runner.new_cache(len(seqs), capacity=capacity)
         pending = self.prefill(seqs, cache)
-        window = torch.full((len(seqs), self.width), self.mask_id, dtype=torch.long, device=self.device)
-        window[:, 0] = torch.tensor([s.prompt_ids[-1] for s in seqs], device=self.device)
+        first = [self.layout.first_window(s.prompt_ids, self.clean_bs, self.width, self.mask_id) for s in seqs]
+        window = torch.tensor(first, dtype=torch.long, device=self.device)
         if self.seqs:
             self.cache.append_rows(cache)
             self.pending = _stack_pending(self.pending, len(self.seqs), pending, len(seqs), self.device)
@@ -93,9 +96,10 @@ class RowBatch:
 
     # ---- model calls ------------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence], cache) -> Pending | None:
-        """Commit prompt[:-1] (left-padded) in chunks whose boundaries fall on clean windows counted
-        from the end; returns the last chunk, to be fused with the first decoding forward."""
-        cleans = [s.prompt_ids[:-1] for s in seqs]
+        """Commit the prompt up to its first window (prompt[:-1] for Clover; the layout's), left-padded,
+        in chunks whose boundaries fall on clean windows counted from the end; returns the last
+        chunk, to be fused with the first decoding forward."""
+        cleans = [self.layout.prefilled(s.prompt_ids, self.clean_bs) for s in seqs]
         width = max(map(len, cleans))
         if width == 0:
             return None

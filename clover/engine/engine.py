@@ -21,6 +21,7 @@ import torch
 
 from ..settings import DEFAULTS, MODES, DecodeConfig  # noqa: F401 - re-exported (clover.engine)
 from .batch import RowBatch
+from .layout import Layout
 from .model_api import seam_of
 from .modes import make_mode
 from .runner import make_runner
@@ -39,9 +40,11 @@ class Engine:
         self.mask_id = self.seam.mask_id
         self.device = model.device
         self.eos = set(cfg.eos)
-        self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device), hook)
+        layout = Layout.of(self.seam)
+        self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device), hook, layout)
         self.batch = RowBatch.for_runner(self.runner, self.mode.width, self.mode.clean_bs, self.mask_id, self.device,
                                          cfg.prefill_chunk)
+        self.batch.layout = layout
         self.added = 0
 
     # the row batch's parts the server scheduler reads (the slot mode takes the whole `batch`)

@@ -14,10 +14,11 @@ A family provides:
 * `block_align`: "relative" (blocks start right after the prompt: Clover) or "absolute" (blocks at
   k*B from the first prompt token, the prompt's last partial block completed by generation).
 
-The engine's windows are laid out for shift=True and relative blocks ([last known token, MASK...],
-column j predicting target j); another layout is refused in one line (the family's reference loop,
-clover/models/reference_generate.py, decodes it). A stand-in that declares neither property (a test's
-scripted model, a wrapper) is taken as laid out as Clover is.
+The engine lays windows out for the two layouts of engine/layout.py: shift with relative blocks
+(Clover: [last known token, MASK...], column j predicting target j) and no shift with absolute
+blocks (SDAR, LLaDA2: [prompt tail, MASK...], column j predicting itself); another is refused in one
+line (the family's reference loop, clover/models/reference_generate.py, decodes it). A stand-in
+that declares neither property (a test's scripted model, a wrapper) is taken as laid out as Clover is.
 """
 
 from __future__ import annotations
@@ -59,9 +60,8 @@ def seam_of(model) -> Seam:
     if seam.block_align not in ALIGNS:
         raise ValueError(f"{type(model).__name__}.block_align must be one of {', '.join(ALIGNS)}, "
                          f"got {seam.block_align!r}")
-    if not seam.shift or seam.block_align != "relative":
-        raise ValueError(f"{type(model).__name__}: the engine decodes models whose hidden state i predicts token "
-                         f"i+1 with blocks after the prompt (shift, relative blocks); this one has shift="
-                         f"{seam.shift}, {seam.block_align} blocks: decode it with its reference loop "
-                         "(clover.models.reference_generate)")
+    if seam.shift != (seam.block_align == "relative"):
+        raise ValueError(f"{type(model).__name__}: the engine decodes models with shift and relative blocks or "
+                         f"with neither; this one has shift={seam.shift}, {seam.block_align} blocks: decode it "
+                         "with its reference loop (clover.models.reference_generate)")
     return seam

@@ -32,6 +32,7 @@ import torch
 
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
+from .layout import Layout
 from .policies import SCORES, make_policy
 from .sampling import banned_ids, sample
 from .sequence import Sequence
@@ -45,6 +46,7 @@ class Mode:
     width = 1  # columns of the per-row window
     clean_bs = 1  # clean window size of commits
     commits_window = False  # the window's columns are clean (committed by the forward that reads them)
+    layout = Layout()  # where windows sit (engine/layout.py); make_mode sets the model's
 
     def __init__(self, cfg, mask_id: int, device, generator):
         self.cfg, self.block_size, self.mask_id, self.device = cfg, cfg.block_size, mask_id, device
@@ -230,15 +232,21 @@ class DiffusionMode(Mode):
         # `advance`, `sample_and_score`, `pick_and_advance` as the runner calls them (`fuse`), made when first used
         self._advance = self._scored = self._pick_advance = None
 
-    def _eligible(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Targets a new block may fill: all B, or the remaining budget in a last partial block."""
+    def _eligible(self, seqs: list[Sequence], fixed: list[int] | None = None) -> torch.Tensor:
+        """Targets a new block may fill: all B, or the remaining budget in a last partial block; after
+        the `fixed` leading columns of each row (the prompt's tail in a first window: Layout.fixed)."""
         remaining = torch.tensor([s.remaining for s in seqs], device=self.device)
-        return torch.arange(self.block_size, device=self.device)[None, :] < remaining[:, None]
+        col = torch.arange(self.block_size, device=self.device)[None, :]
+        if fixed is None:
+            return col < remaining[:, None]
+        start = torch.tensor(fixed, device=self.device)[:, None]
+        return (col >= start) & (col < start + remaining[:, None])
 
     def join(self, seqs: list[Sequence], first: bool) -> None:
         zeros = lambda dtype: torch.zeros(len(seqs), self.block_size, dtype=dtype, device=self.device)  # noqa: E731
+        fixed = [self.layout.fixed(s.prompt_ids, self.block_size) for s in seqs] if self.layout.absolute else None
         new = BlockState(zeros(torch.bool), zeros(torch.long), zeros(torch.long),
-                         torch.zeros(len(seqs), dtype=torch.long, device=self.device), self._eligible(seqs))
+                         torch.zeros(len(seqs), dtype=torch.long, device=self.device), self._eligible(seqs, fixed))
         self.state = new if first else self.state.cat(new)
 
     def select(self, idx: torch.Tensor) -> None:
@@ -246,8 +254,8 @@ class DiffusionMode(Mode):
 
     def block_view(self, row: int) -> list[tuple[int | None, int]]:
         st = self.state
-        n = int(st.eligible[row].sum())
-        filled, tokens, steps = (t[row, :n].tolist() for t in (st.filled, st.targets, st.fill_step))
+        cols = st.eligible[row].nonzero().squeeze(1)
+        filled, tokens, steps = (t[row, cols].tolist() for t in (st.filled, st.targets, st.fill_step))
         return [(t if f else None, s) for f, t, s in zip(filled, tokens, steps)]
 
     def plan(self, batch: RowBatch) -> Forward:
@@ -263,14 +271,15 @@ class DiffusionMode(Mode):
         st, runner, cols = self.state, batch.runner, self.cols
         if cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
             if self._pick_advance is None:  # the greedy pick and `advance` as one call
-                self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy),
-                                                 ("pick_advance", self.policy), shared=(1, 8))  # banned, eos_t
+                self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy, shift=self.layout.shift),
+                                                 ("pick_advance", self.policy, self.layout.shift),
+                                                 shared=(1, 8))  # banned, eos_t
             *fields, batch.window, done = self._pick_advance(logits, self.banned, *st.fields(), batch.window, self.eos_t)
         else:
             tokens, score = self._score(runner, logits, cols)
             if self._advance is None:
-                self._advance = runner.fuse(functools.partial(advance, self.policy), ("advance", self.policy),
-                                            shared=(8,))  # eos_t
+                self._advance = runner.fuse(functools.partial(advance, self.policy, shift=self.layout.shift),
+                                            ("advance", self.policy, self.layout.shift), shared=(8,))  # eos_t
             *fields, batch.window, done = self._advance(tokens, score, *st.fields(), batch.window, self.eos_t)
         self.state = BlockState(*fields)
         return self._finish_blocks(batch, done) if bool(done.any()) else []
@@ -306,13 +315,15 @@ class DiffusionMode(Mode):
         events, go_on = [], []
         for seq, row in zip(batch.seqs, info):
             if row[0]:
-                n = sum(row[1:B + 1])
-                seq.append(row[B + 1:B + 1 + n], row[2 * B + 1:2 * B + 1 + n], self.eos)
-                events.append((seq, row[B + 1:B + 1 + n]))
+                cols = [j for j in range(B) if row[1 + j]]
+                tokens = [row[B + 1 + j] for j in cols]
+                seq.append(tokens, [row[2 * B + 1 + j] for j in cols], self.eos)
+                events.append((seq, tokens))
             go_on.append(bool(row[0]) and not seq.finished)
         if any(go_on):
             fresh = torch.full_like(batch.window, self.mask_id)
-            fresh[:, 0] = st.targets[:, -1]
+            if self.layout.shift:  # the block's last target is the next window's known column
+                fresh[:, 0] = st.targets[:, -1]
             if all(go_on):  # every row starts a new block (always, for one row that goes on)
                 batch.pending, batch.window = (batch.window, None), fresh
                 st.filled = torch.zeros_like(st.filled)
@@ -328,10 +339,11 @@ class DiffusionMode(Mode):
         return events
 
 
-def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligible, window, eos_t):
+def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligible, window, eos_t, shift=True):
     """One denoising step after sampling, for every row at once: the policy chooses among the masked
     targets by the sampled tokens [R, B] and its scores of them [R, B] (`policy.score`); the chosen tokens
-    are recorded and written into the window's next columns; each row's block stops after its first
+    are recorded and written into the window's next columns (`shift`; else into their own column:
+    engine/layout.py); each row's block stops after its first
     filled EOS (`eos_t`: the EOS ids, possibly none). Returns the new BlockState fields, the window
     and which rows finished their block. Pure tensor code: no host sync, shapes fixed by the inputs."""
     masked = eligible & ~filled
@@ -339,17 +351,20 @@ def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligi
     targets = torch.where(chosen, tokens, targets)
     fill_step = torch.where(chosen, steps_done[:, None], fill_step)
     filled = filled | chosen
-    window = torch.cat([window[:, :1], torch.where(chosen[:, :-1], tokens[:, :-1], window[:, 1:])], dim=1)
+    if shift:
+        window = torch.cat([window[:, :1], torch.where(chosen[:, :-1], tokens[:, :-1], window[:, 1:])], dim=1)
+    else:
+        window = torch.where(chosen, tokens, window)
     eos = (filled & torch.isin(targets, eos_t)).long()  # nothing after the first filled EOS is kept or filled
     eligible = eligible & ((eos.cumsum(1) - eos) == 0)
     done = ~(eligible & ~filled).any(1)
     return filled, targets, fill_step, steps_done + 1, eligible, window, done
 
 
-def pick_and_advance(policy, logits, banned, *state):
+def pick_and_advance(policy, logits, banned, *state, shift=True):
     """A greedy step of a probability-scored policy from the logits of every column [R, B, V]: each
     column's token and probability (ops/greedy_pick; `banned`: ids never chosen), then `advance`."""
-    return advance(policy, *greedy_pick(logits, banned), *state)
+    return advance(policy, *greedy_pick(logits, banned), *state, shift=shift)
 
 
 def sample_and_score(policy, sampling, mask_id, logits):
@@ -359,13 +374,20 @@ def sample_and_score(policy, sampling, mask_id, logits):
     return tokens, policy.score(probs, tokens)
 
 
-def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = None) -> Mode:
+def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = None, layout: Layout = Layout()) -> Mode:
+    """`layout`: the model's (engine/layout.py); `ar` and `self_spec` need its shift."""
     if hook is not None and cfg.mode != "ar":
         raise ValueError(f"a token hook constrains ar decoding, not {cfg.mode}")
+    if cfg.mode in ("ar", "self_spec") and not layout.shift:
+        raise ValueError(f"mode {cfg.mode} needs a model whose position i predicts token i+1; this one predicts "
+                         f"each masked position itself (no shift): use a diffusion mode ({', '.join(SCORES)})")
     if cfg.mode in SCORES:
-        return DiffusionMode(cfg, mask_id, device, generator)
-    if cfg.mode == "self_spec":
-        return SelfSpecMode(cfg, mask_id, device, generator)
-    if cfg.mode == "ar":
-        return ARMode(cfg, mask_id, device, generator, hook)
-    raise ValueError(f"unknown mode {cfg.mode!r}")
+        mode = DiffusionMode(cfg, mask_id, device, generator)
+    elif cfg.mode == "self_spec":
+        mode = SelfSpecMode(cfg, mask_id, device, generator)
+    elif cfg.mode == "ar":
+        mode = ARMode(cfg, mask_id, device, generator, hook)
+    else:
+        raise ValueError(f"unknown mode {cfg.mode!r}")
+    mode.layout = layout
+    return mode
