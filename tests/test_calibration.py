@@ -41,6 +41,8 @@ def test_aup_report_and_settings():
     rep = pareto.aup_report(rows)
     assert rep["front"] == pytest.approx(pareto.aup([(2.0, 60.0), (3.0, 58.0)]))
     assert rep["per_curve"]["self_spec 8"] == pytest.approx(60 + 0.5 * (60 + 60))
+    shared = pareto.aup_report(rows, y_max=70.0)  # another model's best: 60 is discounted
+    assert shared["per_curve"]["self_spec 8"] == pytest.approx(60 + 0.5 * 2 * 60 * math.exp(-3 * (1 - 60 / 70)))
     assert pareto.settings(("ar", "self_spec", "low_confidence"), [4, 8], [0.9]) == [
         ("low_confidence", 4, 0.9), ("low_confidence", 8, 0.9), ("self_spec", 4, 0.0), ("self_spec", 8, 0.0), ("ar", 1, 0.0)]
 

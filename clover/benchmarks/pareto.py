@@ -57,7 +57,7 @@ def run(args) -> int:
               f"{100 * r['accuracy']:.1f}" + (" *" if i in front else ""), f"{r['tpf']:.2f}", f"{r['tokens_per_second']:.1f}",
               *(f"{100 * r['per_task'][n]:.0f}" for n in names)] for i, r in enumerate(rows)]
     print(markdown_table(["mode", "block", "threshold", "accuracy %", "TPF", "tokens/s", *names], table))
-    scores = pareto.aup_report(rows)
+    scores = pareto.aup_report(rows, args.aup_y_max)
     print(f"\nPareto front (accuracy %, TPF): " + ", ".join(
         f"{rows[i]['mode']} {rows[i]['block_size']}" + (f"/{rows[i]['threshold']:g}" if rows[i]["threshold"] else "")
         + f" ({100 * rows[i]['accuracy']:.1f}, {rows[i]['tpf']:.2f})"

@@ -84,6 +84,9 @@ def add_pareto_flags(p) -> None:
                    help="first N prompts of each synthetic task (0 = all 40; default 8)")
     p.add_argument("--batch", type=int, default=64, metavar="N", help="rows decoded together (default 64)")
     p.add_argument("--plot", default="docs/pareto.png", metavar="PNG", help="where to write the plot")
+    p.add_argument("--aup-y-max", type=float, metavar="PCT",
+                   help="accuracy (%%) AUP's weight is relative to (default: the best setting of this run); give "
+                        "the same value to compare models")
     p.add_argument("--no-ar", action="store_true", help="skip the ar reference point (= --modes without ar)")
 
 

@@ -103,9 +103,10 @@ def aup(points: list[tuple[float, float]], y_max: float | None = None, alpha: fl
     return total
 
 
-def aup_report(rows: list[dict]) -> dict:
-    """AUP of the Pareto front of `rows` and of each block size's settings with ar (accuracy in %)."""
-    y_max = 100 * max(r["accuracy"] for r in rows)
+def aup_report(rows: list[dict], y_max: float | None = None) -> dict:
+    """AUP of the Pareto front of `rows` and of each block size's settings with ar (accuracy in %).
+    `y_max` (default: the best of `rows`) must be shared when models are compared, as d3LLM shares it."""
+    y_max = 100 * max(r["accuracy"] for r in rows) if y_max is None else y_max
     point = lambda r: (r["tpf"], 100 * r["accuracy"])  # noqa: E731
     front = [point(rows[i]) for i in sorted(pareto_front(rows))]
     ar = [point(r) for r in rows if r["mode"] == "ar"]
