@@ -120,10 +120,28 @@ def load(path: str | Path | None = None, device: str | None = None, dtype=None):
     folder = model_folder(path)
     device = resolve_device(device)
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    if is_family_folder(folder):  # a public block-diffusion family behind the engine's seam
+        return load_family_seam(folder, device, dtype)
     config = check_checkpoint(folder)
     with load_progress(folder):
         model = CloverForBlockDiffusion.from_pretrained(folder, config=config, dtype=dtype).to(device).eval()
     return model, AutoTokenizer.from_pretrained(folder)
+
+
+def is_family_folder(folder) -> bool:
+    from .models.families import is_family_folder as is_family
+
+    return is_family(folder)
+
+
+def load_family_seam(folder, device, dtype):
+    """(FamilySeam, tokenizer) of a family folder (clover/models/family_seam.py): its published
+    decoding defaults ride on the model (`decode_defaults`, read by `decode_config`)."""
+    from .models.families import load_family
+    from .models.family_seam import FamilySeam
+
+    loaded = load_family(folder, dtype=dtype, device=device)
+    return FamilySeam(loaded).eval(), loaded.tokenizer
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:
@@ -141,6 +159,8 @@ def decode_config(model, tokenizer, config: DecodeConfig | None = None, /, **set
     and the model's EOS ids. Checked once, by DecodeConfig."""
     from .engine import DecodeConfig
 
+    if config is None and getattr(model, "decode_defaults", None):  # a family's published block size, threshold
+        config = DecodeConfig(**model.decode_defaults)
     return DecodeConfig.from_settings(config, **settings, eos_token_ids=eos_ids(model, tokenizer))
 
 

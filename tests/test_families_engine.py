@@ -67,3 +67,42 @@ def test_ar_and_self_spec_are_refused_without_shift(tmp_path, mode):
     with pytest.raises(ValueError, match="no shift") as e:
         Engine(seam, DecodeConfig(mode=mode, block_size=B))
     assert "\n" not in str(e.value)
+
+
+def test_load_gives_the_engine_model_with_published_defaults(tmp_path):
+    import clover
+    from clover.api import decode_config
+
+    write_family(tmp_path, "sdar")
+    model, tok = clover.load(tmp_path, device="cpu")
+    assert isinstance(model, FamilySeam) and (model.shift, model.block_align) == (False, "absolute")
+    cfg = decode_config(model, tok)
+    assert (cfg.block_size, cfg.threshold) == (4, 0.85)  # SDAR's published block and threshold
+    assert decode_config(model, tok, threshold=0.5).threshold == 0.5
+    out = clover.generate(model, tok, "Hello there", max_new_tokens=6)
+    assert len(out.token_ids) == 6 and out.finish_reason in ("length", "stop")
+
+
+def _clover(*args):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "clover", *args], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=600)
+
+
+def test_cli_generate_on_a_family_folder(tmp_path):
+    import json
+
+    write_family(tmp_path, "llada2_moe")
+    run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "7", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["finish_reason"] in ("length", "stop") and out["forward_passes"] >= 1
+    run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--mode", "self_spec")
+    assert run.returncode == 2 and "no shift" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

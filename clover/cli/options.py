@@ -134,6 +134,12 @@ def decode_config(args, **settings):
 
     resolve_auto_block_size(args)
     given = {name: getattr(args, name) for name in _DECODE_FLAGS if hasattr(args, name)}
+    if getattr(args, "model", None):  # a public family's published block size / threshold, unless given
+        from ..utils.checkpoint import families_module
+
+        for name, value in families_module().decode_defaults(args.model).items():
+            if given.get(name) is None and name in given:
+                given[name] = value
     try:
         cfg = DecodeConfig.from_settings(**given, **settings)
     except ValueError as e:

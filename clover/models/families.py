@@ -123,6 +123,16 @@ def family_settings(folder, model_class, config) -> dict:
             "threshold": float(gen.get("threshold", model_class.default_threshold)), "eos_token_ids": eos}
 
 
+def decode_defaults(folder) -> dict:
+    """{"block_size", "threshold"} a family folder publishes (else the family's defaults); {} for any
+    other folder (a Clover model keeps DecodeConfig's). Imports the family's model class (torch)."""
+    if folder is None or not is_family_folder(folder):
+        return {}
+    fam, config = read_family_config(folder)
+    settings = family_settings(folder, fam.model_class(), config)
+    return {"block_size": settings["block_size"], "threshold": settings["threshold"]}
+
+
 def _token_id(path: Path, token: str) -> int | None:
     """The id of `token` in a tokenizer.json (added tokens, then the vocabulary); None if absent."""
     try:
@@ -154,10 +164,15 @@ def load_tokenizer(folder):
     """The folder's tokenizer through transformers' own classes (trust_remote_code off); its chat
     template comes with it (tokenizer_config.json or chat_template.jinja)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
 
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notice that config.json's model_type is no class it knows
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (ValueError, OSError, KeyError):
         if (Path(folder) / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(str(folder))
         raise
+    finally:
+        hf_logging.set_verbosity(level)

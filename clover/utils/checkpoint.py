@@ -33,14 +33,36 @@ def read_json(path: Path, what: str = "JSON") -> dict:
 
 
 def read_config(folder: str | Path, clover: bool = True) -> dict:
-    """config.json as a dict; with `clover`, refuse any model_type but clover (pointing to convert)."""
+    """config.json as a dict; with `clover`, refuse any model_type but clover or a public block-diffusion
+    family (clover/models/families.py), pointing to convert."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder}: no config.json (not a model folder)")
     config = read_json(path, "a JSON config")
     if clover and config.get("model_type") != "clover":
+        families = families_module()
+        try:
+            families.family_of(config)
+            return config
+        except families.UnknownFamily:
+            pass
         raise CheckpointError(f"{path}: model_type {config.get('model_type')!r} is not a Clover model; {CONVERT_HINT}")
     return config
+
+
+def families_module():
+    """clover/models/families.py (the public block-diffusion families), without the package
+    clover.models, whose import loads torch: the module itself is torch-free."""
+    import importlib.util
+    import sys
+
+    name = "clover.models.families"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "models" / "families.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def weight_files(folder: str | Path) -> list[Path]:
