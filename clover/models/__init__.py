@@ -1,5 +1,6 @@
 from .cache_clover import CloverCache
 from .configuration_clover import PRESETS, CloverConfig, preset_config
+from . import families  # noqa: F401 - bound here also when utils.checkpoint.families_module loaded it first
 from .families import FAMILIES, family_of, load_family
 from .modeling_clover import CloverForBlockDiffusion, CloverModel, CloverPreTrainedModel
 
