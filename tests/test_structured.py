@@ -758,3 +758,36 @@ def test_grammar_library_errors_name_no_internal_path():
     clean = clean_message(raw)
     assert clean == "maxProperties is less than the number of required properties: 1 < 2"
     assert _keyword(clean) == "maxProperties" and "/" not in clean_message("[1:2:3] C:\\x\\regex.cc:9: bad")
+
+
+def test_an_anyof_branch_no_value_satisfies_is_left_out(tiny):
+    """A branch whose required property no value satisfies is left out of the anyOf (was a refusal of
+    the whole schema: SchemaStore's GitHub action `runs`); none left is Refused naming `enum`."""
+    from clover.structured.grammar import decodable
+    from clover.structured.normalize import Refused, normalize
+
+    model, tok = tiny
+    dead = {"type": "object", "required": ["k"], "properties": {"k": {"type": "integer", "enum": ["a"]}}}
+    live = {"type": "object", "required": ["v"], "properties": {"v": {"type": "boolean"}}}
+    schema = {"anyOf": [dead, live]}
+    assert decodable(normalize(schema))["anyOf"][0]["required"] == ["v"]
+    out = generate_json(model, tok, PROMPT, schema, max_new_tokens=60)
+    assert out.valid and "v" in out.value
+    with pytest.raises(Refused, match="'enum' at #/anyOf/0/properties/k"):
+        decodable(normalize({"anyOf": [dead, dead | {"required": ["k"]}]}))
+
+
+def test_a_schema_that_expands_without_end_is_refused_quickly(monkeypatch):
+    """for_decoding lays out at most MAX_NODES subschemas (renovate's config expanded for 25 minutes):
+    TooLarge past it, never swallowed as an optional part left out."""
+    import importlib
+
+    from clover.structured.grammar import decodable
+
+    norm = importlib.import_module("clover.structured.normalize")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {
+        f"q{j}": {"type": "string"} for j in range(30)}} for i in range(30)}}
+    assert decodable(norm.normalize(wide))
+    monkeypatch.setattr(norm, "MAX_NODES", 200)
+    with pytest.raises(norm.TooLarge, match="more than 200 subschemas"):
+        decodable(norm.normalize(wide | {"required": []}))  # another schema: not the cached one

@@ -25,7 +25,7 @@ import torch
 from ..engine.infill import decode_constrained_task, token_ids, vocab_mask
 from ..engine.slots import drive
 from .compiler import IN_PROCESS_CHARS, CompileError, CompileTimeout, compile_in_worker, compile_options
-from .normalize import STRING_CAP, Refused, for_decoding, unroll
+from .normalize import STRING_CAP, Refused, bounded_work, for_decoding, unroll
 from .result import BudgetTooSmall, JsonResult, is_json_object, repair, validate
 from .smallest import smallest_text
 
@@ -78,7 +78,8 @@ def decodable(schema, caps: Caps | None = None):
     key = json.dumps(schema, sort_keys=True)
     if key not in _DECODABLE:
         try:
-            out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
+            with bounded_work():
+                out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
         except RecursionError:  # e.g. a meta-schema's mutually recursive vocabularies, expanded
             raise Refused("$ref", "#", "nested too deeply for the grammar path") from None
         chars = len(json.dumps(out))

@@ -30,6 +30,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import threading
+from contextlib import contextmanager
 from urllib.parse import urldefrag, urljoin
 
 # the validation vocabulary (draft 2020-12, with draft-04..07 spellings normalised away)
@@ -61,6 +63,36 @@ class Refused(ValueError):
 
 class TooDeep(Refused):
     """A recursion for_decoding bounds (`_entered`)."""
+
+
+class TooLarge(Refused):
+    """A schema for_decoding stops expanding (MAX_NODES): never left out as an optional part."""
+
+
+MAX_NODES = 100_000  # subschemas one for_decoding may lay out (the largest SchemaStore CI schema: ~15,000)
+_WORK = threading.local()
+
+
+@contextmanager
+def bounded_work():
+    """for_decoding calls inside count against MAX_NODES (TooLarge past it): a schema whose $refs
+    expand without end (renovate's config: hundreds of MB) is refused in seconds, not compiled for
+    minutes."""
+    _WORK.nodes = 0
+    try:
+        yield
+    finally:
+        _WORK.nodes = None
+
+
+def _count_node() -> None:
+    nodes = getattr(_WORK, "nodes", None)
+    if nodes is None:
+        return
+    _WORK.nodes = nodes + 1
+    if nodes + 1 > MAX_NODES:
+        raise TooLarge("schema", "#", f"it expands to more than {MAX_NODES} subschemas for the grammar path "
+                       "(its $refs nest too widely)")
 
 
 def normalize(schema, root: dict | None = None) -> dict | bool:
@@ -607,6 +639,7 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
     as `additionalProperties`. `Refused` for what the grammar cannot enforce (UNENFORCED, other `not`s)."""
     if not isinstance(schema, dict):
         return schema
+    _count_node()
     if defs is None:
         defs = schema.get("$defs", {})
     s = dict(schema)
@@ -694,6 +727,8 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
                 continue  # a property that may not be present: left out
             try:
                 out[k] = for_decoding(v, f"{path}/properties/{_escape(k)}", defs, refs)
+            except TooLarge:
+                raise
             except Refused:
                 if k in required:
                     raise
@@ -709,9 +744,11 @@ def for_decoding(schema, path: str = "#", defs: dict | None = None, refs: tuple 
     for key in ("patternProperties", "$defs"):
         if key in s:
             s[key] = {k: for_decoding(v, f"{path}/{key}/{_escape(k)}", defs, refs) for k, v in s[key].items()}
-    for key in ("anyOf", "oneOf", "prefixItems"):
+    if "prefixItems" in s:
+        s["prefixItems"] = [for_decoding(v, f"{path}/prefixItems/{i}", defs, refs) for i, v in enumerate(s["prefixItems"])]
+    for key in ("anyOf", "oneOf"):
         if key in s:
-            s[key] = [for_decoding(v, f"{path}/{key}/{i}", defs, refs) for i, v in enumerate(s[key])]
+            s[key] = _branches(s[key], f"{path}/{key}", defs, refs)
     if "oneOf" in s:  # the grammar reads oneOf as anyOf; the final check tells an overlap
         if "anyOf" in s:
             raise Refused("oneOf", path, "beside anyOf")
@@ -774,6 +811,22 @@ def _enum_only(s: dict, path: str, defs: dict) -> dict:
     if not values:
         raise Refused("enum", path, "no value satisfies the keywords beside it")
     return {"enum": values, **({"$defs": s["$defs"]} if "$defs" in s else {})}
+
+
+def _branches(branches: list, path: str, defs: dict, refs: tuple) -> list:
+    """The anyOf / oneOf branches made decodable; a branch refused (e.g. one whose required property
+    no value satisfies) is left out (a strengthening), Refused only when none is left."""
+    out, first = [], None
+    for i, b in enumerate(branches):
+        try:
+            out.append(for_decoding(b, f"{path}/{i}", defs, refs))
+        except TooLarge:
+            raise
+        except Refused as e:
+            first = first or e
+    if not out:
+        raise first
+    return out
 
 
 def _entered(refs: tuple, ref: str, path: str) -> tuple:

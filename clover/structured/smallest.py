@@ -16,6 +16,7 @@ import math
 import re
 
 _NONE = object()  # no value could be built
+_MEMO = "\x00smallest"  # the key, in a copy of $defs, of the definitions already built
 DEPTH = 32  # $ref expansions on one path
 FORMAT_SAMPLES = {"date": "2000-01-01", "time": "00:00:00Z", "date-time": "2000-01-01T00:00:00Z",
                   "uuid": "00000000-0000-0000-0000-000000000000", "ipv4": "0.0.0.0", "ipv6": "::1",
@@ -37,7 +38,7 @@ def smallest_text(decodable, schema) -> str | None:
     from .result import validate
 
     try:
-        value = _value(decodable, (decodable.get("$defs", {}) if isinstance(decodable, dict) else {}), 0)
+        value = _value(decodable, dict(decodable.get("$defs", {}) if isinstance(decodable, dict) else {}), 0)
     except RecursionError:
         return None
     if value is _NONE or not validate(schema, value)[0]:
@@ -50,9 +51,15 @@ def _value(s, defs: dict, depth: int):
         return 0
     if not isinstance(s, dict) or depth > DEPTH:
         return _NONE
-    if "$ref" in s:
+    if "$ref" in s:  # each definition built once (a recursion through it: nothing, another branch wins)
         name = s["$ref"].rsplit("/", 1)[-1] if isinstance(s["$ref"], str) else None
-        return _value(defs[name], defs, depth + 1) if name in defs else _NONE
+        memo = defs.setdefault(_MEMO, {}) if isinstance(defs, dict) else {}
+        if name not in defs or name == _MEMO:
+            return _NONE
+        if name not in memo:
+            memo[name] = _NONE
+            memo[name] = _value(defs[name], defs, depth + 1)
+        return memo[name]
     if "const" in s:
         return s["const"]
     if "enum" in s:
