@@ -12,7 +12,7 @@ from test_families import VOCAB, confident, write_family
 
 from clover.engine import DecodeConfig, Engine
 from clover.models.family_seam import FamilySeam
-from clover.models.reference_generate import llada2_generate, sdar_generate
+from clover.models.reference_generate import fast_dllm_generate, llada2_generate, sdar_generate
 
 B, THRESHOLD = 4, 0.6
 LENGTHS = (5, 7, 8, 3)  # odd, a whole block, shorter than a block
@@ -37,10 +37,10 @@ def reference(model_type, model, mask, prompt):
     return out[0, len(prompt):len(prompt) + budget(len(prompt))].tolist()
 
 
-def engine_tokens(seam, batch):
-    cfg = DecodeConfig(block_size=B, threshold=THRESHOLD, max_new_tokens=64)
+def engine_tokens(seam, batch, budgets=None, block=B):
+    cfg = DecodeConfig(block_size=block, threshold=THRESHOLD, max_new_tokens=64)
     engine = Engine(seam, cfg)
-    seqs = engine.add(batch, [budget(len(p)) for p in batch])
+    seqs = engine.add(batch, budgets or [budget(len(p)) for p in batch])
     while engine.running:
         engine.step()
     return [s.token_ids for s in seqs], [s.forward_passes for s in seqs]
@@ -58,6 +58,26 @@ def test_engine_equals_the_published_loop(tmp_path, model_type):
     assert alone == want and together == want
     assert all(len(t) == budget(len(p)) for t, p in zip(want, ps))
     assert min(len(t) / f for t, f in zip(together, forwards)) > 1  # the threshold fills several per forward
+
+
+def test_fast_dllm_engine_equals_the_published_loop(tmp_path):
+    """Shift with absolute blocks of 8 in sub-blocks of 4: each block's first token from the clean
+    pass of the block before (the prompt's, for a prompt of whole blocks), as the published loop."""
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    loaded = confident(tmp_path, "Fast_dLLM_Qwen")
+    seam = FamilySeam(loaded)
+    seam.sub_block = 4
+    ps = [p + p[:3] for p in prompts()]  # lengths 8, 10, 11, 6
+    want = []
+    for p in ps:
+        out, _ = fast_dllm_generate(loaded.model, torch.tensor([p]), loaded.mask_token_id, max_new_tokens=16,
+                                    block_size=8, small_block_size=4, threshold=THRESHOLD)
+        want.append(out[0, len(p):].tolist())
+    budgets = [len(w) for w in want]
+    alone = [engine_tokens(seam, [p], [n], block=8)[0][0] for p, n in zip(ps, budgets)]
+    together, forwards = engine_tokens(seam, ps, budgets, block=8)
+    assert alone == want and together == want
+    assert min(len(t) / f for t, f in zip(together, forwards)) > 1
 
 
 @pytest.mark.parametrize("mode", ["ar", "self_spec"])

@@ -14,10 +14,10 @@ A family provides:
 * `block_align`: "relative" (blocks start right after the prompt: Clover) or "absolute" (blocks at
   k*B from the first prompt token, the prompt's last partial block completed by generation).
 
-The engine lays windows out for the two layouts of engine/layout.py: shift with relative blocks
-(Clover: [last known token, MASK...], column j predicting target j) and no shift with absolute
-blocks (SDAR, LLaDA2: [prompt tail, MASK...], column j predicting itself); another is refused in one
-line (the family's reference loop, clover/models/reference_generate.py, decodes it). A stand-in
+The engine lays windows out as engine/layout.py says: shift with relative blocks (Clover: [last
+known token, MASK...], column j predicting target j), no shift with absolute blocks (SDAR, LLaDA2:
+[prompt tail, MASK...], column j predicting itself), shift with absolute blocks (Fast-dLLM v2); no
+shift with relative blocks is refused in one line (the family's reference loop, clover/models/reference_generate.py, decodes it). A stand-in
 that declares neither property (a test's scripted model, a wrapper) is taken as laid out as Clover is.
 """
 
@@ -60,8 +60,8 @@ def seam_of(model) -> Seam:
     if seam.block_align not in ALIGNS:
         raise ValueError(f"{type(model).__name__}.block_align must be one of {', '.join(ALIGNS)}, "
                          f"got {seam.block_align!r}")
-    if seam.shift != (seam.block_align == "relative"):
-        raise ValueError(f"{type(model).__name__}: the engine decodes models with shift and relative blocks or "
-                         f"with neither; this one has shift={seam.shift}, {seam.block_align} blocks: decode it "
-                         "with its reference loop (clover.models.reference_generate)")
+    if not seam.shift and seam.block_align == "relative":
+        raise ValueError(f"{type(model).__name__}: the engine decodes models without shift in absolute blocks only; "
+                         f"this one has shift={seam.shift}, {seam.block_align} blocks: decode it with its reference "
+                         "loop (clover.models.reference_generate)")
     return seam

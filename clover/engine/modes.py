@@ -229,28 +229,39 @@ class DiffusionMode(Mode):
         self.eos_t = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.state: BlockState | None = None
         self.cols: torch.Tensor | None = None  # the head's columns of the forward planned last (None: all)
+        self.awaiting: torch.Tensor | None = None  # [rows]: the window's first column comes from this forward's clean pass
         # `advance`, `sample_and_score`, `pick_and_advance` as the runner calls them (`fuse`), made when first used
         self._advance = self._scored = self._pick_advance = None
 
-    def _eligible(self, seqs: list[Sequence], fixed: list[int] | None = None) -> torch.Tensor:
-        """Targets a new block may fill: all B, or the remaining budget in a last partial block; after
-        the `fixed` leading columns of each row (the prompt's tail in a first window: Layout.fixed)."""
+    def _eligible(self, seqs: list[Sequence], start: list[int] | None = None) -> torch.Tensor:
+        """Targets a new block may fill: all B, or the remaining budget in a last partial block; from
+        each row's `start` on (a first block's first target: Layout.first_target). With
+        `commit_first`, never the last target (the next block's first column) and nothing while the
+        row waits for its first column (start -1)."""
         remaining = torch.tensor([s.remaining for s in seqs], device=self.device)
         col = torch.arange(self.block_size, device=self.device)[None, :]
-        if fixed is None:
+        if start is None:
             return col < remaining[:, None]
-        start = torch.tensor(fixed, device=self.device)[:, None]
-        return (col >= start) & (col < start + remaining[:, None])
+        begin = torch.tensor(start, device=self.device)[:, None]
+        eligible = (col >= begin) & (col < begin + remaining[:, None])
+        if self.layout.commit_first:
+            eligible &= (col < self.block_size - 1) & (begin >= 0)
+        return eligible
 
     def join(self, seqs: list[Sequence], first: bool) -> None:
         zeros = lambda dtype: torch.zeros(len(seqs), self.block_size, dtype=dtype, device=self.device)  # noqa: E731
-        fixed = [self.layout.fixed(s.prompt_ids, self.block_size) for s in seqs] if self.layout.absolute else None
+        start = [self.layout.first_target(s.prompt_ids, self.block_size) for s in seqs] if self.layout.absolute else None
         new = BlockState(zeros(torch.bool), zeros(torch.long), zeros(torch.long),
-                         torch.zeros(len(seqs), dtype=torch.long, device=self.device), self._eligible(seqs, fixed))
+                         torch.zeros(len(seqs), dtype=torch.long, device=self.device), self._eligible(seqs, start))
         self.state = new if first else self.state.cat(new)
+        if self.layout.commit_first:
+            waits = torch.tensor([b < 0 for b in start], device=self.device)
+            self.awaiting = waits if first else torch.cat([self.awaiting, waits])
 
     def select(self, idx: torch.Tensor) -> None:
         self.state = self.state.take(idx)
+        if self.awaiting is not None:
+            self.awaiting = self.awaiting[idx]
 
     def block_view(self, row: int) -> list[tuple[int | None, int]]:
         st = self.state
@@ -260,6 +271,9 @@ class DiffusionMode(Mode):
 
     def plan(self, batch: RowBatch) -> Forward:
         B, st = self.block_size, self.state
+        if self.awaiting is not None and bool(self.awaiting.any()):  # + the last clean column's logits
+            self.cols = None
+            return Forward(batch.window, B, B + 1, B)
         cols = None
         if not batch.runner.full_head:  # the head runs only on columns some row still has masked; the others can't be chosen
             cols = (st.eligible & ~st.filled).any(0).nonzero().squeeze(1)
@@ -268,21 +282,48 @@ class DiffusionMode(Mode):
         return Forward(batch.window, B, B, B, cols)
 
     def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        waiting = None
+        if logits.shape[1] == self.block_size + 1:  # rows waiting for their first column: the clean pass's token
+            waiting, first, logits = self.awaiting, self.tokens(logits[:, :1])[:, 0], logits[:, 1:]
+        events = self._step(batch, logits)
+        return events if waiting is None else events + self._first_columns(batch, waiting, first)
+
+    def _first_columns(self, batch: RowBatch, waiting: torch.Tensor, first: torch.Tensor) -> Events:
+        """Rows that waited get their window's first column (a token of theirs) and start filling."""
+        events, tokens = [], first.tolist()
+        for r in waiting.nonzero().squeeze(1).tolist():
+            seq = batch.seqs[r]
+            seq.append([tokens[r]], [0], self.eos)
+            events.append((seq, [tokens[r]]))
+        st = self.state
+        batch.window = batch.window.clone()
+        batch.window[:, 0] = torch.where(waiting, first, batch.window[:, 0])
+        st.eligible = torch.where(waiting[:, None], self._eligible(batch.seqs, [0] * len(batch.seqs)), st.eligible)
+        st.steps_done = torch.where(waiting, 0, st.steps_done)
+        self.awaiting = self.awaiting & ~waiting
+        return events
+
+    def _step(self, batch: RowBatch, logits: torch.Tensor) -> Events:
         st, runner, cols = self.state, batch.runner, self.cols
         if cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
             if self._pick_advance is None:  # the greedy pick and `advance` as one call
-                self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy, shift=self.layout.shift),
-                                                 ("pick_advance", self.policy, self.layout.shift),
-                                                 shared=(1, 8))  # banned, eos_t
+                self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy, **self._window_args()),
+                                                 ("pick_advance", self.policy, self.layout), shared=(1, 8))  # banned, eos_t
             *fields, batch.window, done = self._pick_advance(logits, self.banned, *st.fields(), batch.window, self.eos_t)
         else:
             tokens, score = self._score(runner, logits, cols)
             if self._advance is None:
-                self._advance = runner.fuse(functools.partial(advance, self.policy, shift=self.layout.shift),
-                                            ("advance", self.policy, self.layout.shift), shared=(8,))  # eos_t
+                self._advance = runner.fuse(functools.partial(advance, self.policy, **self._window_args()),
+                                            ("advance", self.policy, self.layout), shared=(8,))  # eos_t
             *fields, batch.window, done = self._advance(tokens, score, *st.fields(), batch.window, self.eos_t)
         self.state = BlockState(*fields)
+        if self.awaiting is not None:
+            done = done & ~self.awaiting  # nothing to fill yet: not a finished block
         return self._finish_blocks(batch, done) if bool(done.any()) else []
+
+    def _window_args(self) -> dict:
+        """`advance`'s layout arguments (engine/layout.py)."""
+        return {"shift": self.layout.shift, "sub_block": self.layout.sub_block}
 
     def _score(self, runner, logits: torch.Tensor, cols: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each column's token and the policy's score of it, [rows, B], from the logits of the head's
@@ -322,24 +363,30 @@ class DiffusionMode(Mode):
             go_on.append(bool(row[0]) and not seq.finished)
         if any(go_on):
             fresh = torch.full_like(batch.window, self.mask_id)
-            if self.layout.shift:  # the block's last target is the next window's known column
+            start = None
+            if self.layout.commit_first:  # the next window's first column waits for this block's clean pass
+                start = [-1] * len(go_on)
+            elif self.layout.shift:  # the block's last target is the next window's known column
                 fresh[:, 0] = st.targets[:, -1]
+            go = torch.tensor(go_on, device=self.device)
+            if self.awaiting is not None:
+                self.awaiting = self.awaiting | go
             if all(go_on):  # every row starts a new block (always, for one row that goes on)
                 batch.pending, batch.window = (batch.window, None), fresh
                 st.filled = torch.zeros_like(st.filled)
                 st.steps_done = torch.zeros_like(st.steps_done)
-                st.eligible = self._eligible(batch.seqs)
+                st.eligible = self._eligible(batch.seqs, start)
             else:
-                go = torch.tensor(go_on, device=self.device)
                 batch.pending = (batch.window, ~go[:, None].expand(-1, B))
                 batch.window = torch.where(go[:, None], fresh, batch.window)
                 st.filled = st.filled & ~go[:, None]
                 st.steps_done = torch.where(go, 0, st.steps_done)
-                st.eligible = torch.where(go[:, None], self._eligible(batch.seqs), st.eligible)
+                st.eligible = torch.where(go[:, None], self._eligible(batch.seqs, start), st.eligible)
         return events
 
 
-def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligible, window, eos_t, shift=True):
+def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligible, window, eos_t, shift=True,
+            sub_block=0):
     """One denoising step after sampling, for every row at once: the policy chooses among the masked
     targets by the sampled tokens [R, B] and its scores of them [R, B] (`policy.score`); the chosen tokens
     are recorded and written into the window's next columns (`shift`; else into their own column:
@@ -347,6 +394,10 @@ def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligi
     filled EOS (`eos_t`: the EOS ids, possibly none). Returns the new BlockState fields, the window
     and which rows finished their block. Pure tensor code: no host sync, shapes fixed by the inputs."""
     masked = eligible & ~filled
+    if sub_block:  # only the first sub-block (of the window's columns: target j is column j + 1) with masks
+        group = (torch.arange(masked.shape[1], device=masked.device) + 1) // sub_block
+        first = torch.where(masked, group, masked.shape[1]).min(1, keepdim=True).values
+        masked = masked & (group == first)
     chosen = policy.choose(score, masked, steps_done)
     targets = torch.where(chosen, tokens, targets)
     fill_step = torch.where(chosen, steps_done[:, None], fill_step)
@@ -361,10 +412,10 @@ def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligi
     return filled, targets, fill_step, steps_done + 1, eligible, window, done
 
 
-def pick_and_advance(policy, logits, banned, *state, shift=True):
+def pick_and_advance(policy, logits, banned, *state, shift=True, sub_block=0):
     """A greedy step of a probability-scored policy from the logits of every column [R, B, V]: each
     column's token and probability (ops/greedy_pick; `banned`: ids never chosen), then `advance`."""
-    return advance(policy, *greedy_pick(logits, banned), *state, shift=shift)
+    return advance(policy, *greedy_pick(logits, banned), *state, shift=shift, sub_block=sub_block)
 
 
 def sample_and_score(policy, sampling, mask_id, logits):

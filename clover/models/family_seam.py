@@ -25,6 +25,7 @@ class FamilySeam(nn.Module):
                                       max_position_embeddings=context, vocab_size=c.vocab_size,
                                       eos_token_id=list(loaded.eos_token_ids) or None, model_type=c.model_type)
         self.decode_defaults = {"block_size": loaded.block_size, "threshold": loaded.threshold}
+        self.sub_block = getattr(loaded.model, "default_sub_block_size", 0)  # Fast-dLLM v2 fills sub-blocks of 8
 
     @property
     def device(self):

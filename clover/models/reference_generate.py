@@ -155,7 +155,7 @@ def fast_dllm_generate(model, prompt, mask_id: int, max_new_tokens: int, block_s
         logits = model(x[:, :full], cache=cache, commit=True, block_size=block_size)
         forwards += 1
         if x.shape[1] % block_size == 0:
-            x = torch.cat([x, logits[:, -1:].argmax(-1)], dim=1)
+            x = torch.cat([x, _greedy(logits[:, -1:], mask_id)[0]], dim=1)
     for _ in range(max_new_tokens // block_size):
         if _stopped(x, plen0, stop_token, mask_id, whole=True):
             break
@@ -166,7 +166,7 @@ def fast_dllm_generate(model, prompt, mask_id: int, max_new_tokens: int, block_s
         if not (x[:, -block_size:] == mask_id).any() and not _stopped(x, plen, stop_token, mask_id):
             logits = model(x[:, -block_size:], cache=cache, commit=True, block_size=block_size)
             forwards += 1
-            x = torch.cat([x, logits[:, -1:].argmax(-1)], dim=1)
+            x = torch.cat([x, _greedy(logits[:, -1:], mask_id)[0]], dim=1)
     return x, forwards
 
 
