@@ -126,7 +126,7 @@ def server_cases(model, tok) -> dict:
         out["chat_stream"] = {"status": status, "deltas": [c["choices"][0]["delta"] for c in chunks if c["choices"]],
                               "finish": [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]}
         forced = chat | {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                         "max_tokens": 24}
+                         "max_tokens": 64}
         status, text = post("/v1/chat/completions", forced)
         body = json.loads(text)
         msg = body["choices"][0]["message"]
