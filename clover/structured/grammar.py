@@ -77,20 +77,29 @@ def decodable(schema, caps: Caps | None = None):
     `Refused` past GRAMMAR_CHARS."""
     key = json.dumps(schema, sort_keys=True)
     if key not in _DECODABLE:
-        try:
-            with bounded_work():
-                out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
-        except RecursionError:  # e.g. a meta-schema's mutually recursive vocabularies, expanded
-            raise Refused("$ref", "#", "nested too deeply for the grammar path") from None
-        chars = len(json.dumps(out))
-        if chars > GRAMMAR_CHARS:  # renovate's config expands to ~20 MB: compiling it would take minutes
-            raise Refused("schema", "#", f"its grammar would be {chars / 1e6:.0f} MB of schema, more than the "
-                          f"grammar path compiles ({GRAMMAR_CHARS / 1e6:.0f} MB)")
         if len(_DECODABLE) > 256:
             _DECODABLE.clear()
-        _DECODABLE[key] = out
+        try:
+            _DECODABLE[key] = _decodable(schema)
+        except Refused as e:  # kept too: a refusal can take seconds to reach (MAX_NODES)
+            _DECODABLE[key] = e
     out = _DECODABLE[key]
+    if isinstance(out, Refused):
+        raise out
     return out if caps is None else tighten(out, caps)
+
+
+def _decodable(schema):
+    try:
+        with bounded_work():
+            out = JSON_OBJECT if is_json_object(schema) else safe_patterns(for_decoding(unroll(conditionals(schema))))
+    except RecursionError:  # e.g. a meta-schema's mutually recursive vocabularies, expanded
+        raise Refused("$ref", "#", "nested too deeply for the grammar path") from None
+    chars = len(json.dumps(out))
+    if chars > GRAMMAR_CHARS:  # renovate's config expands to ~20 MB: compiling it would take minutes
+        raise Refused("schema", "#", f"its grammar would be {chars / 1e6:.0f} MB of schema, more than the "
+                      f"grammar path compiles ({GRAMMAR_CHARS / 1e6:.0f} MB)")
+    return out
 
 
 def compile_schema(tokenizer, vocab_size: int, stops: tuple[int, ...], schema, caps: Caps | None = None,
