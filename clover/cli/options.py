@@ -137,7 +137,10 @@ def decode_config(args, **settings):
     if getattr(args, "model", None):  # a public family's published block size / threshold, unless given
         from ..utils.checkpoint import families_module
 
-        for name, value in families_module().decode_defaults(args.model).items():
+        defaults = families_module().decode_defaults(args.model)
+        if defaults and given.get("runner") == "compiled":
+            raise UserError("--runner compiled does not run the public block-diffusion families yet: use --runner eager")
+        for name, value in defaults.items():
             if given.get(name) is None and name in given:
                 given[name] = value
     try:

@@ -22,6 +22,7 @@ class FamilySeam(nn.Module):
         c = loaded.model.config
         context = c.max_position_embeddings
         self.config = SimpleNamespace(mask_token_id=loaded.mask_token_id, max_block_size=context,
+                                      block_size=loaded.block_size,
                                       max_position_embeddings=context, vocab_size=c.vocab_size,
                                       eos_token_id=list(loaded.eos_token_ids) or None, model_type=c.model_type)
         self.decode_defaults = {"block_size": loaded.block_size, "threshold": loaded.threshold}
@@ -34,6 +35,10 @@ class FamilySeam(nn.Module):
     @property
     def dtype(self):
         return self.family_model.head_weight().dtype
+
+    def check_stream(self, *args, **kwargs):
+        """What the compiled runner asks first: it does not run the families yet."""
+        raise ValueError("the compiled runner does not run the public block-diffusion families yet: use runner eager")
 
     def new_cache(self, rows: int, capacity: int = 256):
         return self.family_model.new_cache(rows, capacity=capacity)
