@@ -31,7 +31,7 @@ from ..data import toolbox
 from ..data.toolbox import TRAINING_SEEDS
 from ..engine import DEFAULTS
 from ..errors import UserError
-from .report import markdown_table, set_threads, write_json
+from .report import load_checked, markdown_table, write_json
 
 BENCH_SEED = 1000  # the benchmark's cases (the recipe's tool dialogues: toolbox.*_DIALOGUE_SEED)
 MAX_ROUNDS = 3
@@ -339,8 +339,7 @@ def run(args) -> int:
     """Tool-call accuracy (AST), irrelevance, and real multi-turn episodes on the seeded toolbox."""
     import torch
 
-    from ..api import load
-    from ..settings import MODES, DecodeConfig, check_block_size
+    from ..settings import MODES, DecodeConfig
 
     modes = [m for m in args.mode.split(",") if m]
     if not modes:
@@ -352,12 +351,7 @@ def run(args) -> int:
                      max_new_tokens=args.max_new_tokens)  # checks the setting
     if args.n < 1 or args.batch < 1:
         raise UserError("--n and --batch must be >= 1")
-    set_threads(args.threads)
-    model, tokenizer = load(args.model, args.device)
-    try:
-        check_block_size(args.block_size, model)
-    except ValueError as e:
-        raise UserError(f"--{e}") from None
+    model, tokenizer = load_checked(args, [args.block_size])
     from tqdm import tqdm
 
     bar = tqdm(total=args.n * len(modes), desc="bench agent", file=sys.stderr, leave=False,

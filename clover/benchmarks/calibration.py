@@ -4,8 +4,7 @@ that differ from ar's choice, against the bound 1 - threshold (clover.eval.calib
 from __future__ import annotations
 
 from ..errors import UserError
-from ..settings import check_block_size
-from .report import markdown_table, set_threads, write_json
+from .report import load_checked, markdown_table, write_json
 
 
 def run(args) -> int:
@@ -17,16 +16,11 @@ def run(args) -> int:
         raise UserError("need thresholds in (0, 1], --batch >= 1, --per-task >= 0")
     import torch
 
-    from ..api import eos_ids, load
+    from ..api import eos_ids
     from ..eval import pareto
     from ..eval.calibration import calibration
 
-    set_threads(args.threads)
-    model, tokenizer = load(args.model, args.device)
-    try:
-        check_block_size(args.block_size, model, low=2)
-    except ValueError as e:
-        raise UserError(f"--block-size: {e}") from None
+    model, tokenizer = load_checked(args, [args.block_size], low=2)
     exs = pareto.examples(args.per_task)
     with torch.inference_mode():
         rows = calibration(model, tokenizer, exs, args.block_size, thresholds, args.batch, eos_ids(model, tokenizer))

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 
 from ..errors import UserError
-from ..settings import check_block_size
-from .report import markdown_table, progress_iter, set_threads, write_json
+from .report import load_checked, markdown_table, progress_iter, write_json
 
 
 def run(args) -> int:
     import torch
 
-    from ..api import eos_ids, load
+    from ..api import eos_ids
     from ..eval import pareto
 
     try:
@@ -29,13 +28,7 @@ def run(args) -> int:
         raise UserError("need at least one threshold and block size, --batch >= 1, --per-task >= 0")
     if not str(args.plot).endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot}")
-    set_threads(args.threads)
-    model, tokenizer = load(args.model, args.device)
-    try:
-        for b in blocks:
-            check_block_size(b, model, low=2)
-    except ValueError as e:
-        raise UserError(f"--block-sizes: {e}") from None
+    model, tokenizer = load_checked(args, blocks, low=2, flag="--block-sizes")
     exs = pareto.examples(args.per_task)
     eos = eos_ids(model, tokenizer)
     settings = pareto.settings([m for m in modes if not (m == "ar" and args.no_ar)], blocks, thresholds)

@@ -15,6 +15,23 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
+def load_checked(args, block_sizes, low: int = 1, flag: str = "--block-size"):
+    """Set the threads, load --model and check each block size against it (a one-line UserError
+    naming `flag`): the start every model benchmark shares. Returns (model, tokenizer)."""
+    from ..api import load
+    from ..errors import UserError
+    from ..settings import check_block_size
+
+    set_threads(args.threads)
+    model, tokenizer = load(args.model, args.device)
+    try:
+        for b in block_sizes:
+            check_block_size(b, model, low=low)
+    except ValueError as e:
+        raise UserError(f"{flag}: {e}") from None
+    return model, tokenizer
+
+
 def write_json(args, obj) -> None:
     """The results as JSON: to --json FILE, or to stdout for a bare --json; nothing without --json."""
     if not args.json:

@@ -26,12 +26,12 @@ from typing import Callable
 from ..chat import CALL_END, CALL_HEAD
 from ..data import tasks
 from ..errors import UserError
-from ..settings import INFILL_THRESHOLD, check_block_size
+from ..settings import INFILL_THRESHOLD
 from ..structured.generate import JsonResult, generate_json, infill_json
 from ..structured.result import BudgetTooSmall
 from ..structured.grammar import grammar_json
 from ..structured.normalize import normalize
-from .report import markdown_table, progress, set_threads, write_json
+from .report import load_checked, markdown_table, progress, set_threads, write_json
 
 BENCH_SEED = 1000
 KINDS = ("record", "arithmetic", "lookup", "compare", "tool_arith", "tool_convert", "sort")
@@ -253,19 +253,13 @@ def run(args) -> int:
     """Schema-guided infilling vs free generation + validation on seeded JSON requests."""
     import torch
 
-    from ..api import load
     if args.n < 1 or args.max_new_tokens < 1:
         raise UserError("--n and --max-new-tokens must be >= 1")
     if args.corpus:
         return run_corpus(args)
     if not 0 <= args.threshold <= 1:
         raise UserError("--threshold must be in [0, 1]")
-    set_threads(args.threads)
-    model, tokenizer = load(args.model, args.device)
-    try:
-        check_block_size(args.block_size, model, low=2)
-    except ValueError as e:
-        raise UserError(f"--block-size {str(e).removeprefix('block_size ')}") from None
+    model, tokenizer = load_checked(args, [args.block_size], low=2)
     with progress(args.n * len(KINDS), "bench structured") as bar:
         out = run_benchmark(model, tokenizer, args.n, args.seed, args.threshold, args.block_size,
                             args.max_new_tokens, progress=bar.update)
