@@ -164,3 +164,23 @@ def test_clover_serve_on_a_family_folder(tmp_path, model_type, monkeypatch, caps
         if model_type == "sdar":
             with pytest.raises(openai.BadRequestError, match="no token shift"):
                 c.chat.completions.create(model="fam", messages=messages, max_tokens=30, response_format=fmt)
+
+
+@pytest.mark.parametrize("model_type", ["llada2_moe", "Fast_dLLM_Qwen"])
+def test_rows_joining_a_running_batch_decode_as_alone(tmp_path, model_type):
+    """Continuous batching: a row that joins while others are mid-block (pending commits, rows
+    waiting for their first column) gets the tokens it gets alone."""
+    write_family(tmp_path, model_type)
+    seam = FamilySeam(confident(tmp_path, model_type))
+    block = 8 if model_type == "Fast_dLLM_Qwen" else B
+    ps, budgets = prompts(5), [13, 9, 17, 11]
+    alone = [engine_tokens(seam, [p], [n], block=block)[0][0] for p, n in zip(ps, budgets)]
+    engine = Engine(seam, DecodeConfig(block_size=block, threshold=THRESHOLD, max_new_tokens=64))
+    seqs = engine.add(ps[:2], budgets[:2])
+    for p, n in zip(ps[2:], budgets[2:]):
+        for _ in range(3):
+            engine.step()
+        seqs += engine.add([p], [n])
+    while engine.running:
+        engine.step()
+    assert [s.token_ids for s in seqs] == alone

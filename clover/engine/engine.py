@@ -40,7 +40,7 @@ class Engine:
         self.mask_id = self.seam.mask_id
         self.device = model.device
         self.eos = set(cfg.eos)
-        layout = Layout.of(self.seam, cfg.mode, getattr(model, "sub_block", 0))
+        layout = Layout.of(self.seam, cfg.mode)
         self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device), hook, layout)
         self.batch = RowBatch.for_runner(self.runner, self.mode.width, self.mode.clean_bs, self.mask_id, self.device,
                                          cfg.prefill_chunk)

@@ -30,10 +30,10 @@ class Layout:
     sub_block: int = 0  # fill only the first sub-block of this many columns with masks (0: the whole block)
 
     @classmethod
-    def of(cls, seam, mode: str = "low_confidence", sub_block: int = 0) -> "Layout":
+    def of(cls, seam, mode: str = "low_confidence") -> "Layout":
         if mode in ("ar", "self_spec"):
             return cls(seam.shift)
-        return cls(seam.shift, seam.block_align == "absolute", sub_block if seam.shift else 0)
+        return cls(seam.shift, seam.block_align == "absolute", seam.sub_block if seam.shift else 0)
 
     @property
     def commit_first(self) -> bool:

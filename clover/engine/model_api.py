@@ -12,7 +12,8 @@ A family provides:
 * `shift`: True when hidden state i predicts token i+1 (Clover, Fast-dLLM v2: a block of size 1 is
   the AR model), False when it predicts token i itself (SDAR, LLaDA2);
 * `block_align`: "relative" (blocks start right after the prompt: Clover) or "absolute" (blocks at
-  k*B from the first prompt token, the prompt's last partial block completed by generation).
+  k*B from the first prompt token, the prompt's last partial block completed by generation);
+* optionally `sub_block`: a block is filled sub-block by sub-block of this many columns (Fast-dLLM v2).
 
 The engine lays windows out as engine/layout.py says: shift with relative blocks (Clover: [last
 known token, MASK...], column j predicting target j), no shift with absolute blocks (SDAR, LLaDA2:
@@ -50,13 +51,14 @@ class Seam(NamedTuple):
     context: int  # max_position_embeddings
     shift: bool
     block_align: str
+    sub_block: int = 0  # fill only the first sub-block of this many columns that has masks (0: whole blocks)
 
 
 def seam_of(model) -> Seam:
     """The model's seam; ValueError (one line) for a model the engine cannot lay out."""
     c = model.config
     seam = Seam(c.mask_token_id, c.max_block_size, c.max_position_embeddings, bool(getattr(model, "shift", True)),
-                getattr(model, "block_align", "relative"))
+                getattr(model, "block_align", "relative"), int(getattr(model, "sub_block", 0)))
     if seam.block_align not in ALIGNS:
         raise ValueError(f"{type(model).__name__}.block_align must be one of {', '.join(ALIGNS)}, "
                          f"got {seam.block_align!r}")
