@@ -13,14 +13,13 @@ Code outside the model's layers goes through the methods: rows (`select_rows`, `
 
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from ..ops.utils import cast
+from .cache_rows import RowCache
 
 
 class GdnRecord(NamedTuple):
@@ -41,10 +40,9 @@ class GdnRecord(NamedTuple):
         return GdnRecord(*(t[:n] if t is not None else None for t in self))
 
 
-STORES = ("key", "value", "conv", "state")  # the per-layer tensor stores, each {layer: [rows, ...]}
+class CloverCache(RowCache):
+    STORES = ("key", "value", "conv", "state")  # the per-layer tensor stores, each {layer: [rows, ...]}
 
-
-class CloverCache:
     def __init__(self, config, batch_size: int, capacity: int = 256, device=None, dtype=torch.float32):
         self.config = config
         self.device = torch.device(device or "cpu")
@@ -73,25 +71,6 @@ class CloverCache:
         self.recorded: dict[int, GdnRecord] = {}
         self._record_lens: torch.Tensor | None = None
 
-    # ---- growth -------------------------------------------------------------------------------
-    def reserve(self, extra: int) -> None:
-        """Make room for `extra` more committed tokens in every row (grows by doubling)."""
-        need = int(self.lens.max()) + extra
-        if need <= self.capacity:
-            return
-        new_cap = max(need, 2 * self.capacity)
-        for store in (self.key, self.value):
-            for i, t in store.items():
-                store[i] = F.pad(t, (0, 0, 0, new_cap - self.capacity))
-        self.capacity = new_cap
-
-    def max_len(self) -> int:
-        return int(self.lens.max()) if self.batch_size else 0
-
-    def advance(self, committed: torch.Tensor | int) -> None:
-        """After a forward wrote its clean columns: each row's committed length grows by `committed`."""
-        self.lens = self.lens + committed
-
     # ---- what the layers read and write ------------------------------------------------------
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [B, H, L, D] of every column written at its slot [B, L], in place (static shapes)."""
@@ -105,13 +84,6 @@ class CloverCache:
         self.key[layer].scatter_(2, index, cast(k, self.dtype))
         self.value[layer].scatter_(2, index, cast(v, self.dtype))
 
-    def kv(self, layer: int, dtype, prefix: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K/V in `dtype`: the first `prefix` slots, or the whole capacity when None."""
-        k, v = self.key[layer], self.value[layer]
-        if prefix is not None:
-            k, v = k[:, :, :prefix], v[:, :, :prefix]
-        return k.to(dtype), v.to(dtype)
-
     def gdn_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A GDN layer's (conv state [B, C, K-1], recurrent state [B, H, Dk, Dv])."""
         return self.conv[layer], self.state[layer]
@@ -121,75 +93,11 @@ class CloverCache:
         self.conv[layer].copy_(conv)
         self.state[layer].copy_(state)
 
-    # ---- the tensors a compiled graph reads and writes ----------------------------------------
-    def tensors(self) -> dict[tuple, torch.Tensor]:
-        """Every tensor of the cache by path: ("lens", None) and (store, layer) for each store."""
-        out = {("lens", None): self.lens}
-        for name in STORES:
-            out.update({(name, i): t for i, t in getattr(self, name).items()})
-        return out
-
-    def get(self, path: tuple) -> torch.Tensor:
-        """The tensor at a path of `tensors()`."""
-        name, i = path
-        return self.lens if name == "lens" else getattr(self, name)[i]
-
-    # ---- rows (continuous batching) ------------------------------------------------------------
-    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep only `rows` (in that order); used when sequences leave the running batch."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        for store in (self.key, self.value, self.conv, self.state):
-            for i, t in store.items():
-                store[i] = t.index_select(0, rows)
-        self.lens = self.lens.index_select(0, rows)
-        self.batch_size = len(rows)
-
-    def append_rows(self, other: "CloverCache") -> None:
-        """Add the rows of another cache (e.g. freshly prefilled requests) after ours."""
-        cap = max(self.capacity, other.capacity)
-        for store, ostore in ((self.key, other.key), (self.value, other.value)):
-            for i in store:
-                a, b = store[i], ostore[i]
-                a = F.pad(a, (0, 0, 0, cap - a.shape[2]))
-                b = F.pad(b, (0, 0, 0, cap - b.shape[2]))
-                store[i] = torch.cat([a, b])
-        for store, ostore in ((self.conv, other.conv), (self.state, other.state)):
-            for i in store:
-                store[i] = torch.cat([store[i], ostore[i]])
-        self.lens = torch.cat([self.lens, other.lens])
-        self.capacity = cap
-        self.batch_size += other.batch_size
-
-    def copy_rows(self, rows: torch.Tensor | list[int] | None = None) -> "CloverCache":
+    # ---- rows ---------------------------------------------------------------------------------
+    def copy_rows(self, rows=None) -> "CloverCache":
         """A cache of its own holding `rows` of this one (all rows when None), nothing recorded."""
-        out = copy.copy(self)
-        for name in STORES:
-            setattr(out, name, dict(getattr(self, name)))
+        out = super().copy_rows(rows)
         out.recorded = {}
-        out.select_rows(rows if rows is not None else torch.arange(self.batch_size, device=self.device))
-        return out
-
-    def pad_rows(self, rows: int) -> "CloverCache":
-        """A cache of `rows` rows whose first rows are this cache's, as views: a forward on it
-        writes this cache's rows in place. The spare rows start from length 0 and are never read by a
-        real row. This cache's tensors are re-homed once (after rows joined, left or the capacity
-        grew) as the first rows of tensors of `rows` rows, so later calls reuse them. Shares
-        `recorded` with this cache: a recording forward's records land here (`trim_records`)."""
-        real = self.batch_size
-        out = copy.copy(self)
-        for name in STORES:
-            store, full = getattr(self, name), {}
-            for i, t in store.items():
-                base = t._base
-                if (base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:]
-                        or base.data_ptr() != t.data_ptr()):
-                    base = t.new_zeros((rows, *t.shape[1:]))
-                    base[:real].copy_(t)
-                    store[i] = base[:real]
-                full[i] = base
-            setattr(out, name, full)
-        out.lens = F.pad(self.lens, (0, rows - real))
-        out.batch_size = rows
         return out
 
     # ---- snapshot / rollback ------------------------------------------------------------------

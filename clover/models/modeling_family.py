@@ -12,7 +12,6 @@ modeling_fast_dllm.py, modeling_llada2.py) and in how their logits are read (`sh
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass
 
@@ -22,13 +21,14 @@ from torch import nn
 
 from ..ops.block_attention import masked_attention
 from ..ops.moe import grouped_experts
+from .cache_rows import RowCache
 from .modeling_clover import apply_partial_rope, rope_cos_sin
 
 
 # ------------------------------------------------------------------------------------------------
 # Cache
 # ------------------------------------------------------------------------------------------------
-class FamilyCache:
+class FamilyCache(RowCache):
     """Committed K/V of every attention layer, one row per sequence ({layer: [B, Hkv, capacity, D]});
     `lens` holds each row's committed length (rows advance independently). The method names are
     CloverCache's (clover/models/cache_clover.py), so the engine's calls work on either; attention
@@ -49,96 +49,11 @@ class FamilyCache:
         self.recording = False
         self._record_lens: torch.Tensor | None = None
 
-    def max_len(self) -> int:
-        return int(self.lens.max()) if self.batch_size else 0
-
-    def reserve(self, extra: int) -> None:
-        """Room for `extra` more committed tokens in every row (grows by doubling)."""
-        need = self.max_len() + extra
-        if need <= self.capacity:
-            return
-        grow = max(need, 2 * self.capacity) - self.capacity
-        for store in (self.key, self.value):
-            for i, t in store.items():
-                store[i] = F.pad(t, (0, 0, 0, grow))
-        self.capacity += grow
-
-    def advance(self, committed) -> None:
-        """After a forward wrote its committed columns: each row's length grows by `committed`."""
-        self.lens = self.lens + committed
-
-    # ---- what the layers read and write ------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
               slots: torch.Tensor) -> None:
         """k, v [B, Hkv, L, D]: column cols[n] of row rows[n] goes to slot slots[n]."""
         self.key[layer].permute(0, 2, 1, 3)[rows, slots] = k.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
         self.value[layer].permute(0, 2, 1, 3)[rows, slots] = v.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
-
-    def kv(self, layer: int, dtype, prefix: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K/V in `dtype`: the first `prefix` slots, or the whole capacity when None."""
-        k, v = self.key[layer], self.value[layer]
-        if prefix is not None:
-            k, v = k[:, :, :prefix], v[:, :, :prefix]
-        return k.to(dtype), v.to(dtype)
-
-    def tensors(self) -> dict[tuple, torch.Tensor]:
-        """Every tensor of the cache by path: ("lens", None) and (store, layer)."""
-        out = {("lens", None): self.lens}
-        for name in self.STORES:
-            out.update({(name, i): t for i, t in getattr(self, name).items()})
-        return out
-
-    def get(self, path: tuple) -> torch.Tensor:
-        name, i = path
-        return self.lens if name == "lens" else getattr(self, name)[i]
-
-    # ---- rows (continuous batching) ------------------------------------------------------------
-    def select_rows(self, rows) -> None:
-        """Keep only `rows`, in that order (sequences leaving the batch; a row named twice forks)."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        for store in (self.key, self.value):
-            for i, t in store.items():
-                store[i] = t.index_select(0, rows)
-        self.lens = self.lens.index_select(0, rows)
-        self.batch_size = len(rows)
-
-    def append_rows(self, other: "FamilyCache") -> None:
-        """Add the rows of another cache (freshly prefilled requests) after ours."""
-        cap = max(self.capacity, other.capacity)
-        for store, ostore in ((self.key, other.key), (self.value, other.value)):
-            for i in store:
-                a = F.pad(store[i], (0, 0, 0, cap - store[i].shape[2]))
-                b = F.pad(ostore[i], (0, 0, 0, cap - ostore[i].shape[2]))
-                store[i] = torch.cat([a, b])
-        self.lens = torch.cat([self.lens, other.lens])
-        self.capacity = cap
-        self.batch_size += other.batch_size
-
-    def copy_rows(self, rows=None) -> "FamilyCache":
-        """A cache of its own holding `rows` of this one (all rows when None)."""
-        out = copy.copy(self)
-        out.key, out.value = dict(self.key), dict(self.value)
-        out.select_rows(rows if rows is not None else torch.arange(self.batch_size, device=self.device))
-        return out
-
-    def pad_rows(self, rows: int) -> "FamilyCache":
-        """A cache of `rows` rows whose first rows are this cache's, as views (a forward on it writes
-        this cache's rows in place); the spare rows have length 0."""
-        real, out = self.batch_size, copy.copy(self)
-        for name in self.STORES:
-            store, full = getattr(self, name), {}
-            for i, t in store.items():
-                base = t._base
-                if base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:] \
-                        or base.data_ptr() != t.data_ptr():
-                    base = t.new_zeros((rows, *t.shape[1:]))
-                    base[:real].copy_(t)
-                    store[i] = base[:real]
-                full[i] = base
-            setattr(out, name, full)
-        out.lens = F.pad(self.lens, (0, rows - real))
-        out.batch_size = rows
-        return out
 
     # ---- snapshot / rollback (self-speculation) ------------------------------------------------
     def snapshot(self) -> dict:

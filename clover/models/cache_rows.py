@@ -1,0 +1,118 @@
+"""What every block-decoding cache does with its rows, whatever its layers store: growth, commits,
+row selection and padding for continuous batching, and the tensor paths a compiled graph reads.
+
+A cache keeps per-layer stores named in `STORES`, each {layer: tensor [rows, ...]}; the K/V stores
+(`KV`) also have a capacity axis (dim 2) that grows by doubling. `lens` holds each row's committed
+length. Clover's cache (cache_clover.py) adds the GDN stores and their records; the published
+families' (modeling_family.py) has K/V alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+KV = ("key", "value")
+
+
+class RowCache:
+    STORES: tuple[str, ...] = KV
+
+    # ---- growth -------------------------------------------------------------------------------
+    def max_len(self) -> int:
+        return int(self.lens.max()) if self.batch_size else 0
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` more committed tokens in every row (grows by doubling)."""
+        need = self.max_len() + extra
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity)
+        for name in KV:
+            store = getattr(self, name)
+            for i, t in store.items():
+                store[i] = F.pad(t, (0, 0, 0, new_cap - self.capacity))
+        self.capacity = new_cap
+
+    def advance(self, committed: torch.Tensor | int) -> None:
+        """After a forward wrote its clean columns: each row's committed length grows by `committed`."""
+        self.lens = self.lens + committed
+
+    # ---- reads --------------------------------------------------------------------------------
+    def kv(self, layer: int, dtype, prefix: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V in `dtype`: the first `prefix` slots, or the whole capacity when None."""
+        k, v = self.key[layer], self.value[layer]
+        if prefix is not None:
+            k, v = k[:, :, :prefix], v[:, :, :prefix]
+        return k.to(dtype), v.to(dtype)
+
+    def tensors(self) -> dict[tuple, torch.Tensor]:
+        """Every tensor of the cache by path: ("lens", None) and (store, layer) for each store."""
+        out = {("lens", None): self.lens}
+        for name in self.STORES:
+            out.update({(name, i): t for i, t in getattr(self, name).items()})
+        return out
+
+    def get(self, path: tuple) -> torch.Tensor:
+        """The tensor at a path of `tensors()`."""
+        name, i = path
+        return self.lens if name == "lens" else getattr(self, name)[i]
+
+    # ---- rows (continuous batching) ------------------------------------------------------------
+    def select_rows(self, rows) -> None:
+        """Keep only `rows`, in that order (sequences leaving the batch; a row named twice forks)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        for name in self.STORES:
+            store = getattr(self, name)
+            for i, t in store.items():
+                store[i] = t.index_select(0, rows)
+        self.lens = self.lens.index_select(0, rows)
+        self.batch_size = len(rows)
+
+    def append_rows(self, other: "RowCache") -> None:
+        """Add the rows of another cache (e.g. freshly prefilled requests) after ours."""
+        cap = max(self.capacity, other.capacity)
+        for name in self.STORES:
+            store, ostore = getattr(self, name), getattr(other, name)
+            for i in store:
+                a, b = store[i], ostore[i]
+                if name in KV:
+                    a = F.pad(a, (0, 0, 0, cap - a.shape[2]))
+                    b = F.pad(b, (0, 0, 0, cap - b.shape[2]))
+                store[i] = torch.cat([a, b])
+        self.lens = torch.cat([self.lens, other.lens])
+        self.capacity = cap
+        self.batch_size += other.batch_size
+
+    def copy_rows(self, rows=None) -> "RowCache":
+        """A cache of its own holding `rows` of this one (all rows when None)."""
+        out = copy.copy(self)
+        for name in self.STORES:
+            setattr(out, name, dict(getattr(self, name)))
+        out.select_rows(rows if rows is not None else torch.arange(self.batch_size, device=self.device))
+        return out
+
+    def pad_rows(self, rows: int) -> "RowCache":
+        """A cache of `rows` rows whose first rows are this cache's, as views: a forward on it
+        writes this cache's rows in place. The spare rows start from length 0 and are never read by a
+        real row. This cache's tensors are re-homed once (after rows joined, left or the capacity
+        grew) as the first rows of tensors of `rows` rows, so later calls reuse them. Everything else
+        (records included) is shared with this cache."""
+        real = self.batch_size
+        out = copy.copy(self)
+        for name in self.STORES:
+            store, full = getattr(self, name), {}
+            for i, t in store.items():
+                base = t._base
+                if (base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:]
+                        or base.data_ptr() != t.data_ptr()):
+                    base = t.new_zeros((rows, *t.shape[1:]))
+                    base[:real].copy_(t)
+                    store[i] = base[:real]
+                full[i] = base
+            setattr(out, name, full)
+        out.lens = F.pad(self.lens, (0, rows - real))
+        out.batch_size = rows
+        return out
