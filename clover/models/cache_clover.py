@@ -44,12 +44,7 @@ class CloverCache(RowCache):
     STORES = ("key", "value", "conv", "state")  # the per-layer tensor stores, each {layer: [rows, ...]}
 
     def __init__(self, config, batch_size: int, capacity: int = 256, device=None, dtype=torch.float32):
-        self.config = config
-        self.device = torch.device(device or "cpu")
-        self.dtype = dtype
-        self.batch_size = batch_size
-        self.capacity = capacity
-        self.lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        super().__init__(config, batch_size, capacity, device, dtype)
         self.key: dict[int, torch.Tensor] = {}
         self.value: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
@@ -67,9 +62,7 @@ class CloverCache(RowCache):
                     batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                     dtype=torch.float32, device=self.device,
                 )
-        self.recording = False
         self.recorded: dict[int, GdnRecord] = {}
-        self._record_lens: torch.Tensor | None = None
 
     # ---- what the layers read and write ------------------------------------------------------
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

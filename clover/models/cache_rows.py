@@ -20,6 +20,17 @@ KV = ("key", "value")
 class RowCache:
     STORES: tuple[str, ...] = KV
 
+    def __init__(self, config, batch_size: int, capacity: int, device, dtype):
+        """The row bookkeeping; a subclass then fills its stores for `batch_size` rows."""
+        self.config = config
+        self.device = torch.device(device or "cpu")
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.recording = False
+        self._record_lens: torch.Tensor | None = None
+
     # ---- growth -------------------------------------------------------------------------------
     def max_len(self) -> int:
         return int(self.lens.max()) if self.batch_size else 0

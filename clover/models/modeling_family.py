@@ -37,17 +37,10 @@ class FamilyCache(RowCache):
     STORES = ("key", "value")
 
     def __init__(self, config, batch_size: int, capacity: int = 256, device=None, dtype=torch.float32):
-        self.config = config
-        self.device = torch.device(device or "cpu")
-        self.dtype = dtype
-        self.batch_size = batch_size
-        self.capacity = capacity
-        self.lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        super().__init__(config, batch_size, capacity, device, dtype)
         shape = (batch_size, config.num_key_value_heads, capacity, config.head_dim)
         self.key = {i: torch.zeros(shape, dtype=dtype, device=self.device) for i in range(config.num_hidden_layers)}
         self.value = {i: torch.zeros(shape, dtype=dtype, device=self.device) for i in range(config.num_hidden_layers)}
-        self.recording = False
-        self._record_lens: torch.Tensor | None = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
               slots: torch.Tensor) -> None:
