@@ -80,13 +80,28 @@ def test_fast_dllm_engine_equals_the_published_loop(tmp_path):
     assert min(len(t) / f for t, f in zip(together, forwards)) > 1
 
 
-@pytest.mark.parametrize("mode", ["ar", "self_spec"])
-def test_ar_and_self_spec_are_refused_without_shift(tmp_path, mode):
-    write_family(tmp_path, "sdar")
-    seam = FamilySeam(confident(tmp_path, "sdar"))
-    with pytest.raises(ValueError, match="no shift") as e:
+@pytest.mark.parametrize("model_type, mode, why", [("sdar", "ar", "no shift"), ("sdar", "self_spec", "no shift"),
+                                                   ("Fast_dLLM_Qwen", "self_spec", "absolute positions")])
+def test_ar_and_self_spec_are_refused_where_meaningless(tmp_path, model_type, mode, why):
+    write_family(tmp_path, model_type)
+    seam = FamilySeam(confident(tmp_path, model_type))
+    with pytest.raises(ValueError, match=why) as e:
         Engine(seam, DecodeConfig(mode=mode, block_size=B))
     assert "\n" not in str(e.value)
+
+
+def test_fast_dllm_ar_is_its_causal_model(tmp_path):
+    """With the shift a block of one token is the AR model: `ar` equals greedy decoding with the
+    whole sequence recomputed causally each step."""
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    loaded = confident(tmp_path, "Fast_dLLM_Qwen")
+    prompt = prompts()[0]
+    got = Engine(FamilySeam(loaded), DecodeConfig(mode="ar", max_new_tokens=6)).generate([prompt])[0].token_ids
+    x = torch.tensor([prompt])
+    for _ in range(6):
+        logits = loaded.model(x, block_size=1)[:, -1].index_fill(-1, torch.tensor([loaded.mask_token_id]), float("-inf"))
+        x = torch.cat([x, logits.argmax(-1, keepdim=True)], dim=1)
+    assert got == x[0, len(prompt):].tolist()
 
 
 def test_load_gives_the_engine_model_with_published_defaults(tmp_path):
@@ -134,7 +149,7 @@ def test_cli_generate_on_a_family_folder(tmp_path):
 def test_clover_serve_on_a_family_folder(tmp_path, model_type, monkeypatch, capsys):
     """`clover serve --model DIR` (in-process; uvicorn's run hands over its app): chat and stream with
     the official client through the family's own chat template; structured output refused in one
-    400 for a family without shift (its windows are not Clover's)."""
+    400 (the structured decoders lay windows out as Clover's, not as the families')."""
     import openai
     import uvicorn
     from server_utils import RunningServer, client
@@ -161,9 +176,8 @@ def test_clover_serve_on_a_family_folder(tmp_path, model_type, monkeypatch, caps
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert text == got.choices[0].message.content  # greedy: the same reply
         fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
-        if model_type == "sdar":
-            with pytest.raises(openai.BadRequestError, match="no token shift"):
-                c.chat.completions.create(model="fam", messages=messages, max_tokens=30, response_format=fmt)
+        with pytest.raises(openai.BadRequestError, match="lay windows out as Clover's"):
+            c.chat.completions.create(model="fam", messages=messages, max_tokens=30, response_format=fmt)
 
 
 @pytest.mark.parametrize("model_type", ["llada2_moe", "Fast_dLLM_Qwen"])

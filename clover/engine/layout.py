@@ -14,8 +14,9 @@ read it instead of assuming Clover's layout.
   block before (the prompt's, when it ends on a block boundary), read from the forward that commits
   it (`commit_first`). Only the first sub-block (`sub_block` columns) that still has masks is filled.
 
-`ar` and `self_spec` decode token after token from the prompt's end (relative blocks) whatever the
-family's blocks: a block of one token is the AR model of a family with shift.
+`ar` decodes token after token from the prompt's end whatever the family's blocks (a block of one
+token is the AR model of a family with shift); `self_spec`, whose drafts start anywhere, needs
+relative blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Layout:
 
     @classmethod
     def of(cls, seam, mode: str = "low_confidence") -> "Layout":
+        if mode == "self_spec" and seam.shift and seam.block_align == "absolute":
+            raise ValueError("mode self_spec drafts blocks that start anywhere; this model's blocks sit at absolute "
+                             "positions (a draft would be cut by a block boundary): use ar or a diffusion mode")
         if mode in ("ar", "self_spec"):
             return cls(seam.shift)
         return cls(seam.shift, seam.block_align == "absolute", seam.sub_block if seam.shift else 0)

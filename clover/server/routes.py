@@ -386,14 +386,15 @@ class Routes:
     async def structured(self, request: Request, steps):
         """A task (engine/slots.py): planned up to its first job off the event loop, its jobs run by the
         scheduler (batched with other requests'); ValueError -> 400. A client that goes away cancels
-        it at once (the reply is not sent). A model without shift (SDAR, LLaDA2: engine/layout.py) is
-        refused: the structured paths lay windows out as Clover's."""
-        if not getattr(self.model, "shift", True):
+        it at once (the reply is not sent). A model laid out otherwise than Clover (no shift, or
+        absolute blocks: the public families, engine/layout.py) is refused: the structured paths lay
+        windows out as Clover's."""
+        if not getattr(self.model, "shift", True) or getattr(self.model, "block_align", "relative") != "relative":
             steps.close()
             raise APIError(400, "structured output (response_format json, a forced tool call, decide) is not "
-                           "available for this model: it predicts each masked position itself (no token shift), and "
-                           "the structured decoders need a model whose position i predicts token i+1",
-                           param="response_format")
+                           "available for this model yet: the structured decoders lay windows out as Clover's (token "
+                           "shift, blocks right after the prompt), and this model predicts each masked position "
+                           "itself (no token shift) or keeps its blocks at absolute positions", param="response_format")
         task = Task(steps)
         await self.off_loop(task.resume)
         if task.job is not None:
