@@ -143,6 +143,9 @@ def test_cli_generate_on_a_family_folder(tmp_path):
     assert len(run.stderr.strip().splitlines()) == 1
     run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--runner", "compiled")
     assert run.returncode == 2 and "--runner eager" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    (tmp_path / "s.json").write_text('{"type": "object"}')
+    run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--json-schema", str(tmp_path / "s.json"))
+    assert run.returncode == 2 and "--json-schema" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("model_type", ["sdar", "Fast_dLLM_Qwen"])

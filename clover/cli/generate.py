@@ -99,9 +99,14 @@ def run_schema(args) -> int:
     from ..api import model_folder
     from ..structured import generate_json
 
+    from ..utils.checkpoint import families_module
+
     schema = read_schema(args.json_schema)
     prompts = read_prompts(args)
     model_folder(args.model)
+    if args.model and families_module().is_family_folder(args.model):
+        raise UserError("--json-schema does not run the public block-diffusion families yet (the structured "
+                        "decoders lay windows out as Clover's)")
     cfg = decode_config(args)
     for flag, given in (("--show", args.show), ("--trajectory-out", args.trajectory_out), ("--think", args.think),
                         ("--mode", cfg.mode != "low_confidence")):
