@@ -143,17 +143,29 @@ class Skeleton:
 
 
 # ---- schema -> skeleton ------------------------------------------------------------------------------
+_CHECKED: dict[str, str | None] = {}  # schema JSON -> why it is not a valid JSON schema (None: valid)
+
+
 def check(schema) -> None:
-    """ValueError unless `schema` is a valid JSON schema (an object)."""
+    """ValueError unless `schema` is a valid JSON schema (an object). The verdict is kept per schema:
+    checking a large one against its meta-schema takes seconds (renovate's, normalised: 20 s), and a
+    request checks its schema more than once."""
     from jsonschema import SchemaError, validators
 
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    try:
-        validators.validator_for(schema).check_schema(schema)
-    except SchemaError as e:
-        where = "/".join(map(str, e.path))
-        raise ValueError(f"not a valid JSON schema{f' at {where}' if where else ''}: {e.message}") from None
+    key = json.dumps(schema, sort_keys=True, default=str)
+    if key not in _CHECKED:
+        if len(_CHECKED) > 256:
+            _CHECKED.clear()
+        try:
+            validators.validator_for(schema).check_schema(schema)
+            _CHECKED[key] = None
+        except SchemaError as e:
+            where = "/".join(map(str, e.path))
+            _CHECKED[key] = f"not a valid JSON schema{f' at {where}' if where else ''}: {e.message}"
+    if _CHECKED[key] is not None:
+        raise ValueError(_CHECKED[key])
 
 
 def skeleton(schema: dict) -> Skeleton:
