@@ -91,3 +91,30 @@ def tools_model(folder, seed: int = 0):
     model.lm_head.weight.data *= 40.0
     model.save_pretrained(folder)
     return clover.load(folder)
+
+
+def tools_server_fixtures(folder_name: str):
+    """Module-scoped fixtures (loaded, server, client) of a `clover serve` app on `tools_model` (block 4,
+    threshold 0.5): a test module binds them with `loaded, server, client = tools_server_fixtures(...)`."""
+    import pytest
+
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+
+    @pytest.fixture(scope="module")
+    def loaded(tmp_path_factory):
+        return tools_model(tmp_path_factory.mktemp(folder_name))
+
+    @pytest.fixture(scope="module")
+    def server(loaded):
+        model, tokenizer = loaded
+        settings = Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=8, max_queue=16)
+        with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as s:
+            yield s
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        return globals()["client"](server)
+
+    return loaded, server, client
+

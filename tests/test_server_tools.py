@@ -18,29 +18,13 @@ from clover.chat import render_chat
 from clover.server import Settings, create_app
 from clover.server.app import Choice
 from clover.server.protocol import ToolPlan
-from server_utils import TOOL_ASK, TOOL_CALL, WEATHER, RunningServer, raw, tools_model
+from server_utils import TOOL_ASK, TOOL_CALL, WEATHER, RunningServer, raw, tools_server_fixtures
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK, CALL = TOOL_ASK, TOOL_CALL
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    """A tiny random model on a Clover BPE tokenizer trained on a few tool-call dialogues."""
-    return tools_model(tmp_path_factory.mktemp("tools-model"))
-
-
-@pytest.fixture(scope="module")
-def server(loaded):
-    model, tokenizer = loaded
-    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=8, max_queue=16)
-    with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+loaded, server, client = tools_server_fixtures("tools-model")
 
 
 def plan(choice="auto", tools=(WEATHER, TIME), parallel=True) -> ToolPlan:

@@ -10,9 +10,7 @@ import openai
 import pytest
 from jsonschema import validate
 
-from clover.api import eos_ids
-from clover.server import Settings, create_app
-from server_utils import TOOL_ASK, RunningServer, client as make_client, metric, raw, tools_model
+from server_utils import TOOL_ASK, metric, raw, tools_server_fixtures
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
 UNDECLARED = {"type": "object", "required": ["title"], "properties": {"titles": {"type": "string"}}}
@@ -20,22 +18,7 @@ MAP_REQUIRED = {"type": "object", "additionalProperties": {"type": "string"}, "r
 NEVER_OPTIONAL = {"type": "object", "properties": {"b": {"type": "object", "enum": ["x"]}, "c": {"type": "boolean"}}}
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    return tools_model(tmp_path_factory.mktemp("tools-hardening-model"))
-
-
-@pytest.fixture(scope="module")
-def server(loaded):
-    model, tokenizer = loaded
-    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=8, max_queue=16)
-    with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return make_client(server)
+loaded, server, client = tools_server_fixtures("tools-hardening-model")
 
 
 def fmt(schema):
