@@ -12,7 +12,7 @@ the hot case); the two bf16-panel columns each switch AMX on or off before their
 
 from __future__ import annotations
 
-import argparse
+import opbench  # bench/opbench.py
 import time
 
 import torch
@@ -29,19 +29,10 @@ def shapes(cfg) -> dict[str, tuple[int, int]]:
 
 
 def main() -> None:
-    from clover.api import DEFAULT_MODEL
-    from clover.models import CloverConfig
     from clover.ops.linear import naive_linear, tiled, tiled_linear, worth_routing
     from clover.utils.timing import time_alternately
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder whose config gives the shapes")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rows", default="1,8,16,32,64")
-    ap.add_argument("--repeats", type=int, default=200)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = CloverConfig.from_pretrained(args.model)
+    args, cfg = opbench.parse(__doc__, "--rows", "1,8,16,32,64", "shapes")
     print(f"`python bench/linear.py --threads {args.threads} --rows {args.rows}` (torch {torch.__version__}, "
           f"{args.threads} thread(s); microseconds per call, thread CPU time, median)\n")
     amx = tiled.use_amx(True)

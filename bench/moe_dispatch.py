@@ -9,26 +9,17 @@ against the naive reference first.
 
 from __future__ import annotations
 
-import argparse
+import opbench  # bench/opbench.py
 
 import torch
 
 
 def main() -> None:
-    from clover.api import DEFAULT_MODEL
-    from clover.models import CloverConfig
     from clover.ops.linear import tiled_experts
     from clover.ops.moe import GATHER_PAIRS, gathered_experts, grouped_experts_op, naive_experts
     from clover.utils.timing import time_alternately
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="model folder whose config gives the MoE dims")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,48,64")
-    ap.add_argument("--repeats", type=int, default=200)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = CloverConfig.from_pretrained(args.model)
+    args, cfg = opbench.parse(__doc__, "--tokens", "1,2,4,8,16,32,48,64", "MoE dims")
     e, h, i, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     torch.manual_seed(0)
     gate_up, down = torch.randn(e, 2 * i, h) * h**-0.5, torch.randn(e, h, i) * i**-0.5
