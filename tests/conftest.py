@@ -36,6 +36,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.compiled)
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Clover model folder (tests/helpers.py), one per test module that asks for it."""
+    from helpers import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

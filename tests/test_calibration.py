@@ -12,12 +12,6 @@ from clover.cli import main
 from clover.eval import pareto
 from clover.eval.calibration import ar_choices, calibration, committed_in_parallel
 
-from helpers import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("calib-model"))
 
 
 def test_aup_by_hand():

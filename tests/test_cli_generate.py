@@ -8,12 +8,6 @@ import pytest
 import clover
 from clover.api import DEFAULT_MODEL
 from clover.cli import main
-from helpers import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 def cli(capsys, *argv):

@@ -17,7 +17,6 @@ from clover.cli import main  # noqa: E402
 from clover.data.tasks import generate_split  # noqa: E402
 from clover.eval import TASKS_DIR, suite  # noqa: E402
 from clover.eval.lm import CloverLM  # noqa: E402
-from helpers import save_tiny_model  # noqa: E402
 
 BLOCK = 4
 LIMIT = 4
@@ -36,11 +35,6 @@ def _offline(tmp_path_factory):
     for k, v in saved.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     lm_eval.evaluator.add_env_info = env_info
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("eval-model"))
 
 
 @pytest.fixture(scope="module")

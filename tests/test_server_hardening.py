@@ -8,7 +8,6 @@ model aliases and the lm-eval command of docs/evaluation.md. Official `openai` c
 import asyncio
 import http.client
 import json
-import re
 import shlex
 import threading
 from dataclasses import replace
@@ -28,17 +27,11 @@ from clover.engine import Engine
 from clover.server import Settings, create_app
 from clover.server.scheduler import Job, Ticket
 from clover.settings import DecodeConfig
-from helpers import save_tiny_model
 from server_utils import RunningServer, client, metric, raw
 
 BLOCK = 4
 THRESH = 0.5
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("hardening-model"))
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,6 @@ import pytest
 
 from clover.cli import main
 from clover.engine import tuning
-from helpers import save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(autouse=True)
