@@ -44,10 +44,9 @@ FIGURE = re.compile(
     r"|~\s?\d+(?:\.\d+)?\s?%|\d(?:\.\d+)?\s?% (?:faster|slower)"  # ~40%, 10% faster; not "75% of the budget"
     r"|\b(?:previously|formerly|Before these)\b"  # history
 )
-# Files whose comments their owners are still rewriting in parallel work; empty this when they land.
-CLEANED_ELSEWHERE = ("engine/", "structured/", "cli/", "training/", "utils/",
-                     "server/scheduler.py", "server/structured.py", "server/protocol.py", "server/routes.py",
-                     "server/metrics.py")
+# Files whose owners still carry figures in comments (being rewritten in parallel work); empty this
+# as each lands.
+CLEANED_ELSEWHERE = ("cli/eval.py", "structured/corpus.py", "structured/grammar.py", "structured/schema.py")
 
 
 def comment_lines(source: str) -> list[tuple[int, str]]:
