@@ -44,9 +44,6 @@ FIGURE = re.compile(
     r"|~\s?\d+(?:\.\d+)?\s?%|\d(?:\.\d+)?\s?% (?:faster|slower)"  # ~40%, 10% faster; not "75% of the budget"
     r"|\b(?:previously|formerly|Before these)\b"  # history
 )
-# Files whose owners still carry figures in comments (being rewritten in parallel work); empty this
-# as each lands.
-CLEANED_ELSEWHERE = ("cli/eval.py", "structured/corpus.py", "structured/grammar.py", "structured/schema.py")
 
 
 def comment_lines(source: str) -> list[tuple[int, str]]:
@@ -85,9 +82,7 @@ def test_the_check_sees_figures_and_history_but_not_shapes(tmp_path):
 
 
 def test_no_timing_ratio_or_history_in_comments():
-    assert figures_in_comments(ROOT, skip=CLEANED_ELSEWHERE) == []
-    runner = [ROOT / "engine" / "runner.py", ROOT / "engine" / "batch.py"]  # cleaned; the rest of engine/ is not yet
-    assert [f"{p.name}:{n}" for p in runner for n, line in comment_lines(p.read_text()) if FIGURE.search(line)] == []
+    assert figures_in_comments(ROOT) == []
 
 
 # The runner and the compile machinery behind it: shorter functions still, and no process-wide

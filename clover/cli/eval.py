@@ -169,7 +169,7 @@ def run_lm_eval(argv: list[str]) -> int:
     saved, manager, git_hash = sys.argv, lm_eval.tasks.TaskManager, lm_eval.evaluator.get_git_commit_hash
     sys.argv = ["lm-eval", "run", *argv]
     lm_eval.evaluator.get_git_commit_hash = quiet_git_hash
-    if set(tasks) <= ours:  # only our tasks: skip indexing lm-eval's thousands of YAMLs (~30 s on a small CPU)
+    if set(tasks) <= ours:  # only our tasks: skip indexing lm-eval's thousands of YAMLs (slow on a small CPU)
         lm_eval.tasks.TaskManager = functools.partial(manager, include_defaults=False)
     try:
         cli.execute(cli.parse_args())

@@ -3,9 +3,8 @@ engine's `ar` mode) under a token mask from xgrammar, so the output can only be 
 schema's grammar accepts; it is then checked with `jsonschema` all the same (docs/structured.md,
 "Grammar path").
 
-xgrammar (PyPI, CPU) was picked over llguidance by a measurement on the default tokenizer: a mask
-took ~0.06 ms with xgrammar and ~190 ms with llguidance, which also cannot read the character-level
-test tokenizer's decoder.
+xgrammar (PyPI, CPU) was picked over llguidance: its token masks are far cheaper on the default
+tokenizer, and llguidance cannot read the character-level test tokenizer's decoder.
 
 The schema is first normalised (`normalize`) and strengthened for decoding (`for_decoding`: bounded
 strings and arrays, strict objects); the keywords xgrammar does not enforce are either met that way,

@@ -148,8 +148,8 @@ _CHECKED: dict[str, str | None] = {}  # schema JSON -> why it is not a valid JSO
 
 def check(schema) -> None:
     """ValueError unless `schema` is a valid JSON schema (an object). The verdict is kept per schema:
-    checking a large one against its meta-schema takes seconds (renovate's, normalised: 20 s), and a
-    request checks its schema more than once."""
+    checking a large one against its meta-schema is slow, and a request checks its schema more than
+    once."""
     from jsonschema import SchemaError, validators
 
     if not isinstance(schema, dict):
