@@ -9,14 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .chat import encode, split_thinking  # part of the Python API; their home is clover.chat
+from .settings import SEED_MAX, SEED_MIN, eos_ids  # noqa: F401 (the Python API; their home is clover.settings)
 
 if TYPE_CHECKING:
     from .engine import DecodeConfig
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default"
-# The seeds a generation accepts: a 64-bit signed integer, as OpenAI's `seed` (the server and the CLI check
-# against these; the sampler folds the seed into torch's generator).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -142,15 +140,6 @@ def load_family_seam(folder, device, dtype):
 
     loaded = load_family(folder, dtype=dtype, device=device)
     return FamilySeam(loaded).eval(), loaded.tokenizer
-
-
-def eos_ids(model, tokenizer) -> tuple[int, ...]:
-    """EOS ids from the tokenizer, the model config and its generation config."""
-    found = set()
-    for source in (tokenizer.eos_token_id, model.config.eos_token_id,
-                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        found |= set(source if isinstance(source, (list, tuple)) else [source])
-    return tuple(sorted(t for t in found if t is not None))
 
 
 def decode_config(model, tokenizer, config: DecodeConfig | None = None, /, **settings) -> DecodeConfig:

@@ -16,6 +16,18 @@ MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar")
 POLICIES = ("low_confidence", "topk", "entropy", "margin")  # the diffusion fill policies (engine/policies.py)
 RUNNERS = ("eager", "compiled")  # how the model is called (engine/runner.py; a test checks they agree)
 INFILL_THRESHOLD = 0.9  # slots (decide, structured output, forced tool calls) commit above this confidence
+# The seeds a generation accepts: a 64-bit signed integer, as OpenAI's `seed` (the server and the CLI check
+# against these; the sampler folds the seed into torch's generator).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the tokenizer, the model config and its generation config: where decoding stops."""
+    found = set()
+    for source in (tokenizer.eos_token_id, model.config.eos_token_id,
+                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        found |= set(source if isinstance(source, (list, tuple)) else [source])
+    return tuple(sorted(t for t in found if t is not None))
 
 
 @dataclass(frozen=True)

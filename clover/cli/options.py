@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from ..api import SEED_MAX, SEED_MIN  # light (no torch); one home for the bounds the server checks too
+from ..settings import SEED_MAX, SEED_MIN  # light (no torch); one home for the bounds the server checks too
 from ..settings import RUNNERS
 
 

@@ -156,7 +156,7 @@ class _Slot(Slot):
 
 
 def _eos(model, tokenizer) -> list[int]:
-    from ..api import eos_ids
+    from ..settings import eos_ids
 
     ids = list(eos_ids(model, tokenizer))
     if not ids:

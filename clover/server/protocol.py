@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..chat import ToolSpecError, function_spec, parse_tool_calls, text_before_call, validate_tools
-from ..api import SEED_MAX, SEED_MIN  # OpenAI's seed: a 64-bit signed integer
+from ..settings import SEED_MAX, SEED_MIN  # OpenAI's seed: a 64-bit signed integer
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -22,7 +22,7 @@ from ..structured import (BudgetTooSmall, JsonResult, Refused, Skeleton, Unsuppo
 from ..structured.generate import infill_json_task
 from ..structured.grammar import grammar_json_task
 from ..structured import check as check_schema
-from ..api import eos_ids
+from ..settings import eos_ids
 from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, IM_END, new_call_id
 from ..engine.infill import Row, Slot, denoise_task, pieces
 from ..engine.slots import drive

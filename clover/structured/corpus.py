@@ -286,7 +286,7 @@ def answer(model, tokenizer, entry: dict, max_new_tokens: int = 512, threshold: 
 
     start = time.perf_counter()
     rec = {"id": entry["id"], "source": entry["source"]}
-    from ..api import encode
+    from ..chat import encode
 
     try:
         schema = entry["normalized"] = normalize(entry["schema"], entry["root"])

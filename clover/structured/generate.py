@@ -40,7 +40,7 @@ def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, th
     `max_new_tokens`; `Refused` (a ValueError) for a schema nothing can honour. A string slot holds
     at most `max_string_tokens` tokens (and maxLength characters). `method="free"` takes
     unconstrained generation instead (the schema still checked first), to compare with."""
-    from ..api import encode
+    from ..chat import encode
 
     start = time.perf_counter()
     if method not in ("auto", "free", "grammar"):
@@ -127,7 +127,7 @@ class _Layout:
     else it is a unit of its own; slot tokens are those the whole text has there (infill.pieces)."""
 
     def __init__(self, model, tokenizer, parts: list, string_tokens: int):
-        from ..api import eos_ids
+        from ..settings import eos_ids
 
         self.model, self.tok, self.parts, self.string_tokens = model, tokenizer, parts, string_tokens
         self.eos = list(eos_ids(model, tokenizer))

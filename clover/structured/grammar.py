@@ -161,7 +161,7 @@ def _closers(tokenizer, stops):
 
 
 def _stops(model, tokenizer) -> tuple[int, ...]:
-    from ..api import eos_ids
+    from ..settings import eos_ids
 
     stops = tuple(eos_ids(model, tokenizer))
     if not stops:
