@@ -27,7 +27,7 @@ import torch
 
 from clover.api import DEFAULT_MODEL, load
 from clover.backends.gguf_export import export_gguf
-from clover.backends.llamacpp import LlamaCppModel, find_build, greedy_ar
+from clover.backends.llamacpp import LlamaCppContext, find_build, greedy_ar
 from clover.backends.llamacpp.model import LlamaCppModel
 from clover.engine.runner import make_runner
 from clover.models import CloverForBlockDiffusion, preset_config
@@ -111,7 +111,7 @@ def step_table(label, folder, tmp, args):
             add(f"compiled {b}", fn, lambda: ccache.restore(csnap))
         cpps = {}
         for t, path in files.items():
-            cpp = cpps[t] = LlamaCppModel(path, rows=2, threads=threads, n_ctx=args.context + 2 * max(BLOCKS))
+            cpp = cpps[t] = LlamaCppContext(path, rows=2, threads=threads, n_ctx=args.context + 2 * max(BLOCKS))
             cpp.decode([prefix[0].tolist(), []], logits="last")
             toks = step_ids[0].tolist()
             add(f"{t} AR", lambda cpp=cpp: cpp.decode([[], toks[:1]], logits="all"), lambda cpp=cpp: cpp.fork(0, 1))
@@ -183,7 +183,7 @@ def decode_table(tmp, args):
     eos = eos_ids(model, tok)
     bf16 = tmp / "default-bf16.gguf"
     runner = LlamaCppModel(bf16, model.config, max_rows=1, threads=1)
-    cpp = LlamaCppModel(bf16, threads=1)
+    cpp = LlamaCppContext(bf16, threads=1)
     modes = [("ar", 1), ("low_confidence", 2), ("low_confidence", 4), ("low_confidence", 8), ("low_confidence", 16), ("low_confidence", 32),
              ("self_spec", 8)]
 
@@ -261,7 +261,7 @@ def bound_table(gguf: Path, jobs, tpf: dict, threads: int, repeats: int) -> None
     sizes = sorted({1, *(b for b in tpf), *(2 * b for b in tpf)})
     toks = list(range(10, 10 + max(sizes)))
     prefix = [10 + i % 1000 for i in range(context)]
-    cpp = LlamaCppModel(gguf, threads=threads)
+    cpp = LlamaCppContext(gguf, threads=threads)
     t = {}
     for n in sizes:  # forwards of n tokens one after another on one sequence (llama.cpp reuses the graph), as
         samples = []  # an AR loop runs; from the prefix again every 8, so the context stays near the prompts'

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("gguf")
 
 from clover.backends.gguf_export import export_gguf  # noqa: E402
-from clover.backends.llamacpp import SAMPLE_PROMPTS, LlamaCppModel, find_build, greedy_ar, teacher_forced_agreement  # noqa: E402
+from clover.backends.llamacpp import SAMPLE_PROMPTS, LlamaCppContext, find_build, greedy_ar, teacher_forced_agreement  # noqa: E402
 
 BUILD = find_build()
 pytestmark = pytest.mark.skipif(BUILD is None, reason="no llama.cpp build (make llamacpp)")
@@ -47,7 +47,7 @@ def torch_models(files):
 
 def parity_model(path, rows):
     # f32 K/V and no flash attention: llama.cpp's CPU flash attention rounds through f16 (~1e-3 in logits)
-    return LlamaCppModel(path, rows=rows, kv_type="f32", flash_attn=False)
+    return LlamaCppContext(path, rows=rows, kv_type="f32", flash_attn=False)
 
 
 @pytest.mark.parametrize("name", ["default", "odd"])
@@ -105,7 +105,7 @@ def test_tokenizer_equals_transformers(files, torch_models):
     _, tok = torch_models["default"]
     texts = SAMPLE_PROMPTS + ["Sort: 41 7 93 28 65 12 80\n", "a  b\n\n  c\t3.14159 <|im_start|>user\nhi<|im_end|>\n",
                               "<think>x</think> <tool_call>{\"a\": 1}</tool_call>", "  trailing   "]
-    with LlamaCppModel(files["default"][1]) as cpp:
+    with LlamaCppContext(files["default"][1]) as cpp:
         for text in texts:
             assert cpp.tokenize(text) == tok(text).input_ids, text
 
@@ -116,7 +116,7 @@ def test_greedy_ar_equals_clover_on_20_prompts(files, torch_models, name):
 
     model, tok = torch_models[name]
     ours = generate(model, tok, SAMPLE_PROMPTS, max_new_tokens=16, mode="ar")
-    with LlamaCppModel(files[name][1]) as cpp:  # llama.cpp's defaults (f16 K/V, flash attention on)
+    with LlamaCppContext(files[name][1]) as cpp:  # llama.cpp's defaults (f16 K/V, flash attention on)
         for prompt, gen in zip(SAMPLE_PROMPTS, ours):
             assert greedy_ar(cpp, tok(prompt).input_ids, 16, EOS) == gen.token_ids, prompt
 
@@ -152,5 +152,5 @@ def test_q4_k_through_llama_cpp_quantizer_runs(files, tmp_path):
     out = tmp_path / "q4_k.gguf"
     summary = export_gguf(files["default"][0], out, "q4_k")
     assert "Q4_K" in summary["tensor_types"]
-    with LlamaCppModel(out) as cpp:
+    with LlamaCppContext(out) as cpp:
         assert len(greedy_ar(cpp, cpp.tokenize(SAMPLE_PROMPTS[0]), 4)) == 4

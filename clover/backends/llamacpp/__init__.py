@@ -6,7 +6,7 @@ Layout of a build folder (`build/llamacpp` by default, or $CLOVER_LLAMACPP):
     llama_cpp_python-0.3.36/          the unpacked sdist (its `llama_cpp` Python package is used as is)
     stock/bin/                        libllama.so, libggml*.so, llama-simple (stock, unpatched)
 
-`LlamaCppModel` runs an exported GGUF (clover export-gguf) with one llama.cpp sequence per batch
+`LlamaCppContext` runs an exported GGUF (clover export-gguf) with one llama.cpp sequence per batch
 row: `decode` evaluates a token list per row at the row's next positions and returns every
 column's logits, so AR steps and all-logits batches of 8/16/32 tokens are the same call.
 """
@@ -100,7 +100,7 @@ def bindings(path: str | Path | None = None, variant: str = "stock"):
 KV_TYPES = {"f32": 0, "f16": 1}  # enum ggml_type
 
 
-class LlamaCppModel:
+class LlamaCppContext:
     """One GGUF in llama.cpp: `rows` sequences (seq ids 0..rows-1), f32 logits for any column.
     `variant="clover"` loads the patched library, whose `set_block` turns on block diffusion."""
 
@@ -242,7 +242,7 @@ class LlamaCppModel:
         return list(buf[:n])
 
 
-def greedy_ar(model: LlamaCppModel, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int, ...] = ()) -> list[int]:
+def greedy_ar(model: LlamaCppContext, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int, ...] = ()) -> list[int]:
     """Greedy AR decoding of one row in llama.cpp (prefill, then one token per decode)."""
     model.reset()
     out: list[int] = []
@@ -272,7 +272,7 @@ def teacher_forced_agreement(reference: str | Path, candidate: str | Path, promp
     """Share of positions where `candidate`'s greedy token equals `reference`'s, both reading the
     reference's greedy continuation of each prompt (one mismatch does not derail the rest)."""
     hits = total = 0
-    with LlamaCppModel(reference, build=build) as ref, LlamaCppModel(candidate, build=build) as cand:
+    with LlamaCppContext(reference, build=build) as ref, LlamaCppContext(candidate, build=build) as cand:
         for prompt in prompts:
             ids = ref.tokenize(prompt)
             cont = greedy_ar(ref, ids, new_tokens)

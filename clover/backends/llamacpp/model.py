@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import LlamaCppModel
+from . import LlamaCppContext
 
 
 @dataclass
@@ -108,7 +108,7 @@ class LlamaCppModel:
         n_ctx = n_ctx or config.max_position_embeddings
         extra = dict(kv_type="f32", flash_attn=False) if parity else {}
         # each row may hold a committed sequence, a backup (self_spec) and a scratch (draft) at once
-        self.cpp = LlamaCppModel(gguf_path, rows=3 * max_rows, n_ctx=n_ctx, threads=threads, kv_unified=True,
+        self.cpp = LlamaCppContext(gguf_path, rows=3 * max_rows, n_ctx=n_ctx, threads=threads, kv_unified=True,
                                  variant=variant, build=build, **extra)
         self.free = list(range(3 * max_rows))
 
