@@ -33,11 +33,12 @@ VARIANTS = ("stock", "clover")  # build sub-folders: unpatched llama.cpp, and wi
 
 
 def find_build(path: str | Path | None = None, variant: str = "stock") -> Path | None:
-    """The build folder (argument, $CLOVER_LLAMACPP, then <repo>/build/llamacpp) holding `variant`, or None."""
-    for cand in (path, os.environ.get("CLOVER_LLAMACPP"), REPO / "build" / "llamacpp"):
-        if cand and _is_build(Path(cand), variant):
-            return Path(cand)
-    return None
+    """The build folder holding `variant`, or None: the argument, else $CLOVER_LLAMACPP, else
+    <repo>/build/llamacpp. A folder the user named is the only one looked at (a wrong one is an error
+    in `require_build`, never a silent fall-back to another build)."""
+    given = path or os.environ.get("CLOVER_LLAMACPP")
+    cand = Path(given) if given else REPO / "build" / "llamacpp"
+    return cand if _is_build(cand, variant) else None
 
 
 def _is_build(folder: Path, variant: str) -> bool:
