@@ -493,6 +493,31 @@ def test_user_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
         assert "clover/" not in "".join(x for x in p.stderr.splitlines() if x.strip().startswith("File "))
 
 
+def test_user_error_under_the_clover_launcher_is_one_line_and_exit_2(tmp_path):
+    """`--nproc-per-node 2` starts the ranks as torchrun does; a mistake every rank finds is then the one
+    line of rank 0 and exit code 2, with no launcher report or traceback after it."""
+    cfg = _train_toml(tmp_path)
+    for argv, line in ((["generate", "--nproc-per-node", "2", "--tp", "2", "--runner", "compiled", "--prompt", "ab"],
+                        "clover generate: error: --runner compiled runs in one process: not with --tp / --ep"),
+                       (["train", "--nproc-per-node=2", "--config", str(cfg), "--resume"],
+                        f"clover train: error: --resume: no checkpoint in {tmp_path / 'run' / 'checkpoints'}")):
+        code, err = clover_cli(*argv)
+        assert code == 2 and err.strip().splitlines() == [line], err
+    assert clover_cli("train", "--nproc-per-node", "0", "--config", cfg) == (
+        2, "clover train: error: --nproc-per-node must be >= 1, got 0\n")
+    p = subprocess.run([sys.executable, "-m", "clover", "train", "--nproc-per-node", "2", "--config", str(cfg),
+                        "--max-steps", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0 and p.stderr == "", p.stderr  # a run that works: both ranks trained, nothing else said
+    assert '"world_size": 2' in p.stdout and (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
+
+
+def test_the_launcher_drops_only_its_own_flag():
+    from clover.distributed.launch import without_flag
+
+    assert without_flag(["train", "--nproc-per-node", "2", "--config", "c.toml"]) == ["train", "--config", "c.toml"]
+    assert without_flag(["train", "--nproc-per-node=4", "--lr", "2"]) == ["train", "--lr", "2"]
+
+
 def test_compile_time_is_announced_on_a_terminal_and_kept_out_of_the_speed():
     import io
 

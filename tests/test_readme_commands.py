@@ -49,8 +49,9 @@ EXPECTED = {
         ("elsewhere", "compiles for minutes on a CPU; tests/test_runner_compiled.py"),
     "clover export-gguf clover/assets/default model.gguf --outtype q8_0": RUN,
     'clover generate --prompt "What is 47+385?" --backend llamacpp': ("build", "no llama.cpp build"),
-    "torchrun --nproc-per-node 2 -m clover train": ("elsewhere", "tests/test_distributed_train.py; its data: `make model`"),
-    "torchrun --nproc-per-node 2 -m clover generate --tp 2": ("elsewhere", "tests/test_distributed_infer.py"),
+    "clover train --nproc-per-node 2": ("elsewhere", "tests/test_distributed_train.py and the launcher's test in "
+                                        "tests/test_cli_errors.py; its data: `make model`"),
+    "clover generate --nproc-per-node 2 --tp 2": ("elsewhere", "tests/test_distributed_infer.py"),
 }
 
 

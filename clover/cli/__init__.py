@@ -52,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    nproc = getattr(args, "nproc_per_node", None)
+    if nproc is not None and "LOCAL_RANK" not in os.environ:
+        if nproc < 1:
+            print(f"clover {args.command}: error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr)
+            return 2
+        from ..distributed.launch import launch, without_flag
+
+        return launch(nproc, without_flag(list(sys.argv[1:] if argv is None else argv)))
     from .options import setup_process
 
     setup_process(args)

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..distributed.flags import add_parallel_flags
+from ..distributed.flags import add_launch_flag, add_parallel_flags
 from . import UserError, print_json
 from .options import add_generation_args, add_model_args, check_runner, decode_config, utf8
 
@@ -31,6 +31,7 @@ def register(sub) -> None:
     p.add_argument("--json-schema", metavar="FILE",
                    help="write JSON that follows this schema (keys laid out, values infilled; see docs/structured.md)")
     add_parallel_flags(p)
+    add_launch_flag(p)
     p.add_argument("--backend", choices=["torch", "llamacpp"], default="torch",
                    help="llamacpp: run the model in the patched llama.cpp build (make llamacpp; docs/llamacpp.md)")
     p.add_argument("--gguf", metavar="FILE", help="--backend llamacpp: the model's exported GGUF (default: export "

@@ -18,6 +18,7 @@ import json
 import tomllib
 import typing
 
+from ..distributed.flags import add_launch_flag
 from . import UserError, print_json
 
 
@@ -34,6 +35,7 @@ def register(sub) -> None:
     p.add_argument("--config", help="TOML file with TrainConfig keys")
     p.add_argument("--resume", action="store_true", help="continue from <out_dir>/checkpoints/latest")
     add_field_args(p)  # TrainConfig is torch-free (clover/training/config.py)
+    add_launch_flag(p)
     p.set_defaults(func=run)
 
 

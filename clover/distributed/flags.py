@@ -10,6 +10,13 @@ def is_worker() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
 
 
+def add_launch_flag(p) -> None:
+    """--nproc-per-node: start the command's ranks here, as torchrun would (clover/distributed/launch.py)."""
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="run on N local processes, as `torchrun --standalone --nproc-per-node N -m clover ...` "
+                        "does, but a mistake in the arguments is one line and exit code 2")
+
+
 def add_parallel_flags(p) -> None:
     """--tp / --ep of the commands that run a model (`clover train` takes `ep` from TrainConfig)."""
     g = p.add_argument_group("parallelism (under torchrun; docs/distributed.md)")
