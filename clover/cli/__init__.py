@@ -52,18 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    nproc = getattr(args, "nproc_per_node", None)
-    if nproc is not None and "LOCAL_RANK" not in os.environ:
-        if nproc < 1:
-            print(f"clover {args.command}: error: --nproc-per-node must be >= 1, got {nproc}", file=sys.stderr)
-            return 2
-        from ..distributed.launch import launch, without_flag
-
-        return launch(nproc, without_flag(list(sys.argv[1:] if argv is None else argv)))
     from .options import setup_process
 
-    setup_process(args)
+    launching = getattr(args, "nproc_per_node", None) is not None and "LOCAL_RANK" not in os.environ
+    if not launching:
+        setup_process(args)
     try:
+        if launching:
+            return launched(args, argv)
         rc = int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         if os.environ.get("CLOVER_DEBUG"):
@@ -77,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the program itself (in-process callers keep their own Ctrl-C)
         finished()
     return rc
+
+
+def launched(args, argv: list[str] | None) -> int:
+    """`--nproc-per-node N`: the same command on N local ranks (clover/distributed/launch.py)."""
+    if args.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    from ..distributed.launch import launch, without_flag
+
+    return launch(args.nproc_per_node, without_flag(list(sys.argv[1:] if argv is None else argv)))
 
 
 def quiet_rank() -> bool:
