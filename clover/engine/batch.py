@@ -33,17 +33,17 @@ class RowBatch:
     layout = Layout()  # where windows sit (engine/layout.py); the engine sets the model's
 
     @classmethod
-    def for_runner(cls, runner, width: int, clean_bs: int, mask_id: int, device, prefill_chunk: int) -> "RowBatch":
+    def for_runner(cls, runner, width: int, clean_block_size: int, mask_id: int, device, prefill_chunk: int) -> "RowBatch":
         """A row batch whose prompts' last chunk rides with the first window: a runner that caps the
         tokens of a forward (compiled graphs) gets chunks that fit with the window (a 60-token tail and
         4 columns is 64, not 68)."""
         cap = runner.prefill_chunk
         if cap:
-            prefill_chunk = min(prefill_chunk, max(cap - width, clean_bs))
-        return cls(runner, width, clean_bs, mask_id, device, prefill_chunk)
+            prefill_chunk = min(prefill_chunk, max(cap - width, clean_block_size))
+        return cls(runner, width, clean_block_size, mask_id, device, prefill_chunk)
 
-    def __init__(self, runner, width: int, clean_bs: int, mask_id: int, device, prefill_chunk: int):
-        self.runner, self.width, self.clean_bs = runner, width, clean_bs  # window columns, clean windows
+    def __init__(self, runner, width: int, clean_block_size: int, mask_id: int, device, prefill_chunk: int):
+        self.runner, self.width, self.clean_block_size = runner, width, clean_block_size  # window columns, clean windows
         self.mask_id, self.device, self.prefill_chunk = mask_id, device, prefill_chunk
         self.seqs: list[Sequence] = []
         self.cache = None
@@ -56,7 +56,7 @@ class RowBatch:
         starts as the layout's first window ([last prompt token, MASK...] for Clover)."""
         cache = self.runner.new_cache(len(seqs), capacity=capacity)
         pending = self.prefill(seqs, cache)
-        first = [self.layout.first_window(s.prompt_ids, self.clean_bs, self.width, self.mask_id) for s in seqs]
+        first = [self.layout.first_window(s.prompt_ids, self.clean_block_size, self.width, self.mask_id) for s in seqs]
         window = torch.tensor(first, dtype=torch.long, device=self.device)
         if self.seqs:
             self.cache.append_rows(cache)
@@ -67,10 +67,10 @@ class RowBatch:
         self.window = window
         self.seqs += seqs
 
-    def commit_next(self, pending: Pending, clean_bs: int) -> None:
+    def commit_next(self, pending: Pending, clean_block_size: int) -> None:
         """The next forward commits `pending` (clean ids, left padding) first, as clean windows of
-        `clean_bs` (a job's finished window: one clean block of its own width)."""
-        self.pending, self.clean_bs = pending, clean_bs
+        `clean_block_size` (a job's finished window: one clean block of its own width)."""
+        self.pending, self.clean_block_size = pending, clean_block_size
 
     def drop_finished(self) -> torch.Tensor | None:
         """Free the rows of finished sequences; returns the kept row indices when some left (for the
@@ -99,7 +99,7 @@ class RowBatch:
         """Commit the prompt up to its first window (prompt[:-1] for Clover; the layout's), left-padded,
         in chunks whose boundaries fall on clean windows counted from the end; returns the last
         chunk, to be fused with the first decoding forward."""
-        cleans = [self.layout.prefilled(s.prompt_ids, self.clean_bs) for s in seqs]
+        cleans = [self.layout.prefilled(s.prompt_ids, self.clean_block_size) for s in seqs]
         width = max(map(len, cleans))
         if width == 0:
             return None
@@ -110,7 +110,7 @@ class RowBatch:
                 ids[r, width - len(c):] = torch.tensor(c)
                 pad[r, width - len(c):] = False
         ids, pad = ids.to(self.device), pad.to(self.device)
-        bs = self.clean_bs
+        bs = self.clean_block_size
         chunk = max(bs, self.prefill_chunk // bs * bs)
         cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]
         for a, b in zip(cuts[:-2], cuts[1:-1]):
@@ -137,7 +137,7 @@ class RowBatch:
         for s in self.seqs:
             s.forward_passes += 1
         return self.runner.forward(ids, self.cache, block_size=block_size, draft_len=draft_len,
-                                   clean_block_size=self.clean_bs, pad_mask=pad, logits_to_keep=keep,
+                                   clean_block_size=self.clean_block_size, pad_mask=pad, logits_to_keep=keep,
                                    logits_index=index)
 
 
@@ -155,12 +155,12 @@ def _stack_pending(a, rows_a: int, b, rows_b: int, device) -> Pending | None:
     return ids, pad if bool(pad.any()) else None
 
 
-def merge(batches: list[RowBatch], clean_bs: int) -> RowBatch:
+def merge(batches: list[RowBatch], clean_block_size: int) -> RowBatch:
     """One temporary batch over the rows of several (for one shared forward): their caches copied
-    side by side, their pending segments (one clean window size, `clean_bs`) left-padded to a
+    side by side, their pending segments (one clean window size, `clean_block_size`) left-padded to a
     common width. `split` hands the rows back afterwards."""
     first = batches[0]
-    out = RowBatch(first.runner, first.width, clean_bs, first.mask_id, first.device, first.prefill_chunk)
+    out = RowBatch(first.runner, first.width, clean_block_size, first.mask_id, first.device, first.prefill_chunk)
     out.cache = first.cache.copy_rows()
     out.pending, rows = first.pending, len(first.seqs)
     for b in batches[1:]:

@@ -42,7 +42,7 @@ class Engine:
         self.eos = set(cfg.eos)
         layout = Layout.of(self.seam, cfg.mode)
         self.mode = make_mode(cfg, self.mask_id, self.device, make_generator(cfg.sampling, self.device), hook, layout)
-        self.batch = RowBatch.for_runner(self.runner, self.mode.width, self.mode.clean_bs, self.mask_id, self.device,
+        self.batch = RowBatch.for_runner(self.runner, self.mode.width, self.mode.clean_block_size, self.mask_id, self.device,
                                          cfg.prefill_chunk)
         self.batch.layout = layout
         self.added = 0

@@ -44,7 +44,7 @@ class Mode:
     """Shared by every mode: the block size, EOS ids and the sampler."""
 
     width = 1  # columns of the per-row window
-    clean_bs = 1  # clean window size of commits
+    clean_block_size = 1  # clean window size of commits
     commits_window = False  # the window's columns are clean (committed by the forward that reads them)
     layout = Layout()  # where windows sit (engine/layout.py); make_mode sets the model's
 
@@ -225,7 +225,7 @@ class DiffusionMode(Mode):
     def __init__(self, cfg, mask_id: int, device, generator):
         super().__init__(cfg, mask_id, device, generator)
         self.policy = make_policy(cfg.mode, cfg.block_size, cfg.threshold, cfg.steps)
-        self.width = self.clean_bs = cfg.block_size
+        self.width = self.clean_block_size = cfg.block_size
         self.eos_t = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.state: BlockState | None = None
         self.cols: torch.Tensor | None = None  # the head's columns of the forward planned last (None: all)

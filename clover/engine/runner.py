@@ -95,10 +95,10 @@ class CompiledRunner(EagerRunner):
             (ids, pad, num_clean), steady = padded, True
         if not steady:
             return self._eager(given, cache, call)
-        clean_bs, block = self.model.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
+        clean_block_size, block = self.model.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
         rows = ids.shape[0]
         run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
-        key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_bs, block)
+        key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_block_size, block)
         logits, replayed = self.state.call(key, run_ids, run_pad, run_cache, replay=self.replay, defer=self.defer)
         if logits is None:
             return self._eager(given, cache, call)

@@ -63,9 +63,9 @@ class Job:
         n = self.need
         return n.window.shape[1], n.draft_len, n.keep, n.block_size
 
-    def clean_bs(self) -> int | None:
+    def clean_block_size(self) -> int | None:
         """The clean window size of the pending segment (None: nothing pending, fits any forward)."""
-        return self.batch.clean_bs if self.batch.pending is not None else None
+        return self.batch.clean_block_size if self.batch.pending is not None else None
 
 
 def partition(jobs: list[Job]) -> list[list[Job]]:
@@ -74,7 +74,7 @@ def partition(jobs: list[Job]) -> list[list[Job]]:
     groups: dict[tuple, list[Job]] = {}
     loose: list[Job] = []
     for job in jobs:
-        bs = job.clean_bs()
+        bs = job.clean_block_size()
         (loose if bs is None else groups.setdefault((job.shape(), bs), [])).append(job)
     for job in loose:
         key = next((k for k in groups if k[0] == job.shape()), (job.shape(), None))
@@ -87,7 +87,7 @@ def forward(group: list[Job]) -> list[torch.Tensor]:
     need = group[0].need
     if len(group) == 1:
         return [group[0].batch.forward(need.window, need.draft_len, need.keep, need.block_size)]
-    bs = next((b for b in (j.clean_bs() for j in group) if b is not None), group[0].batch.clean_bs)
+    bs = next((b for b in (j.clean_block_size() for j in group) if b is not None), group[0].batch.clean_block_size)
     batches = [j.batch for j in group]
     merged = merge(batches, bs)
     window = torch.cat([j.need.window for j in group])

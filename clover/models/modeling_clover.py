@@ -89,16 +89,16 @@ def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
-def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad, device, static: bool = False) -> Layout:
+def stream_layout(cfg, batch, length, draft_len, clean_block_size, draft_bs, cache, pad, device, static: bool = False) -> Layout:
     """`static`: the attention layers write every column's K/V into the cache in place (clean
     columns at their commit slots, draft columns in the scratch slots after them, past the row's
     new length, which no later query reads) and attend over the cache's whole capacity, masked
     past each row's length: shapes stay fixed while rows grow (compiled runner), no host sync reads
     the lengths and no step copies the cache (a cat of prefix and new keys would)."""
     num_clean = length - draft_len
-    wid = window_ids(num_clean, clean_bs, device)
+    wid = window_ids(num_clean, clean_block_size, device)
     if draft_len:
-        first_draft = -(-num_clean // clean_bs)  # the clean windows' count (no host sync: traceable)
+        first_draft = -(-num_clean // clean_block_size)  # the clean windows' count (no host sync: traceable)
         wid = torch.cat([wid, torch.full((draft_len,), first_draft, device=device)])
     lens = cache.lens if cache is not None else torch.zeros(batch, dtype=torch.long, device=device)
     npad = pad.sum(1) if pad is not None else torch.zeros(batch, dtype=torch.long, device=device)
@@ -119,11 +119,11 @@ def stream_layout(cfg, batch, length, draft_len, clean_bs, draft_bs, cache, pad,
             new = old.scatter(2, slots[:, None, :].expand(-1, length, -1), new)
         else:
             new = torch.cat([old, new], dim=-1)
-    calib = _calibration_rows(cfg, [(num_clean, clean_bs), (draft_len, draft_bs)], device)
+    calib = _calibration_rows(cfg, [(num_clean, clean_block_size), (draft_len, draft_bs)], device)
     # one window size throughout (a prompt chunk; a window alone or with the block it commits)
-    window = draft_len if not num_clean else clean_bs if draft_len in (0, clean_bs) else 0
+    window = draft_len if not num_clean else clean_block_size if draft_len in (0, clean_block_size) else 0
     return Layout(wid, positions, new[:, None], same[:, None] if calib is not None and not window else None, calib,
-                  num_clean, pad, clean_block_size=clean_bs, prefix=prefix, slots=slots, window=window)
+                  num_clean, pad, clean_block_size=clean_block_size, prefix=prefix, slots=slots, window=window)
 
 
 def training_layout(cfg, batch, length, block, device) -> Layout:
@@ -599,9 +599,9 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
     def prepare_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
                        static: bool = False) -> Layout:
         """Validate, make room in the cache and build the layout (host-side work, before the layers)."""
-        clean_bs, block = self.check_stream(input_ids, cache, block_size, draft_len, clean_block_size, static)
+        clean_block_size, block = self.check_stream(input_ids, cache, block_size, draft_len, clean_block_size, static)
         batch, length = input_ids.shape
-        return stream_layout(self.config, batch, length, draft_len, clean_bs, block, cache, pad_mask,
+        return stream_layout(self.config, batch, length, draft_len, clean_block_size, block, cache, pad_mask,
                              input_ids.device, static)
 
     def check_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None,

@@ -152,17 +152,17 @@ class LlamaCppModel:
                 out[i] = r
         return out
 
-    def commit_chunks(self, n_clean: int, clean_bs: int, rows: int, pad: list[list[bool]]) -> list[list[int]]:
-        """The clean segment's columns, one list per decode. Causal (clean_bs 1): all in one. Block mode:
-        the windows of clean_bs anchored at the segment's end, as many per decode as fit in n_batch (the
+    def commit_chunks(self, n_clean: int, clean_block_size: int, rows: int, pad: list[list[bool]]) -> list[list[int]]:
+        """The clean segment's columns, one list per decode. Causal (clean_block_size 1): all in one. Block mode:
+        the windows of clean_block_size anchored at the segment's end, as many per decode as fit in n_batch (the
         patch keeps attention, the bidirectional branch and the right conv inside each window of a
         sequence's tokens, windows anchored at their end) when each row's padding is a prefix of the
         segment (so its real tokens keep those windows); else one window per decode."""
-        if clean_bs <= 1:
+        if clean_block_size <= 1:
             return [list(range(n_clean))]
         from ...models.modeling_clover import window_ids
 
-        wid = window_ids(n_clean, clean_bs).tolist()
+        wid = window_ids(n_clean, clean_block_size).tolist()
         windows = [[c for c in range(n_clean) if wid[c] == w] for w in sorted(set(wid))]
         if not all(p[:n_clean] == sorted(p[:n_clean], reverse=True) for p in pad):  # padding not only on the left
             return windows
@@ -181,7 +181,7 @@ class LlamaCppModel:
         ids = input_ids.tolist()
         rows, length = len(ids), len(ids[0])
         block = block_size or 1
-        clean_bs = clean_block_size or (block if draft_len else 1)
+        clean_block_size = clean_block_size or (block if draft_len else 1)
         n_clean = length - draft_len
         pad = pad_mask.tolist() if pad_mask is not None else [[False] * length for _ in range(rows)]
         keep = logits_to_keep or length
@@ -200,14 +200,14 @@ class LlamaCppModel:
 
         # 1. commit the clean segment
         if n_clean:
-            for cols in self.commit_chunks(n_clean, clean_bs, rows, pad):
+            for cols in self.commit_chunks(n_clean, clean_block_size, rows, pad):
                 toks, want, where = [], [], []
                 for r in range(rows):
                     real = [c for c in cols if not pad[r][c]]
                     toks.append([ids[r][c] for c in real])
                     where.append([c for c in real if c in slot])
                     want.append([j for j, c in enumerate(real) if c in slot])
-                res = self.decode(toks, seqs, clean_bs if clean_bs > 1 else 0, want)
+                res = self.decode(toks, seqs, clean_block_size if clean_block_size > 1 else 0, want)
                 for r in range(rows):
                     cache.record(seqs[r], toks[r])
                     fill(r, where[r], res[r])
