@@ -15,6 +15,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/python -c "from clover.ops.linear import tiled; tiled.prepare(print)"  # the C++ CPU kernels, built once here
 	touch $@
 
 install: $(VENV)/.installed

@@ -32,9 +32,10 @@ weight made under `torch.inference_mode` has no version counter: it runs unpacke
 Eager forwards never call it; compiled CPU graphs do where `ops.linear.graph_linear_kernel` says so.
 
 The same extension holds ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below) and
-ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled on first use by
-torch.utils.cpp_extension (`-O3 -march=native`, cached under torch's extensions dir, rebuilt when
-the source changes). Where that fails (no compiler) or the CPU is not x86-64, `available()` is
+ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled by torch.utils.cpp_extension
+(`-O3 -march=native`, cached under torch's extensions dir, rebuilt when the source changes): by
+`make install`, by `clover serve` before it serves and `clover generate` before it decodes (`prepare`,
+which says so when it compiles), else on the first `available()`. Where that fails (no compiler) or the CPU is not x86-64, `available()` is
 False and graphs keep torch's ops.
 """
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import sys
 import warnings
 from pathlib import Path
 
@@ -57,14 +59,46 @@ LINEAR_DTYPES = ("float32", "bfloat16")  # CLOVER_LINEAR_DTYPE / --linear-dtype
 
 
 def available() -> bool:
-    """Whether `clover_cpu::linear` is loaded (built on the first call; False where it cannot be)."""
+    """Whether `clover_cpu::linear` is loaded (built on the first call; False where it cannot be).
+    `clover serve` and `clover generate` call it at start-up (`prepare`), never inside a request."""
     if "ok" not in _state:
         _state["ok"] = _load()
     return _state["ok"]
 
 
+def prepare(say=None) -> bool:
+    """Build (or load) the kernels now, before any request needs them; `say(line)` is told first
+    when a build compiles (no built library for these sources yet). Returns `available()`."""
+    if "ok" not in _state and say is not None and _supported() and needs_build():
+        say(f"clover: building the C++ CPU kernels (once; cached in {_build_dir()}) ...")
+    return available()
+
+
+def prepare_for(model) -> bool:
+    """`prepare` for a model on the CPU (others never call the kernels), said on stderr."""
+    device = getattr(model, "device", None)
+    return getattr(device, "type", None) == "cpu" and prepare(lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _supported() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("CLOVER_NO_TILED") != "1"
+
+
+def _build_dir() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("clover_cpu_ops", verbose=False))
+
+
+def needs_build() -> bool:
+    """Whether loading the kernels compiles them: no built library, or one older than a source."""
+    built = list(_build_dir().glob("clover_cpu_ops*.so"))
+    newest = max((p.stat().st_mtime for p in (_SOURCE, *_MORE_SOURCES)), default=0.0)
+    return not built or max(p.stat().st_mtime for p in built) < newest
+
+
 def _load() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64") or os.environ.get("CLOVER_NO_TILED") == "1":
+    if not _supported():
         return False
     try:
         from torch.utils.cpp_extension import load
