@@ -143,16 +143,13 @@ def test_cli_generate_on_a_family_folder(tmp_path):
     assert len(run.stderr.strip().splitlines()) == 1
     run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--runner", "compiled")
     assert run.returncode == 2 and "--runner eager" in run.stderr and len(run.stderr.strip().splitlines()) == 1
-    (tmp_path / "s.json").write_text('{"type": "object"}')
-    run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--json-schema", str(tmp_path / "s.json"))
-    assert run.returncode == 2 and "--json-schema" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("model_type", ["sdar", "Fast_dLLM_Qwen"])
 def test_clover_serve_on_a_family_folder(tmp_path, model_type, monkeypatch, capsys):
     """`clover serve --model DIR` (in-process; uvicorn's run hands over its app): chat and stream with
-    the official client through the family's own chat template; structured output refused in one
-    400 (the structured decoders lay windows out as Clover's, not as the families')."""
+    the official client through the family's own chat template; /v1/decide refused in one 400 (its
+    slots are laid out as Clover's windows; structured output: tests/test_families_structured.py)."""
     import openai
     import uvicorn
     from server_utils import RunningServer, client
@@ -178,9 +175,8 @@ def test_clover_serve_on_a_family_folder(tmp_path, model_type, monkeypatch, caps
         chunks = list(c.chat.completions.create(model="fam", messages=messages, max_tokens=6, stream=True))
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert text == got.choices[0].message.content  # greedy: the same reply
-        fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
-        with pytest.raises(openai.BadRequestError, match="lay windows out as Clover's"):
-            c.chat.completions.create(model="fam", messages=messages, max_tokens=30, response_format=fmt)
+        with pytest.raises(openai.BadRequestError, match="absolute positions"):  # decide's slots are Clover's
+            c.post("/decide", body={"material": "x", "questions": [{"question": "a?", "options": ["y", "n"]}]}, cast_to=dict)
 
 
 @pytest.mark.parametrize("model_type", ["llada2_moe", "Fast_dLLM_Qwen"])

@@ -1,6 +1,7 @@
 """`clover generate`: prompts through the decoding engine; plain text, `--json`, or a live view of
 the denoising (`--show`), and optionally a picture of the fill order (`--trajectory-out`).
-`--json-schema FILE`: a JSON value following the schema, by infilling (docs/structured.md)."""
+`--json-schema FILE`: a JSON value following the schema, by infilling (docs/structured.md); a public family
+decodes it under the schema's grammar in its own block layout (docs/families.md)."""
 
 from __future__ import annotations
 
@@ -100,14 +101,9 @@ def run_schema(args) -> int:
     from ..api import model_folder
     from ..structured import generate_json
 
-    from ..utils.checkpoint import families_module
-
     schema = read_schema(args.json_schema)
     prompts = read_prompts(args)
     model_folder(args.model)
-    if args.model and families_module().is_family_folder(args.model):
-        raise UserError("--json-schema does not run the public block-diffusion families yet (the structured "
-                        "decoders lay windows out as Clover's)")
     cfg = decode_config(args)
     for flag, given in (("--show", args.show), ("--trajectory-out", args.trajectory_out), ("--think", args.think),
                         ("--mode", cfg.mode != "low_confidence")):

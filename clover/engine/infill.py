@@ -38,6 +38,7 @@ import torch
 from ..settings import DEFAULTS, check_block_size
 from .batch import RowBatch
 from .engine import DecodeConfig, Engine
+from .family_grammar import absolute_blocks, decode_blocks_task
 from .runner import make_runner
 from .sequence import sequences
 from .slots import Forward, Job, drive
@@ -403,6 +404,8 @@ def decode_constrained_task(model, prompt, allow, accept, stops, max_new_tokens,
     if max_new_tokens < 1:
         return [], False, 0
     rule = Constraint(allow, accept, stops, generator, closers, wrap_up, max_new_tokens, model.config.mask_token_id)
+    if absolute_blocks(model):  # a public family: its own block layout (engine/family_grammar.py)
+        return (yield from decode_blocks_task(model, prompt, rule))
 
     def start(runner: str = "eager", defer: bool = False):
         engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1, runner=runner),

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..chat import call_frame_ids
+from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import Task
 from ..settings import MODES, DecodeConfig
 from .choice import Choice
@@ -386,15 +387,8 @@ class Routes:
     async def structured(self, request: Request, steps):
         """A task (engine/slots.py): planned up to its first job off the event loop, its jobs run by the
         scheduler (batched with other requests'); ValueError -> 400. A client that goes away cancels
-        it at once (the reply is not sent). A model laid out otherwise than Clover (no shift, or
-        absolute blocks: the public families, engine/layout.py) is refused: the structured paths lay
-        windows out as Clover's."""
-        if not getattr(self.model, "shift", True) or getattr(self.model, "block_align", "relative") != "relative":
-            steps.close()
-            raise APIError(400, "structured output (response_format json, a forced tool call, decide) is not "
-                           "available for this model yet: the structured decoders lay windows out as Clover's (token "
-                           "shift, blocks right after the prompt), and this model predicts each masked position "
-                           "itself (no token shift) or keeps its blocks at absolute positions", param="response_format")
+        it at once (the reply is not sent). The public families (blocks at absolute positions) decode
+        under the grammar in their own block layout (engine/family_grammar.py)."""
         task = Task(steps)
         await self.off_loop(task.resume)
         if task.job is not None:
@@ -445,6 +439,10 @@ class Routes:
 
         self.check_model(req)
         self.check_text(req)
+        if absolute_blocks(self.model):
+            raise APIError(400, "decide is not available for this model: its answer slots are laid out as Clover's "
+                           "windows (token shift, blocks right after the prompt), and this model keeps its blocks at "
+                           "absolute positions (a public family)", param="model")
         questions = [q.model_dump(exclude_none=True) for q in req.questions]
         if not req.material.strip():
             raise APIError(400, "material is empty", param="material")

@@ -23,7 +23,8 @@ from ..structured.generate import infill_json_task
 from ..structured.grammar import grammar_json_task
 from ..structured import check as check_schema
 from ..settings import eos_ids
-from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, IM_END, new_call_id
+from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, TURN_ENDS, new_call_id
+from ..engine.family_grammar import absolute_blocks, choose_token_task
 from ..engine.infill import Row, Slot, denoise_task, pieces
 from ..engine.slots import drive
 from .protocol import APIError, ToolPlan, forced_name
@@ -204,10 +205,12 @@ MAX_TOOL_CALLS = 8  # calls in one reply under tool_choice "required" with paral
 
 
 def _end_of_turn(model, tokenizer) -> int:
-    """The token that ends an assistant turn: <|im_end|> when the tokenizer has it, else its first EOS."""
-    end = tokenizer.convert_tokens_to_ids(IM_END)
-    if isinstance(end, int) and end != tokenizer.unk_token_id and 0 <= end < model.config.vocab_size:
-        return end
+    """The token that ends an assistant turn: the family's (chat.TURN_ENDS: <|im_end|>, LLaDA2's <|role_end|>)
+    when the tokenizer has it, else its first EOS."""
+    for token in TURN_ENDS:
+        end = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(end, int) and end != tokenizer.unk_token_id and 0 <= end < model.config.vocab_size:
+            return end
     return eos_ids(model, tokenizer)[0]
 
 
@@ -216,6 +219,9 @@ def another_call(model, tokenizer, context: list[int], threshold: float, block_s
     over the next token, the newline before another `<tool_call>` block or the end of the turn; the
     model's choice, (True: another, forwards)."""
     newline = pieces(tokenizer, ["\n"], before=CALL_CLOSE, after=CALL_OPEN)[0][:1]
+    if absolute_blocks(model):  # a public family: one token in its own layout (engine/family_grammar.py)
+        pick, forwards = yield from choose_token_task(model, context, newline + [_end_of_turn(model, tokenizer)])
+        return pick == 0, forwards
     slot = Slot([], [], choices=[newline, [_end_of_turn(model, tokenizer)]], values=[True, False], name="another call")
     row = Row(context, [slot], block_size, model.config.max_block_size)
     yield from denoise_task(model, [row], threshold)
@@ -229,8 +235,13 @@ def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan]
     (name, result, arguments text, finish_reason, verdict)."""
     forwards = 0
     if len(plans) > 1:
-        pick = yield from infill_json_task(model, tokenizer, context, {"enum": list(plans)}, prefix=lead + CALL_HEAD,
-                                           suffix=', "arguments":', threshold=threshold, block_size=block_size)
+        names = {"enum": list(plans)}
+        if absolute_blocks(model):  # a public family: the grammar path, in its own layout
+            pick = yield from grammar_json_task(model, tokenizer, context, names, prefix=lead + CALL_HEAD,
+                                                suffix=', "arguments":', max_new_tokens=room)
+        else:
+            pick = yield from infill_json_task(model, tokenizer, context, names, prefix=lead + CALL_HEAD,
+                                               suffix=', "arguments":', threshold=threshold, block_size=block_size)
         name, forwards = pick.value, pick.forward_passes
     else:
         name = next(iter(plans))

@@ -20,6 +20,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 
 from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends_after, in_context, pieces,
                              token_ids, vocab_mask)
+from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import drive
 from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
 from . import schema as sk
@@ -84,6 +85,9 @@ def infill_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: st
                      threshold: float = INFILL_THRESHOLD, block_size: int = 32, max_string_tokens: int = 16):
     start = time.perf_counter()
     skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(normalize(schema))
+    if absolute_blocks(model):  # slots are laid out as Clover's windows: a family takes the grammar path
+        raise sk.Unsupported("this model keeps its blocks at absolute positions (a public family): its JSON is "
+                             "decoded under the schema's grammar in its own block layout")
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     check_threshold(threshold)

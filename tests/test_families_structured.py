@@ -1,0 +1,233 @@
+"""Structured output and tool calls for the public families (SDAR, SDAR-MoE, LLaDA2, Fast-dLLM v2),
+decoded under the grammar in each family's own block layout (clover/engine/family_grammar.py):
+
+* the block decoder (a confident left prefix of each block's masks per forward, every token passed
+  by the grammar) gives the tokens of a slow reference written plainly - the whole sequence
+  recomputed without a cache for every forward, the same left-prefix rule - for several rows
+  decoded side by side in one slot mode (shared forwards), at a threshold that fills several
+  tokens per forward and at one that fills one;
+* `clover serve --model DIR` on a random-weight folder in each family's published layout, with the
+  official openai client: chat, stream, forced tool calls (tool_choice "required" and a named
+  function), tool_choice "auto", response_format json_schema (whole and streamed) - every JSON reply
+  valid for its schema, max_tokens too small for any valid document a 400;
+* `clover generate --model DIR --json-schema FILE`."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+import torch
+from family_chat import write_chat_family
+from test_families import VOCAB, confident, write_family
+
+from clover.engine.family_grammar import decode_blocks_task, fill_prefix
+from clover.engine.infill import Constraint
+from clover.engine.slots import SlotMode, Task
+from clover.models.family_seam import FamilySeam
+
+FAMILIES = ["sdar", "sdar_moe", "llada2_moe", "Fast_dLLM_Qwen"]
+STOP = 2  # the folders' EOS
+LENGTHS = (5, 8, 3, 10)  # odd, a whole block, shorter than a block
+
+
+class Toy:
+    """A grammar whose allowed tokens depend on the tokens accepted so far (the previous one and the
+    count): ordinary tokens only, the stop token once `least` are written, done after `most`."""
+
+    def __init__(self, least: int = 6, most: int = 15):
+        self.prev, self.n, self.least, self.most = 0, 0, least, most
+
+    def allowed(self) -> torch.Tensor:
+        ok = torch.tensor([t >= 6 and (3 * t + 5 * self.prev + self.n) % 4 != 0 for t in range(VOCAB)])
+        ok[STOP] = self.n >= self.least
+        return ok
+
+    def allow(self, logits: torch.Tensor) -> None:
+        logits[:, ~self.allowed()] = float("-inf")
+
+    def accept(self, t: int) -> bool:
+        assert bool(self.allowed()[t]), "a token the grammar forbids was committed"
+        self.prev, self.n = t, self.n + 1
+        return self.n < self.most and t != STOP
+
+
+def toy_rule(mask: int, budget: int = 40) -> Constraint:
+    g = Toy()
+    return Constraint(g.allow, g.accept, {STOP}, None, None, 0, budget, mask)
+
+
+def reference(seam, prompt: list[int], block: int, threshold: float) -> tuple[list[int], int]:
+    """The slow decoder: every forward recomputes the whole sequence (prompt, tokens so far, the
+    current block's masks) with no cache; the block's masked positions are read left to right, the
+    first always taken, each next one while its allowed choice has probability >= threshold."""
+    g, mask, shift = Toy(), seam.config.mask_token_id, seam.shift
+    tokens, forwards = [], 0
+    while True:
+        n = len(prompt) + len(tokens)
+        end = (n // block + 1) * block
+        ids = torch.tensor([prompt + tokens + [mask] * (end - n)])
+        logits = seam(ids, block_size=block).logits[0].float()
+        forwards += 1
+        for i, pos in enumerate(range(n, end)):
+            row = logits[pos - 1 if shift else pos].clone()
+            row[mask] = float("-inf")
+            row[~g.allowed()] = float("-inf")
+            t = int(row.argmax())
+            if i > 0 and float(torch.softmax(row, -1)[t]) < threshold:
+                break
+            more = g.accept(t)
+            if t == STOP:
+                return tokens, forwards
+            tokens.append(t)
+            if not more:
+                return tokens, forwards
+
+
+def side_by_side(seam, prompts, block: int, threshold: float):
+    """The block decoder's (tokens, forwards) of every prompt, their jobs run together in one slot mode."""
+    tasks = [Task(decode_blocks_task(seam, p, toy_rule(seam.config.mask_token_id), threshold, block))
+             for p in prompts]
+    mode = SlotMode()
+    for t in tasks:
+        mode.join(t.resume())
+    shared = 0
+    while mode.running:
+        shared += 1
+        for job in mode.step():
+            assert job.error is None, job.error
+            job.task.resume(job)
+    return [t.future.result() for t in tasks], shared
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_block_grammar_decoder_equals_the_slow_reference(tmp_path, model_type):
+    write_family(tmp_path, model_type)
+    seam = FamilySeam(confident(tmp_path, model_type, peak=12.0))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(6, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    for threshold in (0.5, 1.5):  # several tokens per forward; one (nothing is confident past 1)
+        got, shared = side_by_side(seam, prompts, 4, threshold)
+        want = [reference(seam, p, 4, threshold) for p in prompts]
+        assert [(tokens, forwards) for tokens, _, forwards in got] == want
+        assert all(complete for _, complete, _ in got)
+        assert shared < sum(f for _, f in want)  # the rows shared forwards
+        if threshold > 1:
+            assert all(len(t) == f - 1 or len(t) == f for t, f in want)  # one token per forward (+ the stop)
+        else:
+            assert sum(len(t) for t, _ in want) > sum(f for _, f in want)  # the prefix rule fills several
+
+
+def test_fill_prefix_stops_at_the_first_unsure_column():
+    """The first column is always taken; the prefix ends at the first column below the threshold."""
+    logits = torch.full((4, VOCAB), -20.0)
+    for col, t in enumerate([10, 11, 12, 13]):
+        logits[col, t] = 30.0
+    logits[0, 14] = logits[2, 14] = 30.0  # the first and third columns are a coin toss
+    rule = Constraint(lambda x: None, lambda t: True, {STOP}, None, None, 0, 10, 3)
+    assert fill_prefix(rule, logits, 0.9) == ([10, 11], False) and rule.tokens == [10, 11]
+
+
+# ---- clover serve with the official openai client ----------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory):
+    """The official client on `clover serve --model DIR` (in-process: uvicorn's run hands over its app)."""
+    import uvicorn
+    from server_utils import RunningServer, client
+
+    from clover.cli import main
+
+    folder = tmp_path_factory.mktemp(request.param)
+    write_chat_family(folder, request.param)
+    apps, run = [], uvicorn.Server.run
+    uvicorn.Server.run = lambda self, sockets=None: (apps.append(self.config.app), [s.close() for s in sockets or []])
+    try:
+        assert main(["serve", "--model", str(folder), "--port", "0", "--threads", "1", "--served-model-name",
+                     "fam", "--max-tool-calls", "2"]) == 0
+    finally:
+        uvicorn.Server.run = run
+    with RunningServer(apps[0]) as s:
+        yield client(s), folder
+
+
+def _valid(args: str, tool: dict) -> None:
+    jsonschema.validate(json.loads(args), tool["function"]["parameters"])
+
+
+def test_chat_and_stream(served):
+    c, _ = served
+    got = c.chat.completions.create(model="fam", messages=ASK, max_tokens=6)
+    assert got.choices[0].finish_reason in ("length", "stop") and got.usage.completion_tokens <= 6
+    chunks = list(c.chat.completions.create(model="fam", messages=ASK, max_tokens=6, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == got.choices[0].message.content
+
+
+def test_forced_tool_calls_are_valid(served):
+    c, _ = served
+    tools = [WEATHER, TIME]
+    got = c.chat.completions.create(model="fam", messages=ASK, tools=tools, tool_choice="required", max_tokens=300)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and 1 <= len(choice.message.tool_calls) <= 2
+    for call in choice.message.tool_calls:
+        _valid(call.function.arguments, {"get_weather": WEATHER, "get_time": TIME}[call.function.name])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    got = c.chat.completions.create(model="fam", messages=ASK, tools=tools, tool_choice=named, max_tokens=120)
+    calls = got.choices[0].message.tool_calls
+    assert [k.function.name for k in calls] == ["get_time"]
+    _valid(calls[0].function.arguments, TIME)
+    chunks = list(c.chat.completions.create(model="fam", messages=ASK, tools=tools, tool_choice=named,
+                                            max_tokens=120, stream=True))
+    streamed = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert "".join(d.function.arguments or "" for d in streamed) == calls[0].function.arguments  # greedy: the same
+
+
+def test_tool_choice_auto(served):
+    """The reply is text or calls in the family's `<tool_call>` frame, read back; never a broken call."""
+    c, _ = served
+    got = c.chat.completions.create(model="fam", messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=12)
+    choice = got.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:
+        _valid(call.function.arguments, WEATHER)
+
+
+def test_response_format_json_schema(served):
+    c, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    got = c.chat.completions.create(model="fam", messages=ASK, response_format=fmt, max_tokens=60)
+    assert got.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(got.choices[0].message.content), PERSON)
+    chunks = list(c.chat.completions.create(model="fam", messages=ASK, response_format=fmt, max_tokens=60,
+                                            stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == got.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.chat.completions.create(model="fam", messages=ASK, response_format=fmt, max_tokens=3)
+
+
+def test_cli_generate_json_schema(tmp_path):
+    from test_families_engine import _clover
+
+    write_chat_family(tmp_path / "m", "llada2_moe")
+    (tmp_path / "s.json").write_text(json.dumps(PERSON))
+    run = _clover("generate", "--model", str(tmp_path / "m"), "--prompt", "Ann", "--json-schema",
+                  str(tmp_path / "s.json"), "--max-new-tokens", "60", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["valid"] and out["method"] == "grammar"
+    jsonschema.validate(json.loads(out["text"]), PERSON)
