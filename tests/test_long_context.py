@@ -53,6 +53,23 @@ def test_decode_step_allocations_grow_at_most_linearly(model):
     assert large <= 2.3 * small, (small, large)
 
 
+@pytest.mark.parametrize("draft", [0, 8])
+def test_a_decode_step_copies_no_cache(model, draft):
+    """The keys a step attends to are the cache's own storage: no allocation of a step is as large as
+    one attention layer's K over the context (a cat of the cache and the new keys would be)."""
+    length = 2048
+    cache = model.new_cache(1, capacity=length + 16)
+    ids = torch.tensor([prompt(length)])
+    with torch.inference_mode():
+        for a in range(0, length, CHUNK):
+            model(ids[:, a:a + CHUNK], cache=cache, logits_to_keep=1)
+    layer = next(iter(cache.key.values()))
+    one_layer_k = length * layer.shape[1] * layer.shape[3] * layer.element_size()
+    n = draft or 1
+    step = largest_allocation(lambda: model(ids[:, :n], cache=cache, block_size=8, draft_len=draft, logits_to_keep=n))
+    assert step < one_layer_k / 2, (step, one_layer_k)
+
+
 def test_the_probe_sees_a_quadratic_allocation(model):
     """One unchunked forward of the whole prompt builds an [L, L] mask: 4x at 2L."""
     def whole(length):

@@ -59,6 +59,17 @@ class RowCache:
             k, v = k[:, :, :prefix], v[:, :, :prefix]
         return k.to(dtype), v.to(dtype)
 
+    def extend_kv(self, layer: int, prefix: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a forward attends to, [cache prefix ; new columns], without copying the
+        cache: the new columns' K/V [B, H, L, D] are written in place at slots [prefix, prefix + L)
+        (past every row's committed length when `prefix` is the longest row's: scratch, which the
+        forward's commits overwrite afterwards) and the first prefix + L slots are returned as views.
+        The caller reserved L slots (`reserve`)."""
+        end = prefix + k.shape[2]
+        self.key[layer][:, :, prefix:end].copy_(k)
+        self.value[layer][:, :, prefix:end].copy_(v)
+        return self.kv(layer, k.dtype, end)
+
     def tensors(self) -> dict[tuple, torch.Tensor]:
         """Every tensor of the cache by path: ("lens", None) and (store, layer) for each store."""
         out = {("lens", None): self.lens}

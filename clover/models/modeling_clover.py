@@ -222,17 +222,15 @@ class CloverAttention(nn.Module):
         if cache is not None and layout.slots is not None:  # static: written in place, then read whole
             cache.write_kv(self.layer_idx, layout.slots, k, v)
             keys, values = cache.kv(self.layer_idx, k.dtype)
-        elif cache is not None:
-            if layout.prefix:
-                old_k, old_v = cache.kv(self.layer_idx, k.dtype, layout.prefix)
-                keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
-            if layout.num_clean:
-                n = layout.num_clean
-                cache.commit_kv(self.layer_idx, commit_slots(cache.lens, layout.pad, n), k[:, :, :n], v[:, :, :n])
+        elif cache is not None and layout.prefix:  # [prefix ; new] in the cache's own storage, no copy of it
+            keys, values = cache.extend_kv(self.layer_idx, layout.prefix, k, v)
         mask = layout.attn_mask
         if keep and keep < length:  # only these columns' outputs are read (K/V above are every column's)
             q, gate, mask, length = q[:, :, -keep:], gate[:, -keep:], mask[:, :, -keep:], keep
         out = masked_attention(q, keys, values, mask, self.head_dim**-0.5)
+        if cache is not None and layout.slots is None and layout.num_clean:  # after reading the scratch slots
+            n = layout.num_clean
+            cache.commit_kv(self.layer_idx, commit_slots(cache.lens, layout.pad, n), k[:, :, :n], v[:, :, :n])
         out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
 
@@ -613,7 +611,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         if draft_len and not 1 <= draft_len <= length:
             raise ValueError(f"draft_len={draft_len} must be in [1, {length}]")
         if cache is not None:
-            cache.reserve(length if static else length - draft_len)  # static: draft columns get scratch slots
+            cache.reserve(length)  # draft columns get scratch slots (static), every new column does (eager)
         return clean_block_size or (block if draft_len else 1), block
 
     def head(self, hidden, logits_to_keep: int = 0, logits_index=None):

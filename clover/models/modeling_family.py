@@ -106,6 +106,7 @@ def block_step(input_ids, block_size: int, positions=None, cache=None, commit: b
     if prefix:
         old = (torch.arange(prefix, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
         new = torch.cat([old, new], dim=-1)
+        cache.reserve(length)  # the new columns' K/V sit after the prefix during the forward (extend_kv)
     committed = None
     if commit is not False and commit != 0:
         if cache is None:
@@ -162,12 +163,11 @@ def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
     cos, sin = step.rope_for(rotary_dim, theta, q.dtype)
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
     keys, values = k, v
-    if step.prefix:
-        old_k, old_v = step.cache.kv(layer, k.dtype, step.prefix)
-        keys, values = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
-    if step.commit is not None:
-        step.cache.write(layer, k, v, *step.commit)
+    if step.prefix:  # [prefix ; new] in the cache's own storage, no copy of it
+        keys, values = step.cache.extend_kv(layer, step.prefix, k, v)
     out = masked_attention(q, keys, values, step.mask, q.shape[-1] ** -0.5)
+    if step.commit is not None:  # after reading the scratch slots
+        step.cache.write(layer, k, v, *step.commit)
     return out.transpose(1, 2).flatten(2)
 
 
