@@ -290,6 +290,8 @@ def test_live_chunks_carry_the_block_view(server):
     (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
     (["--max-tool-calls", "0"], "--max-tool-calls must be >= 1, got 0"),
     (["--served-model-name", ""], "--served-model-name"),
+    (["--compile-cache", "/tmp"], "--compile-cache needs --runner compiled"),
+    (["--runner", "compiled", "--compile-cache", "/proc/no-such-dir"], "--compile-cache: cannot use"),
 ])
 def test_serve_flag_mistakes_are_one_line(capsys, argv, needle):
     code = main(["serve", *argv])

@@ -1,16 +1,21 @@
 """`clover serve` start-up: the C++ CPU kernels are built before the first request, never inside
 one; `--runner compiled` answers while its graphs compile elsewhere and keeps them on disk."""
 
+import os
 import threading
+import time
 
 import pytest
+import torch
 
 import clover
 from clover.api import eos_ids
+from clover.compile import state_of, warm
+from clover.engine.runner import CompiledRunner
 from clover.ops.linear import tiled
 from clover.server import Settings, create_app
-from helpers import save_tiny_model
-from server_utils import RunningServer, client
+from helpers import save_tiny_model, tiny_model
+from server_utils import RunningServer, client, metric
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +54,61 @@ def test_needs_build_follows_the_library_and_sources(tmp_path, monkeypatch):
     assert tiled.needs_build()
     (tmp_path / "clover_cpu_ops.so").write_bytes(b"")
     assert not tiled.needs_build()
+
+
+def _never_done(model, c_shims, conn):
+    """A compiling child whose compiles never end: it notes each shape it is sent, reports none."""
+    while True:
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            return
+        with open(os.environ["CLOVER_TEST_ASKED"], "a") as f:
+            f.write("shape\n")
+
+
+def test_a_compiled_server_answers_while_its_graphs_compile(loaded, tmp_path, monkeypatch):
+    """The compiles are the child's: requests are answered (eagerly, the same replies) while every
+    shape they met is still compiling there, and the server compiles nothing itself meanwhile."""
+    model, tokenizer = loaded
+    asked = tmp_path / "asked"
+    monkeypatch.setenv("CLOVER_TEST_ASKED", str(asked))
+    monkeypatch.setattr(warm, "_child", _never_done)
+    ref = clover.generate(model, tokenizer, "the cat", max_new_tokens=6, block_size=4, threshold=0.5, mode="ar").text
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, mode="ar", runner="compiled")
+    with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as server:
+        for _ in range(2):
+            reply = client(server, timeout=120).completions.create(model="tiny", prompt="the cat", max_tokens=6)
+            assert reply.choices[0].text == ref
+        time.sleep(0.5)  # idle: a server that compiles when idle would start now
+        assert metric(server, "clover_graphs_deferred") > 0
+        assert metric(server, "clover_graphs_compiled_total") == 0
+    assert asked.read_text().count("shape") == state_of(model).waiting() > 0
+
+
+def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path, monkeypatch):
+    """`warm.cache_dir` is where graphs go: the child's compile of a deferred shape writes it there, and
+    the server's own compile of the shape is then a hit on that disk cache."""
+    monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path / "unused"))
+    path = warm.cache_dir(tmp_path / "graphs")
+    assert os.environ[warm.CACHE_ENV] == str(path)
+    model = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    runner = CompiledRunner(model, defer=True)
+    with torch.inference_mode():
+        runner.forward(torch.randint(0, 100, (1, 4)), runner.new_cache(1, 64), draft_len=4, block_size=4)
+    assert runner.eager_calls == 1 and state_of(model).waiting() == 1
+    background = warm.Background(model)
+    try:
+        background.sync()
+        deadline = time.time() + 900
+        while background.in_flight() and time.time() < deadline:
+            time.sleep(0.2)
+        assert not background.in_flight() and background.can_compile()
+        assert any((path / "fxgraph").rglob("*"))
+        hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+        with torch.inference_mode():
+            assert background.compile_one()
+        assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
+        assert background.waiting() == 0
+    finally:
+        background.close()

@@ -33,7 +33,11 @@ def register(sub) -> None:
         threshold="default low_confidence threshold",
         runner="eager (default) or compiled: every request's forwards (structured output and tool-call slot jobs "
                "too) as torch.compile'd graphs, one per shape (rows in buckets 1, 2, 4, 8, 16, 24, ...); a shape "
-               "first met runs eagerly and is compiled while the server is idle (/metrics clover_graphs_deferred)"))
+               "first met runs eagerly, is compiled in a background process and loaded while the server is idle "
+               "(/metrics clover_graphs_deferred)"))
+    p.add_argument("--compile-cache", metavar="DIR",
+                   help="--runner compiled: where compiled graphs are kept across restarts (default: "
+                        "$TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor)")
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N",
                    help="chat completion budget when a request gives none (default 512, capped by the context)")
     p.add_argument("--max-tool-calls", type=int, default=8, metavar="N",
@@ -91,15 +95,28 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def compile_cache(path: str | None):
+    from ..compile.warm import cache_dir
+
+    try:
+        return cache_dir(path)
+    except OSError as e:
+        raise UserError(f"--compile-cache: cannot use {path or 'the default compile cache'}: {e.strerror}")
+
+
 def run(args) -> int:
     from ..distributed.flags import is_worker
 
     cfg = check_args(args)
     if args.gguf and args.backend != "llamacpp":
         raise UserError("--gguf needs --backend llamacpp")
+    if args.compile_cache and cfg.runner != "compiled":
+        raise UserError("--compile-cache needs --runner compiled")
     from .generate import check_backend
 
     check_backend(args)  # a missing llama.cpp build: said before the port is taken or the model read
+    # before anything compiles: every graph, and the compiling child's, lands there
+    cache = compile_cache(args.compile_cache) if cfg.runner == "compiled" else None
     sock = None if is_worker() else bind(args.host, args.port)  # before loading: a busy port is a one-line error, fast
     import uvicorn
 
@@ -108,6 +125,8 @@ def run(args) -> int:
     from .generate import load_model
 
     # clover.load in one process (ranks > 0 never return), or the llama.cpp runner for up to --max-batch rows
+    if cache is not None:
+        print(f"clover serve: compiled graphs cached in {cache}", flush=True)
     model, tokenizer = load_model(args, args.max_batch)
     cfg = cfg.with_(block_size=args.block_size or model.config.block_size)  # --block-size auto was resolved by check_args
     try:

@@ -126,16 +126,16 @@ class CompileState:
         with torch.inference_mode(key.inference), torch.set_grad_enabled(key.grad):
             self.through_dynamo(key, ids, pad_mask, cache)
 
-    def compile_next(self) -> bool:
+    def compile_next(self, ready=None) -> bool:
         """Compile one graph a deferring runner ran eagerly (a fused-function layout first, then the
-        oldest model shape); False when none waits."""
+        oldest model shape, among the keys in `ready` when given); False when none waits."""
         if self.fused_deferred:
             k, fused = self.fused_deferred.popitem()
             fused.compile(k)
             return True
-        if not self.deferred:
+        key = next((k for k in self.deferred if ready is None or k in ready), None)
+        if key is None:
             return False
-        key = next(iter(self.deferred))
         del self.deferred[key]
         if key not in self.replays and not self.full:
             self.compile_shape(key)

@@ -17,8 +17,10 @@
   result. No thread waits on another. A task's failure is its own (its future holds the error); a
   cancelled task's job leaves between steps and the task ends with `Cancelled`.
 * `--runner compiled`: the engines and the slot jobs defer compiling (a step of a shape with no graph
-  runs eagerly and queues the shape); with nothing to decode, the loop compiles one queued shape at a time
-  (`runner.compile_deferred`), so no running request waits on a compile.
+  runs eagerly and queues the shape); the queued shapes are compiled in a child process into the
+  on-disk caches (`compile.warm.Background`), and with nothing to decode the loop loads one the child
+  has finished (a cache hit) at a time, so no request waits on a compile, only (when it arrives
+  during one) on a load.
 * Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
@@ -42,11 +44,14 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ..compile.warm import Background
 from ..engine import DEFAULTS, DecodeConfig, Engine, Sequence
-from ..engine.runner import compile_deferred, deferred
 from ..engine.slots import Job as SlotJob
 from ..engine.slots import SlotMode, Task
 from .metrics import Metrics
+
+COMPILE_POLL_S = 0.2  # idle with shapes in the compiling child: how often the loop looks for a finished one
+IDLE_BEFORE_COMPILE_S = 0.5  # how long the loop must have had nothing to do before it loads a graph
 
 
 # ---- what the scheduler posts to a request (typed; tuples underneath, so `event[0]` is the kind) ----
@@ -131,7 +136,9 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.compiling = False  # in `_compile_one` (nothing decoding)
+        self.idle_since = 0.0  # when the loop last had work (time.perf_counter)
         self.core = SlotMode(runner, defer=True)  # the running jobs of tasks (infill, grammar, decide)
+        self.compiles: Background | None = None  # --runner compiled: made by `start` (it forks a child)
 
     # ---- called from request handlers ----------------------------------------------------------
     def config(self, key: DecodeConfig, max_new_tokens: int = 1) -> DecodeConfig:
@@ -170,6 +177,8 @@ class Scheduler:
 
     # ---- the thread --------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.runner == "compiled":
+            self.compiles = Background(self.model)
         self.thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
         self.thread.start()
 
@@ -179,6 +188,8 @@ class Scheduler:
             self.cv.notify()
         if self.thread is not None:  # an idle compile (seconds) has no request to finish: not waited for
             self.thread.join(timeout=1 if self.compiling else 30)
+        if self.compiles is not None:
+            self.compiles.close()
 
     @property
     def running_rows(self) -> int:
@@ -190,10 +201,10 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self._busy() and not (self.runner == "compiled" and deferred(self.model)):
-                    self.cv.wait()
+                while not self._busy() and (wait := self._compile_wait()) != 0:
+                    self.cv.wait(timeout=wait)
                 idle = not self._busy()
-            if idle:  # nothing to decode: compile one shape the compiled runner ran eagerly meanwhile
+            if idle:  # nothing to decode: load one graph the child compiled (or a fused layout)
                 self._compile_one()
                 continue
             with self.cv:
@@ -211,10 +222,22 @@ class Scheduler:
                 traceback.print_exc()
                 self._fail_all("internal error in the decoding loop")
             self.metrics.running_rows = self.running_rows
-            if self.runner == "compiled":
-                self.metrics.graphs_deferred = deferred(self.model)
+            self.idle_since = time.perf_counter()
+            if self.compiles is not None:
+                self.compiles.sync()  # the shapes new in this turn go to the compiling child
+                self.metrics.graphs_deferred = self.compiles.waiting()
         with self.cv, torch.inference_mode():  # nothing is left pending: every request gets its answer
             self._fail_all("the server is shutting down", waiting=True)
+
+    def _compile_wait(self) -> float | None:
+        """(Idle, under the lock) 0: load a compiled graph now; else how long to wait before looking
+        again (None: until a request comes). A load starts only after IDLE_BEFORE_COMPILE_S without
+        work, so back-to-back requests do not wait for one."""
+        if self.compiles is None:
+            return None
+        if self.compiles.can_compile():
+            return max(0.0, self.idle_since + IDLE_BEFORE_COMPILE_S - time.perf_counter())
+        return COMPILE_POLL_S if self.compiles.in_flight() else None
 
     def _take(self, leaving: int) -> list[Job | Task]:
         """(Under the lock) the waiting tasks, and rows while fewer than `max_batch` run."""
@@ -230,13 +253,14 @@ class Scheduler:
         return admit
 
     def _compile_one(self) -> None:
-        """One deferred graph (`runner.compile_deferred`): seconds, while no request is running; a request
-        that arrives meanwhile waits for it, once per shape. A failed compile leaves that shape eager."""
+        """One deferred graph the child has compiled (`Background.compile_one`: a cache hit), while no
+        request is running; a request that arrives meanwhile waits for it, once per shape. A failed
+        compile leaves that shape eager."""
         t0, done = time.perf_counter(), False
         self.compiling = True
         try:
             with torch.inference_mode():
-                done = compile_deferred(self.model)
+                done = self.compiles.compile_one()
         except Exception:  # noqa: BLE001 - the shape keeps running eagerly, as it did
             traceback.print_exc()
         finally:
@@ -244,7 +268,7 @@ class Scheduler:
         with self.metrics.lock:
             self.metrics.compile_seconds += time.perf_counter() - t0
             self.metrics.graphs_compiled += int(done)
-            self.metrics.graphs_deferred = deferred(self.model)
+            self.metrics.graphs_deferred = self.compiles.waiting()
 
     def _admit(self, items: list[Job | Task]) -> None:
         """Rows join the engine of their key (prefilled as one batch per key); tasks start their jobs."""

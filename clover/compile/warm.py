@@ -1,0 +1,136 @@
+"""Compiling a server's new shapes away from its requests: in a child process, into inductor's
+on-disk caches, which the server then loads from when it has nothing to decode.
+
+Why a process: a compile is dynamo tracing and inductor lowering, Python holding the GIL, so a
+compile thread beside the scheduler slows its eager steps at every op; and tracing patches
+module calls process-wide, which breaks a forward running in another thread. A child forked after
+the model is loaded shares its weights (copy on write), runs at the lowest CPU priority on one
+thread, compiles each shape it is sent (`CompileState.compile_shape`, the same graph the server
+would make) and reports it. The server's own compile of that shape is then a cache hit: dynamo's
+trace and the cached graph's load, no inductor lowering or C++ compile.
+
+Where the caches live: `cache_dir` (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor), so
+they outlive a reboot's /tmp and a restarted server loads its graphs instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from pathlib import Path
+
+import torch
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def cache_dir(path: str | os.PathLike | None = None) -> Path:
+    """The on-disk compile cache this process uses from now on: `path`, else $TORCHINDUCTOR_CACHE_DIR,
+    else ~/.cache/clover/inductor (set in the environment, so children and inductor's compile workers
+    use it too)."""
+    chosen = path or os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "inductor"
+    chosen = Path(chosen).expanduser().absolute()
+    chosen.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = str(chosen)
+    return chosen
+
+
+class Warmer:
+    """A forked child that compiles the shapes it is `ask`ed for into the disk caches; `poll()`
+    gives the keys it has finished (compiled, or failed: the server's own compile then says why)."""
+
+    def __init__(self, state):
+        ctx = multiprocessing.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(state.model(), state.c_shims, child), daemon=True,
+                                name="clover-compile")
+        self.proc.start()
+        child.close()
+        self.asked: set = set()
+        self.done: set = set()
+
+    def ask(self, key) -> None:
+        if key not in self.asked:
+            self.asked.add(key)
+            try:
+                self.conn.send(key)
+            except OSError:  # the child is gone: its keys count as done (the server compiles them itself)
+                self.done.add(key)
+
+    def poll(self) -> set:
+        """The keys the child has finished so far."""
+        try:
+            while self.conn.poll():
+                self.done.add(self.conn.recv())
+        except (EOFError, OSError):
+            self.done |= self.asked
+        return self.done
+
+    def busy(self) -> bool:
+        return bool(self.asked - self.poll())
+
+    def close(self) -> None:
+        self.conn.close()  # the child ends at the end of its pipe
+        self.proc.join(timeout=2)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=2)
+
+
+def _child(model, c_shims: bool, conn) -> None:
+    from .state import CompileState
+
+    os.nice(19)
+    torch.set_num_threads(1)
+    state = CompileState(model, c_shims=c_shims)
+    while True:
+        try:
+            key = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            state.compile_shape(key)
+        except Exception:  # noqa: BLE001 - the server's own compile of the shape meets it again
+            traceback.print_exc()
+        conn.send(key)
+
+
+class Background:
+    """A server's compile policy for one model's deferring runners: every shape they ran eagerly is
+    sent to a `Warmer` child (CPU models; `child=False`, or another device: none); with nothing to
+    decode, the server compiles one graph the child has finished (a cache hit) or a fused-function
+    layout (`compile_one`). No request waits on a graph the child is still compiling."""
+
+    def __init__(self, model, child: bool = True):
+        from .state import state_of
+
+        self.state = state_of(model)
+        self.warmer = Warmer(self.state) if child and model.device.type == "cpu" else None
+
+    def sync(self) -> None:
+        """Send the shapes queued since the last call to the child."""
+        if self.warmer is not None:
+            for key in list(self.state.deferred):
+                self.warmer.ask(key)
+
+    def can_compile(self) -> bool:
+        """Whether `compile_one` has something to do now."""
+        if self.state.fused_deferred:
+            return True
+        ready = self.warmer.poll() if self.warmer is not None else None
+        return any(ready is None or k in ready for k in self.state.deferred)
+
+    def compile_one(self) -> bool:
+        return self.state.compile_next(self.warmer.poll() if self.warmer is not None else None)
+
+    def in_flight(self) -> bool:
+        """Whether the child is compiling shapes the server will load when they are done."""
+        return self.warmer is not None and self.warmer.busy()
+
+    def waiting(self) -> int:
+        return self.state.waiting()
+
+    def close(self) -> None:
+        if self.warmer is not None:
+            self.warmer.close()
