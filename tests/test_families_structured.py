@@ -23,7 +23,8 @@ import torch
 from family_chat import write_chat_family
 from test_families import VOCAB, confident, write_family
 
-from clover.engine.family_grammar import decode_blocks_task, fill_prefix
+from clover.engine.family_grammar import choose_token_task, decode_blocks_task, fill_prefix
+from clover.engine.slots import drive
 from clover.engine.infill import Constraint
 from clover.engine.slots import SlotMode, Task
 from clover.models.family_seam import FamilySeam
@@ -131,6 +132,42 @@ def test_fill_prefix_stops_at_the_first_unsure_column():
     assert fill_prefix(rule, logits, 0.9) == ([10, 11], False) and rule.tokens == [10, 11]
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("model_type", ["sdar", "llada2_moe", "Fast_dLLM_Qwen"])
+def test_choose_token_reads_the_next_position(tmp_path, model_type):
+    """The choice after a forced call (another call or the end of the turn) is the likelier option at
+    the position right after the context, as a full recompute in the family's layout reads it."""
+    write_family(tmp_path, model_type)
+    seam = FamilySeam(confident(tmp_path, model_type, peak=4.0))
+    block = seam.decode_defaults["block_size"]
+    g = torch.Generator().manual_seed(9)
+    for n in (3, 8, 13):
+        prompt = torch.randint(6, VOCAB, (n,), generator=g).tolist()
+        end = (n // block + 1) * block
+        logits = seam(torch.tensor([prompt + [seam.config.mask_token_id] * (end - n)]), block_size=block).logits[0]
+        row = logits[n - 1 if seam.shift else n]
+        options = row[6:].topk(2).indices.add(6).flip(0).tolist()  # the likelier one second
+        assert drive(choose_token_task(seam, prompt, options)) == (1, 1)
+
+
+@pytest.mark.parametrize("model_type", ["sdar", "llada2_moe"])
+def test_auto_reply_in_the_family_frame_is_read_back(model_type):
+    """tool_choice "auto": a reply the model writes in its family's frame (a <tool_call> JSON block,
+    then its end of turn) comes back as an OpenAI call."""
+    from family_chat import chat_tokenizer
+
+    from clover.server.choice import Choice
+    from clover.server.protocol import ToolPlan
+
+    tok = chat_tokenizer(model_type)
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' + tok.eos_token
+    choice = Choice(tok, [], False, ToolPlan([WEATHER], [WEATHER["function"]], "auto"))
+    choice.update(tok(text, add_special_tokens=False).input_ids, "stop")
+    assert choice.finish_reason == "tool_calls" and choice.content == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+
+
 # ---- clover serve with the official openai client ----------------------------------------------------
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now",
@@ -218,6 +255,8 @@ def test_response_format_json_schema(served):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == got.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         c.chat.completions.create(model="fam", messages=ASK, response_format=fmt, max_tokens=3)
+    got = c.chat.completions.create(model="fam", messages=ASK, response_format={"type": "json_object"}, max_tokens=80)
+    assert isinstance(json.loads(got.choices[0].message.content), dict)
 
 
 def test_cli_generate_json_schema(tmp_path):
