@@ -8,8 +8,6 @@ otherwise right after transformers is first imported (see `clover.utils.lazy`), 
 `import clover; AutoModel.from_pretrained(clover_folder)` works either way.
 """
 
-import sys
-import types
 from importlib import import_module
 
 from .utils.lazy import after_import
@@ -19,7 +17,7 @@ __version__ = "0.1.0"
 # public name -> the submodule that defines it
 _LAZY = {
     "CloverCache": "models", "CloverConfig": "models", "CloverForBlockDiffusion": "models", "CloverModel": "models",
-    "preset_config": "models", "Generation": "api", "generate": "api", "load": "api", "decide": "decide",
+    "preset_config": "models", "Generation": "api", "generate": "api", "load": "api", "decide": "decision",
     "generate_json": "structured",
 }
 __all__ = list(_LAZY)
@@ -39,22 +37,6 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """`clover.decide` is the function (as documented), although importing the `clover.decide`
-    subpackage would otherwise bind the package's attribute of that name to the subpackage."""
-
-    @property
-    def decide(self):
-        return import_module(".decide", __name__).decide
-
-    @decide.setter
-    def decide(self, value):  # importlib binding the subpackage: keep the function under the name
-        pass
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def _register_auto_classes() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .chat import encode, split_thinking  # part of the Python API; their home is clover.chat
-from .settings import SEED_MAX, SEED_MIN, eos_ids  # noqa: F401 (the Python API; their home is clover.settings)
+from .settings import SEED_MAX, SEED_MIN, decode_config, eos_ids  # noqa: F401 (the API; home: clover.settings)
 
 if TYPE_CHECKING:
     from .engine import DecodeConfig
@@ -140,17 +140,6 @@ def load_family_seam(folder, device, dtype):
 
     loaded = load_family(folder, dtype=dtype, device=device)
     return FamilySeam(loaded).eval(), loaded.tokenizer
-
-
-def decode_config(model, tokenizer, config: DecodeConfig | None = None, /, **settings) -> DecodeConfig:
-    """The decoding settings for this model: `config` (default: DecodeConfig's defaults) with the
-    keyword `settings` (DecodeConfig.from_settings: any field, and temperature / top_p / top_k / seed)
-    and the model's EOS ids. Checked once, by DecodeConfig."""
-    from .engine import DecodeConfig
-
-    if config is None and getattr(model, "decode_defaults", None):  # a family's published block size, threshold
-        config = DecodeConfig(**model.decode_defaults)
-    return DecodeConfig.from_settings(config, **settings, eos_token_ids=eos_ids(model, tokenizer))
 
 
 def result(seq, tokenizer, think: bool = False, trajectory: bool = False) -> Generation:

@@ -158,3 +158,12 @@ DEFAULTS = DecodeConfig()
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "suppress")  # flat names of DecodeConfig.sampling's fields
 _NUMBERS = {"block_size": int, "threshold": float, "steps": int, "max_new_tokens": int, "prefill_chunk": int,
             "temperature": float, "top_p": float, "top_k": int, "seed": int}  # settings that may come as text
+
+
+def decode_config(model, tokenizer, config: DecodeConfig | None = None, /, **settings) -> DecodeConfig:
+    """The decoding settings for this model: `config` (default: DecodeConfig's defaults) with the
+    keyword `settings` (DecodeConfig.from_settings: any field, and temperature / top_p / top_k / seed)
+    and the model's EOS ids. Checked once, by DecodeConfig."""
+    if config is None and getattr(model, "decode_defaults", None):  # a family's published block size, threshold
+        config = DecodeConfig(**model.decode_defaults)
+    return DecodeConfig.from_settings(config, **settings, eos_token_ids=eos_ids(model, tokenizer))

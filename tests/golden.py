@@ -71,7 +71,7 @@ def generate_cases(model, tok, block_size: int, threshold: float, max_new: int, 
 
 
 def decide_cases(model, tok) -> dict:
-    from clover.decide import decide
+    from clover.decision import decide
 
     out = {}
     for mode in ("joint", "independent"):

@@ -200,7 +200,7 @@ AUTO = """
 import sys
 import clover
 assert "torch" not in sys.modules and "transformers" not in sys.modules
-import clover.decide
+import clover.decision
 assert callable(clover.decide) and clover.decide.__name__ == "decide"  # the function, as documented
 assert "low_confidence" in clover.engine.MODES and clover.api.DEFAULT_MODEL  # submodules as attributes, as before
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

@@ -11,8 +11,8 @@ import torch
 import clover
 from clover.cli import main
 from clover.data import tasks
-from clover.decide import decide, parse_question
-from clover.decide.decide import _pieces, _rows, _Slot
+from clover.decision import decide, parse_question
+from clover.decision.decide import _pieces, _rows, _Slot
 from helpers import save_tiny_model
 
 MATERIAL = "Ann is 34, lives in Rome, has a cat. Bob is 51, lives in Oslo, has a dog."

@@ -104,7 +104,7 @@ def test_one_infill_default_and_one_block_size_check():
 
     import clover
     from clover.cli import build_parser
-    from clover.decide import decide
+    from clover.decision import decide
     from clover.structured import generate_json
     from clover.structured.generate import infill_json
 
@@ -117,7 +117,7 @@ def test_one_infill_default_and_one_block_size_check():
     checks = [str(p.relative_to(root)) for p in root.rglob("*.py") if "block_size must be in [" in p.read_text()
               or "block-size must be in [" in p.read_text()]
     assert checks == ["settings.py"], checks
-    slot_users = [root / d for d in ("decide", "structured", "server", "cli", "benchmarks", "engine")]
+    slot_users = [root / d for d in ("decision", "structured", "server", "cli", "benchmarks", "engine")]
     literal = [f"{p.relative_to(root)}" for d in slot_users for p in d.rglob("*.py")
                if re.search(r"threshold(: float)? ?= ?0\.9\b", p.read_text())]
     assert literal == []

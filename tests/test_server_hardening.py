@@ -25,7 +25,7 @@ from clover.cli import serve as serve_cli
 from clover.cli.chat import ReplyView
 from clover.engine import Engine
 from clover.server import Settings, create_app
-from clover.server.scheduler import Job, Ticket
+from clover.server.scheduler import RowJob as Job, Ticket
 from clover.settings import DecodeConfig
 from server_utils import RunningServer, client, metric, raw
 

@@ -96,14 +96,14 @@ def test_a_failing_job_fails_alone(loaded, monkeypatch):
     """A job whose own logic raises gets its error; the jobs beside it finish as they would alone."""
     model, tok = loaded
     calls = {"n": 0}
-    real = slots.Job.advance
+    real = slots.SlotJob.advance
 
     def flaky(self, logits):
         if logits is not None and getattr(self.task, "poison", False):
             raise RuntimeError("boom")
         return real(self, logits)
 
-    monkeypatch.setattr(slots.Job, "advance", flaky)
+    monkeypatch.setattr(slots.SlotJob, "advance", flaky)
     sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
     results: dict[str, object] = {}
     tasks = {name: _task(model, tok, text, SCHEMA) for name, text in (("good", ASKS[0]), ("bad", ASKS[1]))}
@@ -118,7 +118,7 @@ def test_a_failing_job_fails_alone(loaded, monkeypatch):
         except RuntimeError as e:
             results[name] = str(e)
     sched.stop()
-    monkeypatch.setattr(slots.Job, "advance", real)
+    monkeypatch.setattr(slots.SlotJob, "advance", real)
     assert results["bad"] == "boom"
     assert results["good"] == _reply(model, tok, ASKS[0], SCHEMA)
     assert calls["n"] >= 2

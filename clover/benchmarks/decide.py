@@ -20,7 +20,7 @@ def run(args) -> int:
 
     from ..api import DEFAULT_MODEL, load
     from ..data.tasks import decision_benchmark
-    from ..decide import decide
+    from ..decision import decide
 
     if args.groups < 1:
         raise UserError("--groups must be >= 1")
@@ -58,7 +58,7 @@ def run(args) -> int:
                      f"{r['forward_passes_per_group']:.2f}", f"{r['model_calls_per_group']:.2f}",
                      f"{r['prompt_tokens_per_group']:.0f}", f"{r['seconds_per_group']:.3f}"])
     # chance: a uniform pick among each question's allowed answers (options, yes/no, 0..99 for 2 digits)
-    from ..decide import parse_question
+    from ..decision import parse_question
 
     def allowed(q, spec) -> int:
         parsed = parse_question({"question": q, **spec})

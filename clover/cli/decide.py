@@ -43,7 +43,7 @@ def read_questions(path: str) -> list[dict]:
 
 def run(args) -> int:
     from ..api import load
-    from ..decide import MODES, decide, parse_questions
+    from ..decision import MODES, decide, parse_questions
 
     if args.mode not in MODES:
         raise UserError(f"--mode must be one of {', '.join(MODES)}, got {args.mode!r}")

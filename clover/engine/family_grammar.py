@@ -30,7 +30,7 @@ from .layout import Layout
 from .model_api import seam_of
 from .runner import make_runner
 from .sequence import sequences
-from .slots import Job
+from .slots import SlotJob
 
 
 def absolute_blocks(model) -> bool:
@@ -63,7 +63,7 @@ def decode_blocks_task(model, prompt: list[int], rule, threshold: float | None =
         batch.join(seqs, capacity=len(prompt) + rule.max_new_tokens + 2 * block_size)
         return batch, _steps(batch, rule, layout, block_size, threshold)
 
-    return (yield Job(start))
+    return (yield SlotJob(start))
 
 
 def _steps(batch: RowBatch, rule, layout: Layout, block_size: int, threshold: float):

@@ -41,7 +41,7 @@ from .engine import DecodeConfig, Engine
 from .family_grammar import absolute_blocks, decode_blocks_task
 from .runner import make_runner
 from .sequence import sequences
-from .slots import Forward, Job, drive
+from .slots import Forward, SlotJob, drive
 
 _PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
 _MASKS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(name, size): bool mask})
@@ -303,7 +303,7 @@ def denoise_task(model, rows: list[Row], threshold: float):
     """`calls = yield from denoise_task(...)` in a task: one job of the slot mode (engine/slots.py)."""
     if not any(u.open for r in rows for u in r.units):
         return 0  # all scaffold: nothing to ask the model
-    return (yield Job(partial(_start_denoise, model, rows, threshold)))
+    return (yield SlotJob(partial(_start_denoise, model, rows, threshold)))
 
 
 def _start_denoise(model, rows: list[Row], threshold: float, runner: str = "eager", defer: bool = False):
@@ -413,7 +413,7 @@ def decode_constrained_task(model, prompt, allow, accept, stops, max_new_tokens,
         engine.add([prompt])
         return engine.batch, _constrained(engine, rule)
 
-    return (yield Job(start))
+    return (yield SlotJob(start))
 
 
 def _constrained(engine: Engine, rule: "Constraint"):

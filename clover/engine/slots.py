@@ -1,6 +1,6 @@
 """Slot infilling and grammar-constrained decoding as modes of the one core.
 
-A `Job` is one call of `denoise` (rows of units laid out in windows, engine/infill.py) or of
+A `SlotJob` is one call of `denoise` (rows of units laid out in windows, engine/infill.py) or of
 `decode_constrained` (next-token decoding under a grammar): its own `RowBatch` (prefilled when the
 job starts) and a generator that holds the job's per-row state - window index, anchors, slot
 commits, or the tokens so far and the grammar - and yields the `Forward` it needs next. Only
@@ -31,7 +31,7 @@ from .batch import Forward, RowBatch, merge, split
 Steps = Generator[Forward, torch.Tensor, object]
 
 
-class Job:
+class SlotJob:
     """One request's rows: `start(runner, defer)` prefills them with an engine of that runner (returns
     its RowBatch and its step generator), then each `advance(logits)` resumes the generator with the
     logits of the forward it asked for."""
@@ -68,11 +68,11 @@ class Job:
         return self.batch.clean_block_size if self.batch.pending is not None else None
 
 
-def partition(jobs: list[Job]) -> list[list[Job]]:
+def partition(jobs: list[SlotJob]) -> list[list[SlotJob]]:
     """Jobs that can share one forward: same shape and same pending clean window size (jobs with
     nothing pending join the first group of their shape)."""
-    groups: dict[tuple, list[Job]] = {}
-    loose: list[Job] = []
+    groups: dict[tuple, list[SlotJob]] = {}
+    loose: list[SlotJob] = []
     for job in jobs:
         bs = job.clean_block_size()
         (loose if bs is None else groups.setdefault((job.shape(), bs), [])).append(job)
@@ -82,7 +82,7 @@ def partition(jobs: list[Job]) -> list[list[Job]]:
     return list(groups.values())
 
 
-def forward(group: list[Job]) -> list[torch.Tensor]:
+def forward(group: list[SlotJob]) -> list[torch.Tensor]:
     """One model call for a group from `partition`; the logits of each job's rows."""
     need = group[0].need
     if len(group) == 1:
@@ -102,7 +102,7 @@ class SlotMode:
     engines call the model (the server's `--runner`; deferred compiles, as its engines)."""
 
     def __init__(self, runner: str = "eager", defer: bool = False):
-        self.jobs: list[Job] = []
+        self.jobs: list[SlotJob] = []
         self.forwards = 0  # model calls made by `step` so far
         self.runner, self.defer = runner, defer
 
@@ -110,7 +110,7 @@ class SlotMode:
     def running(self) -> bool:
         return bool(self.jobs)
 
-    def join(self, job: Job) -> None:
+    def join(self, job: SlotJob) -> None:
         try:
             job.start(self.runner, self.defer)
         except Exception as e:  # noqa: BLE001 - the job's own failure (a prompt too long, ...)
@@ -118,13 +118,13 @@ class SlotMode:
         if not job.finished:
             self.jobs.append(job)
 
-    def leave(self, job: Job, error: BaseException) -> None:
+    def leave(self, job: SlotJob, error: BaseException) -> None:
         """End a running job between steps (cancelled)."""
         if job in self.jobs:
             self.jobs.remove(job)
             job.fail(error)
 
-    def step(self) -> list[Job]:
+    def step(self) -> list[SlotJob]:
         for group in partition(self.jobs):
             self.forwards += 1
             try:
@@ -145,7 +145,7 @@ class SlotMode:
         return done
 
     @staticmethod
-    def _alone(job: Job) -> torch.Tensor | None:
+    def _alone(job: SlotJob) -> torch.Tensor | None:
         try:
             return forward([job])[0]
         except Exception as e:  # noqa: BLE001
@@ -153,12 +153,12 @@ class SlotMode:
             return None
 
 
-Tasks = Generator[Job, object, object]  # yields the jobs it needs one after another, gets each one's result
+Tasks = Generator[SlotJob, object, object]  # yields the jobs it needs one after another, gets each one's result
 
 
 class Task:
     """A request's whole decoding (a decision, a structured reply, forced tool calls) as a generator
-    of jobs: it yields a `Job`, gets its result back (or its error raised at the yield) and yields the
+    of jobs: it yields a `SlotJob`, gets its result back (or its error raised at the yield) and yields the
     next, doing only CPU planning in between; it returns the reply. `resume` runs it up to its next
     job (`self.job`), or to its end (`self.future` done). Whoever runs the jobs - `drive` alone, or
     the server's scheduler beside other requests - resumes it; nothing waits on anyone."""
@@ -168,7 +168,7 @@ class Task:
         self.future: Future = Future()
         self.state = "waiting"  # waiting -> running -> done (where a scheduler runs it)
 
-    def resume(self, done: Job | None = None) -> Job | None:
+    def resume(self, done: SlotJob | None = None) -> SlotJob | None:
         """Hand `done`'s result (or error) to the task; returns its next job, None when it ended."""
         try:
             if done is not None and done.error is not None:
@@ -197,7 +197,7 @@ def drive(steps: Tasks):
 
 
 @torch.no_grad()
-def run_alone(job: Job, check: bool = True):
+def run_alone(job: SlotJob, check: bool = True):
     mode = SlotMode()
     mode.join(job)
     while mode.running:

@@ -20,7 +20,7 @@ from ..engine.slots import Task
 from ..settings import MODES, DecodeConfig
 from .choice import Choice
 from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, now, usage
-from .scheduler import Cancelled, Job, Live, QueueFull, Ticket
+from .scheduler import Cancelled, Live, QueueFull, RowJob, Ticket
 from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
 from .structured import Infilled, format_plan, infill_format_task, infill_tool_call_task
 
@@ -163,7 +163,7 @@ class Routes:
         ticket = Ticket(asyncio.get_running_loop())
         self.check_rows(len(prompts) * req.n, "n")
         budgets = [self.budget(p, max_tokens) for p in prompts]  # every check before any work
-        jobs = [Job(ticket, i * req.n + k, p, b, key, live=req.clover_live and req.stream)
+        jobs = [RowJob(ticket, i * req.n + k, p, b, key, live=req.clover_live and req.stream)
                 for i, (p, b) in enumerate(zip(prompts, budgets)) for k in range(req.n)]
         try:
             self.scheduler.submit(jobs)
@@ -171,7 +171,7 @@ class Routes:
             raise APIError(503, f"{e}; retry later", "server_error", code="queue_full", headers={"Retry-After": "1"})
         return ticket, jobs
 
-    async def drive(self, request: Request, ticket: Ticket, jobs: list[Job], choices: list[Choice]):
+    async def drive(self, request: Request, ticket: Ticket, jobs: list[RowJob], choices: list[Choice]):
         """Scheduler events -> Delta / Live / Finished; ends when every choice is done. A client that
         goes away cancels its jobs (looked for every POLL_S, also while events keep coming)."""
         scheduler, checked = self.scheduler, time.monotonic()
@@ -434,8 +434,8 @@ class Routes:
 
     # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
     async def decide(self, req: DecideRequest, request: Request):
-        from ..decide import parse_questions
-        from ..decide.decide import decide_task
+        from ..decision import parse_questions
+        from ..decision.decide import decide_task
 
         self.check_model(req)
         self.check_text(req)

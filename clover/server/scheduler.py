@@ -1,6 +1,6 @@
 """One background thread runs every decoding: continuous batching over the engine.
 
-* A request becomes one `Job` per choice (row). Jobs wait in a bounded FIFO (`max_queue` rows;
+* A request becomes one `RowJob` per choice (row). Jobs wait in a bounded FIFO (`max_queue` rows;
   a full queue is refused up front, the HTTP layer answers 503 + Retry-After).
 * Jobs are grouped by engine key (`DecodeConfig.engine_key`: all the decoding settings but the budget): rows
   that decode the same way share one `Engine`, so one batched forward serves them all. Each row
@@ -46,7 +46,7 @@ import torch
 
 from ..compile.warm import Background
 from ..engine import DEFAULTS, DecodeConfig, Engine, Sequence
-from ..engine.slots import Job as SlotJob
+from ..engine.slots import SlotJob
 from ..engine.slots import SlotMode, Task
 from .metrics import Metrics
 
@@ -107,7 +107,10 @@ class Ticket:
 
 
 @dataclass(eq=False)
-class Job:
+class RowJob:
+    """One choice (row) of a completion request, decoded by the engine of its key (a `SlotJob`,
+    engine/slots.py, is instead one step generator of a structured task)."""
+
     ticket: Ticket
     index: int  # choice index within the request
     prompt_ids: list[int]
@@ -129,10 +132,10 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
         self.cv = threading.Condition()
-        self.waiting: deque[Job | Task] = deque()  # rows of requests, and tasks, in order of arrival
-        self.to_cancel: list[tuple[Job | Task, str]] = []
+        self.waiting: deque[RowJob | Task] = deque()  # rows of requests, and tasks, in order of arrival
+        self.to_cancel: list[tuple[RowJob | Task, str]] = []
         self.engines: dict[object, Engine] = {}  # engine key: shared engine; (key, id(job)): solo
-        self.jobs: dict[int, Job] = {}  # id(seq) -> job, for running rows
+        self.jobs: dict[int, RowJob] = {}  # id(seq) -> job, for running rows
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.compiling = False  # in `_compile_one` (nothing decoding)
@@ -146,10 +149,10 @@ class Scheduler:
         raises ValueError (-> 400) for settings the model can't run."""
         return key.with_(max_new_tokens=max_new_tokens, eos_token_ids=self.eos, runner=self.runner).check(self.model)
 
-    def submit(self, items: list[Job | Task]) -> None:
+    def submit(self, items: list[RowJob | Task]) -> None:
         """Queue a request's rows (a full queue refuses them: QueueFull), or a task (its first job
         planned: `Task.resume`)."""
-        rows = sum(isinstance(i, Job) for i in items)
+        rows = sum(isinstance(i, RowJob) for i in items)
         with self.cv:
             if rows and len(self.waiting) + rows > self.max_queue:
                 self.metrics.rejected_queue_full += 1
@@ -158,7 +161,7 @@ class Scheduler:
             self.metrics.queue_length = len(self.waiting)
             self.cv.notify()
 
-    def cancel(self, items: list[Job | Task], reason: str = "cancelled") -> None:
+    def cancel(self, items: list[RowJob | Task], reason: str = "cancelled") -> None:
         """Stop rows or tasks (client gone: "cancelled"; stop string matched: "stop"). Thread-safe."""
         with self.cv:
             for item in items:
@@ -211,7 +214,7 @@ class Scheduler:
                 if self.stopping:
                     break
                 cancels, self.to_cancel = self.to_cancel, []
-                admit = self._take(sum(isinstance(j, Job) and j.state == "running" for j, _ in cancels))
+                admit = self._take(sum(isinstance(j, RowJob) and j.state == "running" for j, _ in cancels))
             try:
                 with torch.inference_mode():
                     for item, reason in cancels:
@@ -239,13 +242,13 @@ class Scheduler:
             return max(0.0, self.idle_since + IDLE_BEFORE_COMPILE_S - time.perf_counter())
         return COMPILE_POLL_S if self.compiles.in_flight() else None
 
-    def _take(self, leaving: int) -> list[Job | Task]:
+    def _take(self, leaving: int) -> list[RowJob | Task]:
         """(Under the lock) the waiting tasks, and rows while fewer than `max_batch` run."""
         room = self.max_batch - self.running_rows + leaving
         admit, keep = [], deque()
         for item in self.waiting:
             fits = isinstance(item, Task) or room > 0
-            room -= isinstance(item, Job) and fits
+            room -= isinstance(item, RowJob) and fits
             (admit if fits else keep).append(item)
             item.state = "running" if fits else item.state
         self.waiting = keep
@@ -270,9 +273,9 @@ class Scheduler:
             self.metrics.graphs_compiled += int(done)
             self.metrics.graphs_deferred = self.compiles.waiting()
 
-    def _admit(self, items: list[Job | Task]) -> None:
+    def _admit(self, items: list[RowJob | Task]) -> None:
         """Rows join the engine of their key (prefilled as one batch per key); tasks start their jobs."""
-        groups: dict[DecodeConfig, list[Job]] = {}
+        groups: dict[DecodeConfig, list[RowJob]] = {}
         for item in items:
             if isinstance(item, Task):
                 self._run_task(item)
@@ -318,7 +321,7 @@ class Scheduler:
             self.metrics.model_forwards += self.core.forwards - before
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
-    def _join(self, place, jobs: list[Job], resume: bool = False) -> None:
+    def _join(self, place, jobs: list[RowJob], resume: bool = False) -> None:
         """Prefill jobs into the engine at `place` (made when missing) and register them. `resume`: the
         jobs ran before; each restarts from prompt + committed tokens with the budget it has left."""
         engine = self.engines.get(place)
@@ -372,7 +375,7 @@ class Scheduler:
         if not engine.running:
             del self.engines[place]
 
-    def _post(self, job: Job, tokens: list[int]) -> None:
+    def _post(self, job: RowJob, tokens: list[int]) -> None:
         seq = job.seq
         steps = [s for _, s in seq.trajectory[len(seq.trajectory) - len(tokens):]]
         job.ticket.post(Tokens("tokens", job.index, list(seq.token_ids), tokens, steps, seq.finish_reason, _stats(seq)))
@@ -412,7 +415,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 self._fail(job, e)
 
-    def _cancel(self, item: Job | Task, reason: str) -> None:
+    def _cancel(self, item: RowJob | Task, reason: str) -> None:
         if isinstance(item, Task):
             item.state = "done"
             job = item.job
@@ -428,7 +431,7 @@ class Scheduler:
         if not engine.running:
             del self.engines[item.place]
 
-    def _done(self, job: Job, cancelled: bool) -> None:
+    def _done(self, job: RowJob, cancelled: bool) -> None:
         job.state = "done"
         self.jobs.pop(id(job.seq), None)
         self.metrics.row_done(len(job.seq.token_ids), job.seq.forward_passes, cancelled)
@@ -436,7 +439,7 @@ class Scheduler:
             with self.metrics.lock:
                 self.metrics.latency.observe(time.perf_counter() - job.arrived)
 
-    def _fail(self, job: Job, error: Exception) -> None:
+    def _fail(self, job: RowJob, error: Exception) -> None:
         """End one job with an error its request answers with (500, OpenAI's shape)."""
         job.state = "done"
         if job.seq is not None:

@@ -22,7 +22,7 @@ from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends
                              token_ids, vocab_mask)
 from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import drive
-from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
+from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold, decode_config
 from . import schema as sk
 from .grammar import grammar_json
 from .normalize import normalize
@@ -240,11 +240,13 @@ def _render(parts: list, slots: dict[int, Slot]) -> str:
 
 
 def _free(model, tokenizer, prompt, schema, reason, chat, threshold, block_size, max_new_tokens, start):
-    from ..api import generate
+    """Unconstrained generation (the engine with this model's decoding settings), checked after."""
+    from ..chat import encode
+    from ..engine import Engine
 
-    g = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, block_size=block_size,
-                 threshold=threshold, chat=chat)
-    text, value, valid, error = check_output(schema, g.text)
-    return JsonResult(text, value, valid, "free", g.forward_passes, time.perf_counter() - start, reason, error,
-                      g.token_ids, complete=g.finish_reason != "length")
+    cfg = decode_config(model, tokenizer, max_new_tokens=max_new_tokens, block_size=block_size, threshold=threshold)
+    seq = Engine(model, cfg).generate([encode(tokenizer, prompt, chat)])[0]
+    text, value, valid, error = check_output(schema, tokenizer.decode(seq.token_ids, skip_special_tokens=True))
+    return JsonResult(text, value, valid, "free", seq.forward_passes, time.perf_counter() - start, reason, error,
+                      seq.token_ids, complete=seq.finish_reason != "length")
 
