@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar")
+MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar", "editing")
 POLICIES = ("low_confidence", "topk", "entropy", "margin")  # the diffusion fill policies (engine/policies.py)
 RUNNERS = ("eager", "compiled")  # how the model is called (engine/runner.py; a test checks they agree)
 INFILL_THRESHOLD = 0.9  # slots (decide, structured output, forced tool calls) commit above this confidence
@@ -86,6 +86,10 @@ class DecodeConfig:
     ignore_eos: bool = False  # decode past EOS (every row runs its whole budget)
     prefill_chunk: int = 512  # prompt tokens per prefill forward (rounded to whole windows)
     runner: str = "eager"  # how the model is called: "eager" or "compiled" (engine/runner.py)
+    # mode editing (LLaDA2.1, engine/editing.py): a decoded token whose prediction differs with probability
+    # above edit_threshold is replaced; after a block's last mask up to max_post_steps forwards only edit
+    edit_threshold: float = 0.5
+    max_post_steps: int = 16
 
     def __post_init__(self) -> None:
         self.validate()
@@ -137,8 +141,12 @@ class DecodeConfig:
             raise ValueError(f"unknown runner {self.runner!r} (known: {', '.join(RUNNERS)})")
         if self.mode == "self_spec" and not self.sampling.greedy:
             raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
-        if self.mode == "low_confidence":
+        if self.mode in ("low_confidence", "editing"):
             check_threshold(self.threshold)
+        if not 0 <= self.edit_threshold <= 1:
+            raise ValueError(f"edit_threshold must be in [0, 1], got {self.edit_threshold}")
+        if self.max_post_steps < 0:
+            raise ValueError(f"max_post_steps must be >= 0, got {self.max_post_steps}")
         elif self.mode in POLICIES:
             policy_steps(self.block_size, self.steps)
 
@@ -157,7 +165,8 @@ class DecodeConfig:
 DEFAULTS = DecodeConfig()
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "suppress")  # flat names of DecodeConfig.sampling's fields
 _NUMBERS = {"block_size": int, "threshold": float, "steps": int, "max_new_tokens": int, "prefill_chunk": int,
-            "temperature": float, "top_p": float, "top_k": int, "seed": int}  # settings that may come as text
+            "edit_threshold": float, "max_post_steps": int, "temperature": float, "top_p": float, "top_k": int,
+            "seed": int}  # settings that may come as text
 
 
 def decode_config(model, tokenizer, config: DecodeConfig | None = None, /, **settings) -> DecodeConfig:

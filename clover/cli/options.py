@@ -70,7 +70,7 @@ def add_model_args(p, threads: bool = True, model_group=None) -> None:
 
 
 # ---- decoding ------------------------------------------------------------------------------------------
-MODE_HELP = "low_confidence (default), topk, entropy, margin, self_spec or ar"  # engine.MODES (a test checks)
+MODE_HELP = "low_confidence (default), topk, entropy, margin, self_spec, ar or editing"  # engine.MODES (a test checks)
 RUNNER_CHOICES = RUNNERS  # clover.settings (torch-free)
 
 
@@ -93,6 +93,11 @@ _DECODE_FLAGS = {  # DecodeConfig setting -> (flag, argparse keywords); defaults
                                       help="low_confidence: fill every masked position with confidence > T")),
     "mode": ("--mode", dict(metavar="MODE", help=MODE_HELP)),
     "steps": ("--steps", dict(type=int, metavar="S", help="topk/entropy/margin: steps per block (default B/4)")),
+    "edit_threshold": ("--edit-threshold", dict(type=float, metavar="E", help=(
+        "editing (LLaDA2.1): replace a decoded token whose prediction differs with probability > E (default 0.5; "
+        "published Quality mode: --threshold 0.7 --edit-threshold 0.5, Speed mode: 0.5 / 0)"))),
+    "max_post_steps": ("--max-post-steps", dict(type=int, metavar="N", help=(
+        "editing: forwards after a block's last mask that only edit, until one changes nothing (default 16)"))),
     "temperature": ("--temperature", dict(type=float, metavar="X", help="0 = greedy (default)")),
     "top_p": ("--top-p", dict(type=float, metavar="P", help="nucleus sampling (default 1: off)")),
     "top_k": ("--top-k", dict(type=int, metavar="K", help="top-k sampling (default 0: off)")),

@@ -438,6 +438,10 @@ def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = Non
         mode = SelfSpecMode(cfg, mask_id, device, generator)
     elif cfg.mode == "ar":
         mode = ARMode(cfg, mask_id, device, generator, hook)
+    elif cfg.mode == "editing":
+        from .editing import EditingMode  # LLaDA2.1's editing decode; it imports this module
+
+        mode = EditingMode(cfg, mask_id, device, generator, layout)
     else:
         raise ValueError(f"unknown mode {cfg.mode!r}")
     mode.layout = layout
