@@ -157,7 +157,8 @@ def generate(model, tokenizer, prompts, config: DecodeConfig | None = None, *, c
     """Generate for one prompt (a string or a list of chat messages) -> Generation, or for a list of
     prompts (one batch, each row finishing on its own) -> list[Generation]. Decoding follows `config`
     and the keyword `settings` (`max_new_tokens=`, `block_size=`, `threshold=`, `mode=`, `steps=`,
-    `edit_threshold=`, `max_post_steps=` (mode "editing"), `temperature=`, `top_p=`, `top_k=`, `seed=`, `runner=`; defaults: DecodeConfig's). See
+    `edit_threshold=`, `max_post_steps=` (mode "editing"), `temperature=`, `top_p=`, `top_k=`, `seed=`,
+    `runner=`; defaults: DecodeConfig's). See
     DecodeConfig for modes and runners (runner="compiled": torch.compile'd steps, engine/runner.py);
     think=True uses the chat template in thinking mode and returns the reasoning apart."""
     single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
