@@ -52,10 +52,17 @@ class RowBatch:
 
     # ---- join / leave -----------------------------------------------------------------------------
     def join(self, seqs: list[Sequence], capacity: int) -> None:
-        """Prefill new rows in caches of their own and append them to the running rows; their window
-        starts as the layout's first window ([last prompt token, MASK...] for Clover)."""
-        cache = self.runner.new_cache(len(seqs), capacity=capacity)
-        pending = self.prefill(seqs, cache)
+        """Prefill new rows in caches of their own (every chunk now) and append them to the running rows."""
+        prefill = Prefill(self, seqs, capacity)
+        while prefill.chunks_left:
+            prefill.advance()
+        self.admit(prefill)
+
+    def admit(self, prefill: "Prefill") -> None:
+        """Append rows whose prefill has no chunk left: their cache rows, their last chunk (pending, to
+        ride with the next forward) and their first window, the layout's ([last prompt token, MASK...]
+        for Clover)."""
+        seqs, cache, pending = prefill.seqs, prefill.cache, prefill.pending()
         first = [self.layout.first_window(s.prompt_ids, self.clean_block_size, self.width, self.mask_id) for s in seqs]
         window = torch.tensor(first, dtype=torch.long, device=self.device)
         if self.seqs:
@@ -66,6 +73,14 @@ class RowBatch:
             self.cache, self.pending = cache, pending
         self.window = window
         self.seqs += seqs
+
+    def chunk(self) -> int:
+        """Prompt tokens per prefill forward: `prefill_chunk` in whole clean windows."""
+        return max(self.clean_block_size, self.prefill_chunk // self.clean_block_size * self.clean_block_size)
+
+    def prefill_forwards(self, prompt_ids: list[int]) -> int:
+        """Prefill forwards a prompt takes before it can join (its last chunk rides with a decoding one)."""
+        return max(-(-len(self.layout.prefilled(prompt_ids, self.clean_block_size)) // self.chunk()) - 1, 0)
 
     def commit_next(self, pending: Pending, clean_block_size: int) -> None:
         """The next forward commits `pending` (clean ids, left padding) first, as clean windows of
@@ -95,30 +110,6 @@ class RowBatch:
         return idx
 
     # ---- model calls ------------------------------------------------------------------------------
-    def prefill(self, seqs: list[Sequence], cache) -> Pending | None:
-        """Commit the prompt up to its first window (prompt[:-1] for Clover; the layout's), left-padded,
-        in chunks whose boundaries fall on clean windows counted from the end; returns the last
-        chunk, to be fused with the first decoding forward."""
-        cleans = [self.layout.prefilled(s.prompt_ids, self.clean_block_size) for s in seqs]
-        width = max(map(len, cleans))
-        if width == 0:
-            return None
-        ids = torch.zeros(len(cleans), width, dtype=torch.long)
-        pad = torch.ones(len(cleans), width, dtype=torch.bool)
-        for r, c in enumerate(cleans):
-            if c:
-                ids[r, width - len(c):] = torch.tensor(c)
-                pad[r, width - len(c):] = False
-        ids, pad = ids.to(self.device), pad.to(self.device)
-        bs = self.clean_block_size
-        chunk = max(bs, self.prefill_chunk // bs * bs)
-        cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]
-        for a, b in zip(cuts[:-2], cuts[1:-1]):
-            self.runner.forward(ids[:, a:b], cache, clean_block_size=bs,
-                                pad_mask=pad[:, a:b] if pad[:, a:b].any() else None, logits_to_keep=1)
-        a = cuts[-2]
-        return ids[:, a:], pad[:, a:] if pad[:, a:].any() else None
-
     def run(self, need: Forward) -> torch.Tensor:
         """The logits of a planned forward."""
         return self.forward(need.window, need.draft_len, need.keep, need.block_size, need.index)
@@ -139,6 +130,49 @@ class RowBatch:
         return self.runner.forward(ids, self.cache, block_size=block_size, draft_len=draft_len,
                                    clean_block_size=self.clean_block_size, pad_mask=pad, logits_to_keep=keep,
                                    logits_index=index)
+
+
+class Prefill:
+    """New rows on their way into a row batch: the prompts up to their first window (prompt[:-1] for
+    Clover; the layout's), left-padded, committed to a cache of their own one chunk per `advance`,
+    chunk boundaries on clean windows counted from the end. The last chunk is not run here: it rides
+    with the rows' first decoding forward (`pending`, after `RowBatch.admit`). An engine advances a
+    long prompt's chunks between the decoding steps of its running rows."""
+
+    def __init__(self, batch: RowBatch, seqs: list[Sequence], capacity: int):
+        self.seqs, self.runner, self.bs = list(seqs), batch.runner, batch.clean_block_size
+        self.cache = batch.runner.new_cache(len(seqs), capacity=capacity)
+        cleans = [batch.layout.prefilled(s.prompt_ids, self.bs) for s in seqs]
+        width = max(map(len, cleans))
+        ids = torch.zeros(len(cleans), width, dtype=torch.long)
+        pad = torch.ones(len(cleans), width, dtype=torch.bool)
+        for r, c in enumerate(cleans):
+            if c:
+                ids[r, width - len(c):] = torch.tensor(c)
+                pad[r, width - len(c):] = False
+        self.ids, self.pad = ids.to(batch.device), pad.to(batch.device)
+        chunk = batch.chunk()
+        self.cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]  # the next chunk: cuts[0:2]
+
+    @property
+    def chunks_left(self) -> int:
+        """Prefill forwards still to run before the rows can join (the last chunk is not one)."""
+        return max(len(self.cuts) - 2, 0)
+
+    def advance(self) -> None:
+        """Commit the next chunk."""
+        a, b = self.cuts.pop(0), self.cuts[0]
+        pad = self.pad[:, a:b]
+        self.runner.forward(self.ids[:, a:b], self.cache, clean_block_size=self.bs,
+                            pad_mask=pad if pad.any() else None, logits_to_keep=1)
+
+    def pending(self) -> Pending | None:
+        """The last chunk (clean ids, left padding), or None when the prompts leave nothing to prefill."""
+        a = self.cuts[-2]
+        pad = self.pad[:, a:]
+        if pad.all():  # also when there are no columns
+            return None
+        return self.ids[:, a:], pad if pad.any() else None
 
 
 def _stack_pending(a, rows_a: int, b, rows_b: int, device) -> Pending | None:

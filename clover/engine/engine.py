@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..settings import DEFAULTS, MODES, DecodeConfig  # noqa: F401 - re-exported (clover.engine)
-from .batch import RowBatch
+from .batch import Prefill, RowBatch
 from .layout import Layout
 from .model_api import seam_of
 from .modes import make_mode
@@ -46,6 +46,7 @@ class Engine:
                                          cfg.prefill_chunk)
         self.batch.layout = layout
         self.added = 0
+        self.joining: list[Prefill] = []  # long prompts prefilling chunk by chunk between steps (`add(interleave=)`)
 
     # the row batch's parts the server scheduler reads (the slot mode takes the whole `batch`)
     @property
@@ -62,18 +63,39 @@ class Engine:
 
     # ---- add requests ----------------------------------------------------------------------------
     @torch.no_grad()
-    def add(self, prompts: list[list[int]], max_new_tokens: list[int] | None = None) -> list[Sequence]:
+    def add(self, prompts: list[list[int]], max_new_tokens: list[int] | None = None,
+            interleave: bool = False) -> list[Sequence]:
         """Validate every prompt before any work, prefill them as a batch and join the running rows
         (continuous batching: requests may be added between steps). `max_new_tokens` gives each row
-        its own budget (default: the config's)."""
+        its own budget (default: the config's). `interleave`: a prompt that takes more than one
+        prefill forward prefills one chunk per `step`, after the running rows' decoding forward, and
+        joins them when only its last chunk is left (a long prompt never stalls them for longer than
+        a chunk); until then it is in `prefilling`."""
         budgets = [self.cfg.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
         seqs = sequences(prompts, budgets, self.seam.context, self.added)
         self.added += len(seqs)
-        first = not self.batch.seqs
-        longest = max(len(p) + n for p, n in zip(prompts, budgets))
-        self.batch.join(seqs, capacity=longest + self.batch.width)
-        self.mode.join(seqs, first)
+        later = [s for s in seqs if interleave and self.batch.prefill_forwards(s.prompt_ids)]
+        self.joining += [Prefill(self.batch, [s], self._capacity([s])) for s in later]
+        now = [s for s in seqs if not any(s is t for t in later)]
+        if now:
+            prefill = Prefill(self.batch, now, self._capacity(now))
+            while prefill.chunks_left:
+                prefill.advance()
+            self._admit(prefill)
         return seqs
+
+    def _capacity(self, seqs: list[Sequence]) -> int:
+        return max(len(s.prompt_ids) + s.max_new_tokens for s in seqs) + self.batch.width
+
+    def _admit(self, prefill: Prefill) -> None:
+        first = not self.batch.seqs
+        self.batch.admit(prefill)
+        self.mode.join(prefill.seqs, first)
+
+    @property
+    def prefilling(self) -> list[Sequence]:
+        """Rows added with `interleave` whose prefill has chunks left (not in `seqs` yet)."""
+        return [s for p in self.joining for s in p.seqs]
 
     def block_view(self, row: int = 0) -> list[tuple[int | None, int]]:
         """The current block of a running row as (token or None while masked, fill step) pairs."""
@@ -82,7 +104,14 @@ class Engine:
     def finish(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End a running row between steps (client gone, stop string matched): it leaves the batch
         and its cache rows are freed."""
-        if seq.finished or not any(s is seq for s in self.seqs):
+        if seq.finished:
+            return
+        for p in self.joining:
+            if p.seqs[0] is seq:  # one row per prefill in `joining`
+                seq.finish(reason)
+                self.joining.remove(p)
+                return
+        if not any(s is seq for s in self.seqs):
             return
         seq.finish(reason)
         self._drop_finished()
@@ -90,15 +119,24 @@ class Engine:
     # ---- step ---------------------------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs or self.joining)
 
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Advance every running row; returns (sequence, new tokens) for rows that produced output."""
-        events = None
-        while events is None:  # one round: one forward, two for a self_spec draft + verify
-            events = self.mode.consume(self.batch, self.batch.run(self.mode.plan(self.batch)))
-        self._drop_finished()
+        """Advance every running row, then one prefill chunk of the first prompt in `prefilling` (its
+        rows join once only the last chunk is left); returns (sequence, new tokens) for rows that
+        produced output."""
+        events = []
+        if self.seqs:
+            events = None
+            while events is None:  # one round: one forward, two for a self_spec draft + verify
+                events = self.mode.consume(self.batch, self.batch.run(self.mode.plan(self.batch)))
+            self._drop_finished()
+        if self.joining:
+            prefill = self.joining[0]
+            prefill.advance()
+            if not prefill.chunks_left:
+                self._admit(self.joining.pop(0))
         return events
 
     def steps(self):

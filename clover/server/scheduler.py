@@ -7,7 +7,9 @@
   has its own token budget (`Engine.add(..., max_new_tokens=[...])`).
 * Loop: apply cancellations -> admit waiting jobs while fewer than `max_batch` rows run (each
   admitted group is prefilled as one batch and joins its engine's running rows; its first block
-  starts there) -> one `step()` of every engine -> hand committed blocks to their jobs. A row leaves
+  starts there; a prompt of more than one prefill chunk prefills one chunk per step of its engine,
+  after the running rows' forward, so a long prompt stalls nobody for longer than a chunk:
+  `Engine.add(interleave=True)`) -> one `step()` of every engine -> hand committed blocks to their jobs. A row leaves
   its engine when it finishes (EOS, budget) or is cancelled (client gone, stop string): its cache
   rows are freed at once (`Engine.finish`), and an engine with no rows is dropped.
 * Structured replies (response_format, forced tool calls) and /v1/decide are tasks (engine/slots.py:
@@ -196,7 +198,7 @@ class Scheduler:
 
     @property
     def running_rows(self) -> int:
-        return sum(len(e.seqs) for e in self.engines.values())
+        return sum(len(e.seqs) + len(e.prefilling) for e in self.engines.values())
 
     def _busy(self) -> bool:
         return bool(self.stopping or self.waiting or self.to_cancel or self.engines or self.core.running)
@@ -330,7 +332,7 @@ class Scheduler:
             engine = Engine(self.model, self.config(key, max(j.max_new_tokens for j in jobs)), defer_compile=True)
         olds = [j.seq if resume else None for j in jobs]
         seqs = engine.add([j.prompt_ids + (old.token_ids if old else []) for j, old in zip(jobs, olds)],
-                          [old.remaining if old else j.max_new_tokens for j, old in zip(jobs, olds)])
+                          [old.remaining if old else j.max_new_tokens for j, old in zip(jobs, olds)], interleave=True)
         self.engines[place] = engine
         for job, seq, old in zip(jobs, seqs, olds):
             if old is not None:
@@ -343,14 +345,14 @@ class Scheduler:
 
     def _step(self, place) -> None:
         engine = self.engines[place]
-        t0 = time.perf_counter()
+        t0, stepped = time.perf_counter(), list(engine.seqs)  # rows may join at the end of a step (a long prompt's prefill)
         try:
             events = engine.step()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             self._isolate(place, e)
             return
-        for seq in engine.seqs:
+        for seq in stepped:
             job = self.jobs.get(id(seq))
             if job is not None:
                 job.proven = True
@@ -388,7 +390,7 @@ class Scheduler:
         solo when that tells nothing (no suspects, or no others). Moved rows restart from what they
         committed."""
         engine = self.engines.pop(place)
-        jobs = [self.jobs[id(s)] for s in engine.seqs if id(s) in self.jobs]
+        jobs = [self.jobs[id(s)] for s in engine.seqs + engine.prefilling if id(s) in self.jobs]
         if len(jobs) == 1:
             self._fail(jobs[0], error)
             return
