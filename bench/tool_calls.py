@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import threading
@@ -120,21 +121,23 @@ def rounds(one, n: int, meter: Meter, solo: list) -> tuple[list, list, bool]:
     return seq, par, equal
 
 
-def report(args, solo, seq, par, equal, gain, tokens) -> None:
+def report(args, solo, seq, par, equal, gain: dict, tokens: int) -> None:
     med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
     s, p = med(seq, 0), med(par, 0)
     ratios = sorted(b[0] / a[0] for a, b in zip(seq, par))
     print(f"8 forced tool-call requests ({sum(len(c) for c in solo)} calls, {args.tools} tools; tool_choice required, "
-          f"parallel_tool_calls; block {args.block_size}, {args.threads} thread(s); medians of {args.rounds} "
-          "interleaved rounds):")
-    print("| | sequential | concurrent |\n|---|---:|---:|")
+          f"parallel_tool_calls; block {args.block_size}, {args.threads} torch thread(s), {os.cpu_count()} CPU cores, load "
+          f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} interleaved rounds):")
+    print("\n| | sequential | concurrent |\n|---|---:|---:|")
     print(f"| wall s | {s:.2f} | {p:.2f} |")
     print(f"| model calls | {med(seq, 1):.0f} | {med(par, 1):.0f} |")
     print(f"| tokens fed (padding) | {med(seq, 2):.0f} ({med(seq, 3):.0f}) | {med(par, 2):.0f} ({med(par, 3):.0f}) |")
     print(f"| share of wall in the model | {med(seq, 4) / s:.0%} | {med(par, 4) / p:.0%} |")
+    sizes = " / ".join(f"{gain[n]:.2f}x" for n in sorted(gain))
     print(f"\nconcurrent / sequential {p / s:.2f} (per round {', '.join(f'{r:.2f}' for r in ratios)}; target <= 0.5: "
-          f"{'met' if p / s <= 0.5 else 'NOT met'}); replies equal: {'yes' if equal else 'NO'}. One forward of 8 rows x "
-          f"{tokens} tokens takes {gain:.2f}x the time of 8 one-row forwards (the mean tokens a sequential call feeds).")
+          f"{'met' if p / s <= 0.5 else 'NOT met'}); replies equal: {'yes' if equal else 'NO'}. One forward of 8 rows "
+          f"takes {sizes} the time of 8 one-row forwards at {' / '.join(map(str, sorted(gain)))} tokens a row "
+          f"({tokens}: the mean a sequential call feeds).")
 
 
 def main() -> None:
@@ -166,7 +169,8 @@ def main() -> None:
         h.remove()
     server.should_exit = True
     tokens = round(statistics.median(r[2] / r[1] for r in seq))
-    report(args, solo, seq, par, equal, batching_gain(model, tokens), tokens)
+    gain = {n: batching_gain(model, n) for n in sorted({16, 32, tokens})}
+    report(args, solo, seq, par, equal, gain, tokens)
 
 
 if __name__ == "__main__":
