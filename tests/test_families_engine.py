@@ -141,8 +141,6 @@ def test_cli_generate_on_a_family_folder(tmp_path):
     run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--mode", "self_spec")
     assert run.returncode == 2 and "no shift" in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
-    run = _clover("generate", "--model", str(tmp_path), "--prompt", "Hello", "--runner", "compiled")
-    assert run.returncode == 2 and "--runner eager" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("model_type", ["sdar", "Fast_dLLM_Qwen"])

@@ -143,8 +143,6 @@ def decode_config(args, **settings):
         from ..utils.checkpoint import families_module
 
         defaults = families_module().decode_defaults(args.model)
-        if defaults and given.get("runner") == "compiled":
-            raise UserError("--runner compiled does not run the public block-diffusion families yet: use --runner eager")
         for name, value in defaults.items():
             if given.get(name) is None and name in given:
                 given[name] = value

@@ -22,7 +22,11 @@ RECOMPILE_LIMIT = 256
 
 def _step(model, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int, block: int):
     """One steady step, layout included: its masks and positions are a dozen small ops on the
-    cache's lengths, fused into the graph here."""
+    cache's lengths, fused into the graph here. A model behind the seam that lays out its own step
+    (`graph_step`: the public families, models/family_seam.py) runs that instead."""
+    graph_step = getattr(model, "graph_step", None)
+    if graph_step is not None:
+        return graph_step(ids, pad_mask, cache, logits_to_keep, draft_len, clean_block_size, block)
     layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_block_size, block, cache,
                            pad_mask, ids.device, static=True)
     return model.head(model.model(ids, layout, cache, logits_to_keep), logits_to_keep)

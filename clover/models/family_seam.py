@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -36,9 +35,33 @@ class FamilySeam(nn.Module):
     def dtype(self):
         return self.family_model.head_weight().dtype
 
-    def check_stream(self, *args, **kwargs):
-        """What the compiled runner asks first: it does not run the families yet."""
-        raise ValueError("the compiled runner does not run the public block-diffusion families yet: use runner eager")
+    # ---- the compiled runner's three calls (engine/runner.py CompiledRunner, compile/state.py) ----
+    def block_of(self, block_size=None, clean_block_size=None) -> int:
+        """The absolute block size of a call: its blocks sit at k * block from the first prompt token."""
+        return block_size or clean_block_size or self.decode_defaults["block_size"]
+
+    def check_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None,
+                     static: bool = False) -> tuple[int, int]:
+        """Validate and make room in the cache (on the host, before the graph); (block, block): the
+        family's one block size is all a compiled step specialises on besides the shapes."""
+        length = input_ids.shape[1]
+        if draft_len and not 1 <= draft_len <= length:
+            raise ValueError(f"draft_len={draft_len} must be in [1, {length}]")
+        if cache is not None:
+            cache.reserve(length)  # every column gets a slot: the clean ones to commit, the draft's scratch
+        block = self.block_of(block_size, clean_block_size)
+        return block, block
+
+    def graph_step(self, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,
+                   block: int):
+        """One compiled step: the logits of the last `logits_to_keep` columns; every column's K/V
+        written into the cache in place (modeling_family.static_block_step)."""
+        return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep)
+
+    @staticmethod
+    def commit_lens(cache, num_clean: int, pad_mask=None) -> None:
+        """After a compiled step wrote the clean columns: advance each row's committed length."""
+        cache.advance(num_clean - (pad_mask.sum(1) if pad_mask is not None else 0))
 
     def new_cache(self, rows: int, capacity: int = 256):
         return self.family_model.new_cache(rows, capacity=capacity)
@@ -49,11 +72,11 @@ class FamilySeam(nn.Module):
         committed and the draft read against it, positions absolute (the family's own); logits of the
         last `logits_to_keep` columns (0: all), `logits_index` of those."""
         clean = input_ids.shape[1] - draft_len
-        block = block_size or clean_block_size or self.decode_defaults["block_size"]
+        block = self.block_of(block_size, clean_block_size)
         hidden = self.family_model(input_ids, cache=cache, commit=clean if cache is not None else False,
                                    block_size=block, pad=pad_mask, hidden_only=True)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         if logits_index is not None:
             hidden = hidden[:, logits_index]
-        return SimpleNamespace(logits=F.linear(hidden, self.family_model.head_weight()))
+        return SimpleNamespace(logits=self.family_model.logits(hidden))

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.block_attention import masked_attention
-from ..ops.moe import grouped_experts
 from .cache_rows import RowCache
-from .modeling_clover import apply_partial_rope, rope_cos_sin
+from .modeling_clover import CloverExperts, apply_partial_rope, commit_slots, rope_cos_sin
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,6 +46,12 @@ class FamilyCache(RowCache):
         """k, v [B, Hkv, L, D]: column cols[n] of row rows[n] goes to slot slots[n]."""
         self.key[layer].permute(0, 2, 1, 3)[rows, slots] = k.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
         self.value[layer].permute(0, 2, 1, 3)[rows, slots] = v.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
+
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [B, Hkv, L, D] of every column written at its slot [B, L], in place (static shapes)."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        self.key[layer][rows, :, slots] = k.transpose(1, 2).to(self.dtype)
+        self.value[layer][rows, :, slots] = v.transpose(1, 2).to(self.dtype)
 
     # ---- snapshot / rollback (self-speculation) ------------------------------------------------
     def snapshot(self) -> dict:
@@ -81,6 +86,7 @@ class Step:
     cache: FamilyCache | None
     commit: tuple | None  # (rows, cols, slots) of the valid new tokens when they are committed
     rope: tuple | None = None
+    slots: torch.Tensor | None = None  # static: [B, L] the cache slot each column's K/V is written to
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
         if self.rope is None:
@@ -118,6 +124,27 @@ def block_step(input_ids, block_size: int, positions=None, cache=None, commit: b
     return Step(positions, new[:, None], prefix, cache, committed)
 
 
+def static_block_step(input_ids, block_size: int, cache: FamilyCache, pad=None) -> Step:
+    """The layout of a compiled step (fixed shapes, no host sync): every column's K/V is written into
+    the cache in place, the committed (clean) columns at their slots, the draft's in scratch slots
+    past the row's new length (no later query reads them; later commits overwrite them), and the
+    keys are the cache's whole capacity, masked past each row's length. The same positions and
+    block mask as `block_step`; the caller advances the lengths after the forward."""
+    batch, length = input_ids.shape
+    device = input_ids.device
+    lens = cache.lens
+    valid = ~pad if pad is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
+    positions = lens[:, None] + (valid.long().cumsum(1) - 1).clamp_min(0)
+    blk = torch.div(positions, block_size, rounding_mode="floor")
+    new = (blk[:, None, :] <= blk[:, :, None]) & valid[:, None, :]
+    if pad is not None:  # a padded query looks at itself only (and the committed prefix)
+        new = new | (torch.eye(length, dtype=torch.bool, device=device)[None] & pad[:, :, None])
+    old = (torch.arange(cache.capacity, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
+    slots = commit_slots(lens, pad, length)  # real columns at lens + their order, pads after every real one
+    mask = old.scatter(2, slots[:, None, :].expand(-1, length, -1), new)
+    return Step(positions, mask[:, None], cache.capacity, cache, None, slots=slots)
+
+
 # ------------------------------------------------------------------------------------------------
 # Layers
 # ------------------------------------------------------------------------------------------------
@@ -144,17 +171,10 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Experts(nn.Module):
-    """Routed experts stored fused (gate_up [E, 2I, H], down [E, H, I]), as clover.ops.moe runs them;
-    the loader stacks the published per-expert tensors into these."""
-
-    def __init__(self, experts: int, hidden: int, inter: int):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
-        self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
-
-    def forward(self, x, top_idx, top_w):
-        return grouped_experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
+class Experts(CloverExperts):
+    """Routed experts stored fused (gate_up [E, 2I, H], down [E, H, I]), run as Clover's are
+    (clover.ops.moe: grouped eagerly, gathered or tiled in a compiled graph; int4 twin
+    quant.Int4Experts); the loader stacks the published per-expert tensors into these."""
 
 
 def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
@@ -163,7 +183,10 @@ def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
     cos, sin = step.rope_for(rotary_dim, theta, q.dtype)
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
     keys, values = k, v
-    if step.prefix:  # [prefix ; new] in the cache's own storage, no copy of it
+    if step.slots is not None:  # static: every column written in place, then the whole capacity read
+        step.cache.write_kv(layer, step.slots, k, v)
+        keys, values = step.cache.kv(layer, k.dtype)
+    elif step.prefix:  # [prefix ; new] in the cache's own storage, no copy of it
         keys, values = step.cache.extend_kv(layer, step.prefix, k, v)
     out = masked_attention(q, keys, values, step.mask, q.shape[-1] ** -0.5)
     if step.commit is not None:  # after reading the scratch slots
@@ -259,13 +282,28 @@ class BlockFamilyModel(nn.Module):
         block and the next draft window in one forward); `hidden_only` returns the final hidden
         states instead."""
         step = block_step(input_ids, block_size or self.block_size, positions, cache, commit, pad)
+        x = self.hidden(input_ids, step)
+        if step.commit is not None:
+            cache.advance(torch.bincount(step.commit[0], minlength=cache.batch_size))
+        return x if hidden_only else self.logits(x)
+
+    def static_forward(self, input_ids, cache: FamilyCache, block_size: int, pad=None, keep: int = 0):
+        """Logits of the last `keep` columns (0: all) of a compiled step (`static_block_step`): every
+        column's K/V written into the cache in place; the caller then advances the lengths by the
+        clean columns."""
+        x = self.hidden(input_ids, static_block_step(input_ids, block_size, cache, pad))
+        return self.logits(x[:, -keep:] if keep else x)
+
+    def hidden(self, input_ids, step: Step) -> torch.Tensor:
+        """The final hidden states of a forward laid out by `step`."""
         x = self.model.embed(input_ids)
         for layer in self.model.layers:
             x = layer(x, step)
-        x = self.model.norm(x)
-        if step.commit is not None:
-            cache.advance(torch.bincount(step.commit[0], minlength=cache.batch_size))
-        return x if hidden_only else F.linear(x, self.head_weight())
+        return self.model.norm(x)
+
+    def logits(self, hidden) -> torch.Tensor:
+        """The head: the tied embeddings, or `lm_head` (a module: an int4 twin where quantised)."""
+        return self.lm_head(hidden) if hasattr(self, "lm_head") else F.linear(hidden, self.model.embed.weight)
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod

@@ -1,0 +1,103 @@
+"""The compiled runner (engine/runner.py CompiledRunner) on the public families: their steps as
+static graphs (modeling_family.static_block_step: every column's K/V written into the cache in
+place, the keys the whole capacity masked past each row's length), replayed. The engine's decode
+through it equals the eager runner's: fp32 logits of every call within 1e-5, the same tokens and
+forwards, for a batch of prompts of odd lengths; a second decode of the same prompts compiles
+nothing (no recompile) and replays every compiled step. Tiny random folders in the published
+layout (tests/test_families.py writes them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import VOCAB, confident, write_family
+
+from clover.compile import state_of
+from clover.engine import DecodeConfig, Engine
+from clover.engine.runner import CompiledRunner, EagerRunner
+from clover.models.family_seam import FamilySeam
+
+THRESHOLD = 0.6
+LENGTHS = (5, 7, 3)  # odd, longer than a block, shorter than one
+
+
+def prompts(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def decode(seam, runner: str, batch, budgets, block: int):
+    """(logits of every runner call, token ids, forwards per row, the runner)."""
+    logits = []
+    cls = CompiledRunner if runner == "compiled" else EagerRunner
+    real = cls.forward
+
+    def record(self, ids, cache, **kw):
+        out = real(self, ids, cache, **kw)
+        logits.append((out.detach().clone(), kw.get("logits_index")))
+        return out
+
+    cls.forward = record
+    try:
+        engine = Engine(seam, DecodeConfig(block_size=block, threshold=THRESHOLD, max_new_tokens=max(budgets),
+                                           runner=runner))
+        seqs = engine.add(batch, budgets)
+        while engine.running:
+            engine.step()
+    finally:
+        cls.forward = real
+    return logits, [s.token_ids for s in seqs], [s.forward_passes for s in seqs], engine.runner
+
+
+PEAK = 30.0  # the head's scale in `confident`: 1e-5 of the unscaled logits is PEAK * 1e-5 here
+
+
+def same_logits(got, ref):
+    """Equal per call (fp32, 1e-5 before the head's scaling); where the eager runner computed the head on some columns (`logits_index`) the
+    compiled one may have returned them all (its head costs the same for every kept column)."""
+    assert len(got) == len(ref)
+    for (a, a_index), (b, b_index) in zip(got, ref):
+        if a_index is None and b_index is not None:
+            a = a[:, b_index]
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=PEAK * 1e-5)
+
+
+def graphs(seam):
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + state_of(seam).fused_compiles
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("model_type", ["sdar", "sdar_moe", "llada2_moe", "Fast_dLLM_Qwen"])
+def test_compiled_family_decode_equals_eager(tmp_path, model_type):
+    write_family(tmp_path, model_type)
+    seam = FamilySeam(confident(tmp_path, model_type, PEAK))
+    block = 4
+    if model_type == "Fast_dLLM_Qwen":
+        seam.sub_block = 2  # sub-blocks of 2 in blocks of 4 (the published 8 in 32)
+    batch, budgets = prompts(), [9, 6, 11]
+    ref_logits, ref, ref_forwards, _ = decode(seam, "eager", batch, budgets, block)
+    got_logits, got, forwards, runner = decode(seam, "compiled", batch, budgets, block)
+    assert got == ref and forwards == ref_forwards
+    assert all(len(t) == n for t, n in zip(got, budgets))
+    same_logits(got_logits, ref_logits)
+    assert runner.compiled_calls > 0 and runner.eager_calls == 0  # every step through a graph
+    before = graphs(seam)
+    again_logits, again, _, warm = decode(seam, "compiled", batch, budgets, block)
+    assert graphs(seam) == before, "recompiled in a warm decode"
+    assert again == ref
+    same_logits(again_logits, ref_logits)
+    assert warm.replayed_calls == warm.compiled_calls > 0  # every step a Replay: no dynamo guard evaluation
+
+
+@pytest.mark.timeout(1800)
+def test_cli_generate_compiled_on_a_family_folder(tmp_path):
+    """`clover generate --model DIR --runner compiled` on a family folder: the eager runner's reply."""
+    import json
+
+    from test_families_engine import _clover
+
+    write_family(tmp_path, "llada2_moe")
+    args = ("generate", "--model", str(tmp_path), "--prompt", "Hello there", "--max-new-tokens", "9", "--json")
+    eager, compiled = _clover(*args), _clover(*args, "--runner", "compiled")
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr
+    assert json.loads(compiled.stdout)["text"] == json.loads(eager.stdout)["text"]
