@@ -46,12 +46,15 @@ def one(context: int, steps: int) -> dict:
     ids = torch.randint(2, config.vocab_size, (1, context + BLOCK), generator=torch.Generator().manual_seed(0))
     chunk = DecodeConfig.prefill_chunk // BLOCK * BLOCK
     cache = model.new_cache(1, capacity=context + 2 * BLOCK)
-    start = time.perf_counter()
+    chunks = []
     with torch.inference_mode():
         cuts = [0] + list(range(context % chunk or chunk, context, chunk)) + [context]
         for a, b in zip(cuts[:-1], cuts[1:]):
+            start = time.perf_counter()
             model(ids[:, a:b], cache=cache, clean_block_size=BLOCK, logits_to_keep=1)
-    prefill = time.perf_counter() - start
+            chunks.append(time.perf_counter() - start)
+    prefill = sum(chunks)
+    kv_bytes = sum(t[0, :, 0].numel() * t.element_size() for t in (*cache.key.values(), *cache.value.values()))
     after = rss_mb()
     snap = cache.snapshot()
     timings = {"ar": [], "draft": []}
@@ -62,7 +65,8 @@ def one(context: int, steps: int) -> dict:
                 start = time.perf_counter()
                 model(ids[:, context:context + n], cache=cache, block_size=BLOCK, draft_len=draft, logits_to_keep=n)
                 timings[name].append(time.perf_counter() - start)
-    return dict(context=context, prefill_s=prefill, rss_model_mb=base, rss_mb=max(after, rss_mb()),
+    return dict(context=context, prefill_s=prefill, chunk=chunk, chunk_ms=1e3 * max(chunks), kv_bytes=kv_bytes,
+                rss_model_mb=base, rss_mb=max(after, rss_mb()),
                 ar_ms=1e3 * statistics.median(timings["ar"][1:] or timings["ar"]),
                 draft_ms=1e3 * statistics.median(timings["draft"][1:] or timings["draft"]))
 
@@ -99,14 +103,29 @@ def main(argv=None) -> int:
           f"{args.threads} --steps {args.steps}`: random weights at the default model's dims, {LIMIT}-token limit, "
           f"eager, {os.cpu_count()} CPU cores; prefill in the engine's chunks, steps after it (median of "
           f"{args.steps - 1 or 1}).\n")
-    print("| context tokens | prefill s | prefill tokens/s | peak RSS MB | RSS over the model MB | AR step ms "
-          f"| {BLOCK}-token draft step ms | load avg |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| context tokens | prefill s | prefill tokens/s | longest chunk ms | peak RSS MB | RSS over the model MB "
+          f"| AR step ms | {BLOCK}-token draft step ms | load avg |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['context']} | {r['prefill_s']:.2f} | {r['context'] / r['prefill_s']:.0f} | {r['rss_mb']:.0f} | "
-              f"{r['rss_mb'] - r['rss_model_mb']:.0f} | {r['ar_ms']:.2f} | {r['draft_ms']:.2f} | {r['load']:.1f} |")
+        print(f"| {r['context']} | {r['prefill_s']:.2f} | {r['context'] / r['prefill_s']:.0f} | {r['chunk_ms']:.0f} | "
+              f"{r['rss_mb']:.0f} | {r['rss_mb'] - r['rss_model_mb']:.0f} | {r['ar_ms']:.2f} | {r['draft_ms']:.2f} | "
+              f"{r['load']:.1f} |")
+    print(growth(rows))
     return 0
 
+
+def growth(rows: list[dict]) -> str:
+    """What the table's memory column means per token: the RSS over the model added per token of
+    context between each two consecutive contexts (flat or falling: linear memory), beside what the
+    attention layers' K/V take per token; and what the longest chunk is."""
+    rows = sorted(rows, key=lambda r: r["context"])
+    over = [r["rss_mb"] - r["rss_model_mb"] for r in rows]
+    slopes = [f"{(b - a) * 1024 / (rb['context'] - ra['context']):.2f} ({ra['context']} to {rb['context']})"
+              for a, b, ra, rb in zip(over, over[1:], rows, rows[1:])]
+    return (f"\nLongest chunk: the one prefill forward (of {rows[-1]['chunk']} tokens, the last, at the deepest "
+            "context) that a server's running rows wait for per step while this prompt prefills beside them. "
+            f"K/V of the attention layers: {rows[-1]['kv_bytes'] / 1024:.2f} KiB per token of context; RSS over "
+            f"the model added per token, KiB: {', '.join(slopes) or '-'}.")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -89,9 +89,13 @@ def test_a_long_prompt_prefills_between_the_running_rows_steps(model, mode, bloc
     cfg = DecodeConfig(mode=mode, block_size=block, threshold=0.5, max_new_tokens=48, prefill_chunk=CHUNK)
     short, long = [prompt(5), prompt(12)], prompt(20 * CHUNK + 3)
     engine = Engine(model, cfg)
-    calls = []
-    forward = engine.runner.forward
-    engine.runner.forward = lambda ids, cache, **kw: calls.append(cache is engine.batch.cache) or forward(ids, cache, **kw)
+    calls, forward = [], engine.runner.forward
+
+    def counted(ids, cache, **kw):
+        calls.append(cache is engine.batch.cache)
+        return forward(ids, cache, **kw)
+
+    engine.runner.forward = counted
     first = engine.add(short)
     engine.step()
     late = engine.add([long], interleave=True)

@@ -9,9 +9,9 @@
   admitted group is prefilled as one batch and joins its engine's running rows; its first block
   starts there; a prompt of more than one prefill chunk prefills one chunk per step of its engine,
   after the running rows' forward, so a long prompt stalls nobody for longer than a chunk:
-  `Engine.add(interleave=True)`) -> one `step()` of every engine -> hand committed blocks to their jobs. A row leaves
-  its engine when it finishes (EOS, budget) or is cancelled (client gone, stop string): its cache
-  rows are freed at once (`Engine.finish`), and an engine with no rows is dropped.
+  `Engine.add(interleave=True)`) -> one `step()` of every engine -> hand committed blocks to their
+  jobs. A row leaves its engine when it finishes (EOS, budget) or is cancelled (client gone, stop
+  string): its cache rows are freed at once (`Engine.finish`), and an engine with no rows is dropped.
 * Structured replies (response_format, forced tool calls) and /v1/decide are tasks (engine/slots.py:
   a generator of slot jobs, CPU planning in between): the request plans up to its first job off the
   event loop and submits the task; this thread runs its jobs beside the engines, one forward per job
@@ -345,7 +345,7 @@ class Scheduler:
 
     def _step(self, place) -> None:
         engine = self.engines[place]
-        t0, stepped = time.perf_counter(), list(engine.seqs)  # rows may join at the end of a step (a long prompt's prefill)
+        t0, stepped = time.perf_counter(), list(engine.seqs)  # a long prompt's rows may join at the end of a step
         try:
             events = engine.step()
         except Exception as e:  # noqa: BLE001
