@@ -14,7 +14,7 @@ is accepted by the grammar as it is committed, so the reply is valid by construc
 block is committed clean with the next forward (the row batch's pending segment), as the
 families' own loops do.
 
-The grammar is a row's `Constraint` (engine/infill.py): `allow` masks a column's logits in place,
+The grammar is a row's `Constraint` (engine/constraint.py): `allow` masks a column's logits in place,
 `accept` advances it, `pick` chooses (greedy, sampled with its generator, or a closer near the end
 of the budget). `decode_blocks_task` is one job of the slot mode (engine/slots.py): it plans a
 forward, takes its logits back; the scheduler batches it with other requests' jobs.
@@ -26,6 +26,7 @@ import torch
 
 from ..settings import DEFAULTS
 from .batch import Forward, RowBatch
+from .constraint import Constraint
 from .layout import Layout
 from .model_api import seam_of
 from .runner import make_runner
@@ -116,8 +117,6 @@ def fill_prefix(rule, logits: torch.Tensor, threshold: float) -> tuple[list[int]
 def choose_token_task(model, prompt: list[int], options: list[int]):
     """`yield from` in a task: which of the single tokens `options` the model puts right after
     `prompt`, in its own layout (one forward): (index of the option, forwards)."""
-    from .infill import Constraint  # infill dispatches here: imported when used
-
     allowed = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     allowed[options] = True
 
