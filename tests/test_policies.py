@@ -32,6 +32,39 @@ def test_all_below_threshold_fills_exactly_the_best_leftmost():
     assert select_threshold(score, masked, 0.95).tolist() == [[False, True, False, False], [False, True, False, False]]
 
 
+def test_a_step_that_passes_only_after_the_predicted_end_also_fills_the_best_up_to_it():
+    score = torch.tensor([[0.5, 0.4, 0.6, 0.99], [0.5, 0.97, 0.6, 0.99], [0.7, 0.4, 0.6, 0.2]])
+    masked = torch.ones(3, 4, dtype=torch.bool)
+    ends = torch.tensor([[False, False, True, True], [False, False, True, True], [False, True, False, True]])
+    # row 0: only the position after the first end (col 2) passes: the best of cols 0-2 (the end) joins it;
+    # row 1: col 1, before the end, passes: nothing forced; row 2: none passes, the best up to col 1
+    assert select_threshold(score, masked, 0.95, ends).tolist() == [
+        [False, False, True, True], [False, True, False, True], [True, False, False, False]]
+    assert select_threshold(score, masked, 0.95).tolist() == [  # without ends: as before
+        [False, False, False, True], [False, True, False, True], [True, False, False, False]]
+
+
+def naive_select_threshold(score, masked, threshold, ends):
+    out = []
+    for s, m, e in zip(score.tolist(), masked.tolist(), ends.tolist()):
+        chosen = [mj and sj > threshold for sj, mj in zip(s, m)]
+        first_end = next((j for j in range(len(s)) if m[j] and e[j]), len(s))
+        pool = [j for j in range(min(first_end + 1, len(s))) if m[j]]
+        if pool and not any(chosen[j] for j in pool):
+            chosen[max(pool, key=lambda j: (s[j], -j))] = True
+        out.append(chosen)
+    return out
+
+
+def test_end_aware_threshold_selection_equals_a_naive_loop_on_random_inputs():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        score = torch.rand(5, 8, generator=g).round(decimals=1)  # ties included
+        masked, ends = torch.rand(5, 8, generator=g) < 0.7, torch.rand(5, 8, generator=g) < 0.3
+        t = float(torch.rand(1, generator=g))
+        assert select_threshold(score, masked, t, ends).tolist() == naive_select_threshold(score, masked, t, ends)
+
+
 def test_filled_positions_are_never_refilled_and_full_rows_fill_nothing():
     score = torch.tensor([[0.99, 0.1], [0.99, 0.99]])
     masked = torch.tensor([[False, True], [False, False]])
@@ -134,3 +167,18 @@ def test_threshold_one_fills_one_token_per_step_most_confident_first():
     seq, calls = run_scripted([[(4, 0.3), (5, 0.2), (6, 0.1), (7, 0.4)]], max_new_tokens=4, threshold=1.0)
     assert seq.token_ids == [4, 5, 6, 7] and calls == 4
     assert [step for _, step in seq.trajectory] == [1, 2, 3, 0]
+
+
+def test_an_end_tail_confident_beyond_the_end_costs_no_forwards(monkeypatch):
+    """The tail after the answer's end grows more confident to the right (as the default model's does
+    on free text): without the end rule each step fills only the tail's best, moving the end left by
+    one, and the kept tokens wait; with it the end is filled first and the answer after it."""
+    script = [[(4, 0.5), (5, 0.4), (EOS, 0.6), (EOS, 0.8), (EOS, 0.9), (EOS, 0.99)]]
+    seq, calls = run_scripted(script, max_new_tokens=8)
+    assert seq.token_ids == [4, 5, EOS] and seq.finish_reason == "stop"
+    assert calls == seq.forward_passes == 3 and seq.trajectory == [(0, 1), (0, 2), (0, 0)]
+    from clover.engine import policies
+    plain = policies.select_threshold
+    monkeypatch.setattr(policies, "select_threshold", lambda score, masked, t, ends=None: plain(score, masked, t))
+    before, before_calls = run_scripted(script, max_new_tokens=8)
+    assert before.token_ids == seq.token_ids and before_calls == 6

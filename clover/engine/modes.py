@@ -398,7 +398,7 @@ def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligi
         group = (torch.arange(masked.shape[1], device=masked.device) + 1) // sub_block
         first = torch.where(masked, group, masked.shape[1]).min(1, keepdim=True).values
         masked = masked & (group == first)
-    chosen = policy.choose(score, masked, steps_done)
+    chosen = policy.choose(score, masked, steps_done, torch.isin(tokens, eos_t))
     targets = torch.where(chosen, tokens, targets)
     fill_step = torch.where(chosen, steps_done[:, None], fill_step)
     filled = filled | chosen

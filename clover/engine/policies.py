@@ -4,7 +4,9 @@ A policy = a confidence score per position (from the distribution the token was 
 selection rule. All work on whole batches [rows, block] on-device, with no host round trip.
 
 * `low_confidence` (docs/architecture.md): fill every masked position whose probability is strictly above
-  the threshold; if none is, fill the single most confident one (leftmost on ties).
+  the threshold; if none is, fill the single most confident one (leftmost on ties). Positions after a
+  row's first masked end token are dropped once it is filled, so a step that fills only them also
+  fills the most confident position up to and including that end (`select_threshold`).
 * `topk`, `entropy`, `margin` (the Dream / llama.cpp variants): a fixed budget of `steps` per block;
   each step fills ceil(masked / steps left) positions, ranked by probability, negative entropy or
   top1-top2 margin (leftmost on ties).
@@ -37,12 +39,21 @@ def margin(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ---- selection rules ----------------------------------------------------------------------------
-def select_threshold(score: torch.Tensor, masked: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Masked positions with score > threshold; rows where none passes get their best one."""
+def select_threshold(score: torch.Tensor, masked: torch.Tensor, threshold: float,
+                     ends: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked positions with score > threshold; rows where none passes get their best one.
+    `ends` [R, B]: the positions whose token is an end token. A row's first masked end is where the
+    step predicts its answer to stop, and what follows it is dropped once that end is filled: those
+    positions are still filled when they pass, but a step that fills only them fills nothing kept,
+    so the row's best position up to and including that end is filled with them."""
     score = score.masked_fill(~masked, NEG_INF)
     chosen = masked & (score > threshold)
-    best = torch.zeros_like(masked).scatter_(1, score.argmax(1, keepdim=True), True)  # first max = leftmost
-    return chosen | (best & masked & ~chosen.any(1, keepdim=True))
+    pool = masked
+    if ends is not None:
+        first_end = (masked & ends).long()
+        pool = masked & ((first_end.cumsum(1) - first_end) == 0)  # up to and including the first masked end
+    best = torch.zeros_like(masked).scatter_(1, score.masked_fill(~pool, NEG_INF).argmax(1, keepdim=True), True)
+    return chosen | (best & pool & ~(chosen & pool).any(1, keepdim=True))  # argmax: the first max = leftmost
 
 
 def select_count(score: torch.Tensor, masked: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -69,10 +80,11 @@ class Policy:
         """probs [R, B, V], tokens/masked [R, B], steps_done [R] (steps taken in the current block)."""
         return self.choose(self.score(probs, tokens), masked, steps_done)
 
-    def choose(self, score, masked, steps_done) -> torch.Tensor:
-        """The same from the positions' scores [R, B] (`self.score` of their distributions)."""
+    def choose(self, score, masked, steps_done, ends=None) -> torch.Tensor:
+        """The same from the positions' scores [R, B] (`self.score` of their distributions); `ends`
+        [R, B]: the positions whose token is an end token (`select_threshold`)."""
         if self.threshold is not None:
-            return select_threshold(score, masked, self.threshold)
+            return select_threshold(score, masked, self.threshold, ends)
         left = (self.steps - steps_done).clamp_min(1)
         count = (masked.sum(1) + left - 1) // left  # ceil: the budget always finishes the block
         return select_count(score, masked, count)
