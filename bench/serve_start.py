@@ -1,14 +1,16 @@
 """Start-up of `clover serve` on a new user's machine, and its restart: how long until it answers,
 its first replies against its steady ones, and (`--runner compiled`) when its graphs are in use.
 
-    python bench/serve_start.py [--model DIR] [--requests 6] [--max-tokens 32] [--threads 1]
+    python bench/serve_start.py [--model DIR] [--rounds 5] [--requests 4] [--max-tokens 32] [--threads 1]
 
-Three servers, one after another: eager and compiled on empty caches (the C++ kernels' build folder,
-TORCH_EXTENSIONS_DIR, and the compile cache, `--compile-cache`, each a fresh temporary folder), then
-the compiled one restarted on the caches its first run filled. Each gets --requests non-streamed
-completions one after another from the moment it answers /health (the same prompt, --max-tokens
-tokens, ignore_eos): the first reply and the median of the others; then the bench waits until the
-server has every graph it deferred (`clover_graphs_deferred` 0) and times --requests more (steady).
+Each round starts an eager and a compiled server, one after the other, on empty caches: the
+compile cache (`--compile-cache`) a fresh temporary folder; the C++ kernels' build folder
+(TORCH_EXTENSIONS_DIR) fresh in round 1 (its start-up builds them), reused after. Once both answer
+/health they get --requests non-streamed completions each, taking turns (the same prompt,
+--max-tokens tokens, ignore_eos): the first reply and the median of the others. In the last round
+the bench then waits until the compiled server has every graph it deferred
+(`clover_graphs_deferred` 0) and times --requests more on each (steady), then restarts the compiled
+server on the caches it filled and does the same.
 Prints one markdown table and the ratios the issue asks for: eager first / eager steady (target
 <= 2), compiled first replies / eager's (target <= 1.2).
 """
@@ -50,12 +52,12 @@ def reply_seconds(url: str, max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def launch(args, runner: str, caches: Path):
-    """`clover serve` on the caches in `caches`: (process, url, seconds from launch until /health answers)."""
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(caches / "extensions"))
+def launch(args, runner: str, extensions: Path, compile_cache: Path):
+    """`clover serve` on these caches: (process, url, seconds from launch until /health answers)."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions))
     cmd = [sys.executable, "-m", "clover", "serve", "--port", "0", "--threads", str(args.threads),
            "--served-model-name", "bench", "--runner", runner]
-    cmd += ["--compile-cache", str(caches / "compile")] if runner == "compiled" else []
+    cmd += ["--compile-cache", str(compile_cache)] if runner == "compiled" else []
     cmd += ["--model", args.model] if args.model else []
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
@@ -69,50 +71,101 @@ def launch(args, runner: str, caches: Path):
     raise SystemExit(f"bench/serve_start.py: the {runner} server did not start")
 
 
-def run_server(args, runner: str, caches: Path) -> dict:
-    proc, url, started = launch(args, runner, caches)
-    t0 = time.perf_counter() - started  # the launch
+def stop(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def replies(servers: list[str], max_tokens: int, n: int) -> list[list[float]]:
+    """n replies from each server, the servers taking turns (the same load for all)."""
+    times = [[] for _ in servers]
+    for _ in range(n):
+        for i, url in enumerate(servers):
+            times[i].append(reply_seconds(url, max_tokens))
+    return times
+
+
+def settle(url: str, t0: float) -> float:
+    """Seconds from `t0` until the server has every graph it deferred."""
+    while metric(url, "clover_graphs_deferred") > 0:
+        time.sleep(0.2)
+    return time.perf_counter() - t0
+
+
+def one_round(args, tmp: Path, r: int, last: bool) -> dict:
+    """An eager and a compiled server (empty compile cache; in round 0 empty kernel folders too), their
+    first replies in turn; in the last round also their steady replies and a restart of the compiled one."""
+    out = {}
+    eager, url_e, out["start_e"] = launch(args, "eager", tmp / "ext-eager", tmp / "unused")
     try:
-        first = [reply_seconds(url, args.max_tokens) for _ in range(args.requests)]
-        while metric(url, "clover_graphs_deferred") > 0:
-            time.sleep(0.2)
-        ready = time.perf_counter() - t0
-        steady = [reply_seconds(url, args.max_tokens) for _ in range(args.requests)]
-        graphs = metric(url, "clover_graphs_compiled_total")
+        comp, url_c, out["start_c"] = launch(args, "compiled", tmp / "ext-compiled", tmp / f"compile-{r}")
+        t0 = time.perf_counter() - out["start_c"]
+        try:
+            out["first_e"], out["first_c"] = replies([url_e, url_c], args.max_tokens, args.requests)
+            if last:
+                out["ready_c"] = settle(url_c, t0)
+                out["steady_e"], out["steady_c"] = replies([url_e, url_c], args.max_tokens, args.requests)
+                out["graphs_c"] = metric(url_c, "clover_graphs_compiled_total")
+        finally:
+            stop(comp)
+        if last:  # the restart, on the caches this round's compiled server filled
+            comp, url_w, out["start_w"] = launch(args, "compiled", tmp / "ext-compiled", tmp / f"compile-{r}")
+            t0 = time.perf_counter() - out["start_w"]
+            try:
+                _, out["first_w"] = replies([url_e, url_w], args.max_tokens, args.requests)
+                out["ready_w"] = settle(url_w, t0)
+                _, out["steady_w"] = replies([url_e, url_w], args.max_tokens, args.requests)
+                out["graphs_w"] = metric(url_w, "clover_graphs_compiled_total")
+            finally:
+                stop(comp)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    return {"start": started, "first": first[0], "next": statistics.median(first[1:]), "ready": ready,
-            "steady": statistics.median(steady), "graphs": int(graphs)}
+        stop(eager)
+    return out
+
+
+def med(rounds: list[dict], key: str, pick=lambda xs: xs[0]) -> float:
+    return statistics.median(pick(r[key]) for r in rounds)
+
+
+def print_table(args, rounds: list[dict]) -> None:
+    last, nxt = rounds[-1], (lambda xs: statistics.median(xs[1:]))
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, --threads {args.threads}, "
+          f"{args.max_tokens}-token replies, {len(rounds)} rounds, load average {os.getloadavg()[0]:.2f} at the end\n")
+    print("| server | caches | start-up s (round 1 / later) | first reply s | next replies s | graphs in use "
+          "at s | graphs | steady reply s |")
+    print("|---|---|---|---|---|---|---|---|")
+    later = rounds[1:] or rounds
+    for name, k in (("eager", "e"), ("compiled", "c")):
+        ready = f"{last['ready_c']:.1f}" if k == "c" else "-"
+        graphs = int(last["graphs_c"]) if k == "c" else 0
+        print(f"| {name} | empty | {rounds[0]['start_' + k]:.1f} / {med(later, 'start_' + k, float):.1f} | "
+              f"{med(rounds, 'first_' + k):.2f} | {med(rounds, 'first_' + k, nxt):.2f} | {ready} | {graphs} | "
+              f"{statistics.median(last['steady_' + k]):.2f} |")
+    print(f"| compiled | restart | {last['start_w']:.1f} | {last['first_w'][0]:.2f} | "
+          f"{statistics.median(last['first_w'][1:]):.2f} | {last['ready_w']:.1f} | {int(last['graphs_w'])} | "
+          f"{statistics.median(last['steady_w']):.2f} |")
+    per_round = [r["first_c"][0] / r["first_e"][0] for r in rounds]
+    print(f"\nMedians over the rounds (first reply: each server's first; next: the median of its others). "
+          f"Eager first / eager steady: {med(rounds, 'first_e') / statistics.median(last['steady_e']):.2f} "
+          f"(target <= 2). Compiled / eager, ratio of the medians: first reply "
+          f"{med(rounds, 'first_c') / med(rounds, 'first_e'):.2f} (per round {min(per_round):.2f}-{max(per_round):.2f}), "
+          f"next replies {med(rounds, 'first_c', nxt) / med(rounds, 'first_e', nxt):.2f} (target <= 1.2). "
+          f"Restart: graphs in use {last['ready_w']:.1f} s after launch against {last['ready_c']:.1f} s.")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model folder (default: the shipped default model)")
-    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    if args.requests < 2:
-        raise SystemExit("bench/serve_start.py: --requests must be >= 2")
+    if args.requests < 2 or args.rounds < 1:
+        raise SystemExit("bench/serve_start.py: --requests must be >= 2 and --rounds >= 1")
     with tempfile.TemporaryDirectory(prefix="clover-start-") as tmp:
-        rows = [("eager", "empty", run_server(args, "eager", Path(tmp) / "eager")),
-                ("compiled", "empty", run_server(args, "compiled", Path(tmp) / "compiled")),
-                ("compiled", "restart", run_server(args, "compiled", Path(tmp) / "compiled"))]
-    load = os.getloadavg()[0]
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, --threads {args.threads}, "
-          f"{args.max_tokens}-token replies, load average {load:.2f} at the end\n")
-    print("| server | caches | start-up s | first reply s | next replies s (median) | graphs in use at s | "
-          "graphs | steady reply s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for runner, caches, r in rows:
-        print(f"| {runner} | {caches} | {r['start']:.1f} | {r['first']:.2f} | {r['next']:.2f} | {r['ready']:.1f} | "
-              f"{r['graphs']} | {r['steady']:.2f} |")
-    eager, cold, warm = (r for _, _, r in rows)
-    print(f"\neager first / eager steady: {eager['first'] / eager['steady']:.2f} (target <= 2); compiled first "
-          f"replies / eager's (empty caches): first {cold['first'] / eager['first']:.2f}, next "
-          f"{cold['next'] / eager['next']:.2f} (target <= 1.2); restart: first {warm['first'] / eager['first']:.2f}, "
-          f"graphs in use {warm['ready']:.1f} s after launch against {cold['ready']:.1f} s")
+        rounds = [one_round(args, Path(tmp), r, r == args.rounds - 1) for r in range(args.rounds)]
+    print_table(args, rounds)
     return 0
 
 

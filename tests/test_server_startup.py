@@ -67,15 +67,19 @@ def _never_done(model, c_shims, conn):
             f.write("shape\n")
 
 
-def test_a_compiled_server_answers_while_its_graphs_compile(loaded, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["ar", "low_confidence"])  # low_confidence: fused step functions too
+def test_a_compiled_server_answers_while_its_graphs_compile(loaded, tmp_path, monkeypatch, mode):
     """The compiles are the child's: requests are answered (eagerly, the same replies) while every
-    shape they met is still compiling there, and the server compiles nothing itself meanwhile."""
+    shape and fused layout they met is still compiling there, and the server compiles nothing
+    itself meanwhile."""
     model, tokenizer = loaded
+    state_of(model).deferred.clear()
+    state_of(model).fused_deferred.clear()
     asked = tmp_path / "asked"
     monkeypatch.setenv("CLOVER_TEST_ASKED", str(asked))
     monkeypatch.setattr(warm, "_child", _never_done)
-    ref = clover.generate(model, tokenizer, "the cat", max_new_tokens=6, block_size=4, threshold=0.5, mode="ar").text
-    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, mode="ar", runner="compiled")
+    ref = clover.generate(model, tokenizer, "the cat", max_new_tokens=6, block_size=4, threshold=0.5, mode=mode).text
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, mode=mode, runner="compiled")
     with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as server:
         for _ in range(2):
             reply = client(server, timeout=120).completions.create(model="tiny", prompt="the cat", max_tokens=6)
@@ -84,6 +88,7 @@ def test_a_compiled_server_answers_while_its_graphs_compile(loaded, tmp_path, mo
         assert metric(server, "clover_graphs_deferred") > 0
         assert metric(server, "clover_graphs_compiled_total") == 0
     assert asked.read_text().count("shape") == state_of(model).waiting() > 0
+    assert bool(state_of(model).fused_deferred) == (mode != "ar")
 
 
 def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path, monkeypatch):

@@ -132,10 +132,10 @@ class CompileState:
 
     def compile_next(self, ready=None) -> bool:
         """Compile one graph a deferring runner ran eagerly (a fused-function layout first, then the
-        oldest model shape, among the keys in `ready` when given); False when none waits."""
-        if self.fused_deferred:
-            k, fused = self.fused_deferred.popitem()
-            fused.compile(k)
+        oldest model shape; among the keys in `ready` when given); False when none waits."""
+        k = next((k for k in self.fused_deferred if ready is None or k in ready), None)
+        if k is not None:
+            self.fused_deferred.pop(k).compile(k)
             return True
         key = next((k for k in self.deferred if ready is None or k in ready), None)
         if key is None:

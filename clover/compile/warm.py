@@ -5,9 +5,10 @@ Why a process: a compile is dynamo tracing and inductor lowering, Python holding
 compile thread beside the scheduler slows its eager steps at every op; and tracing patches
 module calls process-wide, which breaks a forward running in another thread. A child forked after
 the model is loaded shares its weights (copy on write), runs at the lowest CPU priority on one
-thread, compiles each shape it is sent (`CompileState.compile_shape`, the same graph the server
-would make) and reports it. The server's own compile of that shape is then a cache hit: dynamo's
-trace and the cached graph's load, no inductor lowering or C++ compile.
+thread, compiles each shape (and fused-function layout) it is sent, the same graph the server
+would make (`CompileState.compile_shape`, `Fused.compile`), and reports it. The server's own
+compile of it is then a cache hit: a trace and the cached graph's load, no inductor lowering or
+C++ compile.
 
 Where the caches live: `cache_dir` (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor), so
 they outlive a reboot's /tmp and a restarted server loads its graphs instead of compiling them.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import traceback
 from pathlib import Path
 
@@ -29,7 +31,8 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     """The on-disk compile cache this process uses from now on: `path`, else $TORCHINDUCTOR_CACHE_DIR,
     else ~/.cache/clover/inductor (set in the environment, so children and inductor's compile workers
     use it too)."""
-    chosen = path or os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clover" / "inductor"
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    chosen = path or os.environ.get(CACHE_ENV) or home / "clover" / "inductor"
     chosen = Path(chosen).expanduser().absolute()
     chosen.mkdir(parents=True, exist_ok=True)
     os.environ[CACHE_ENV] = str(chosen)
@@ -50,13 +53,14 @@ class Warmer:
         self.asked: set = set()
         self.done: set = set()
 
-    def ask(self, key) -> None:
+    def ask(self, key, fused=None) -> None:
+        """Compile the model shape `key` (a ShapeKey), or with `fused` (a Fused) that function's layout `key`."""
         if key not in self.asked:
             self.asked.add(key)
             try:
-                self.conn.send(key)
-            except OSError:  # the child is gone: its keys count as done (the server compiles them itself)
-                self.done.add(key)
+                self.conn.send((key, None) if fused is None else (key, (fused.fn, fused.key, tuple(fused.shared))))
+            except (OSError, TypeError, AttributeError, pickle.PicklingError):
+                self.done.add(key)  # the child is gone, or the function cannot be sent: the server compiles it itself
 
     def poll(self) -> set:
         """The keys the child has finished so far."""
@@ -79,6 +83,7 @@ class Warmer:
 
 
 def _child(model, c_shims: bool, conn) -> None:
+    from .fused import Fused
     from .state import CompileState
 
     os.nice(19)
@@ -86,11 +91,14 @@ def _child(model, c_shims: bool, conn) -> None:
     state = CompileState(model, c_shims=c_shims)
     while True:
         try:
-            key = conn.recv()
+            key, fused = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            state.compile_shape(key)
+            if fused is None:
+                state.compile_shape(key)
+            else:
+                Fused(fused[0], fused[1], state, fused[2]).compile(key)
         except Exception:  # noqa: BLE001 - the server's own compile of the shape meets it again
             traceback.print_exc()
         conn.send(key)
@@ -98,9 +106,9 @@ def _child(model, c_shims: bool, conn) -> None:
 
 class Background:
     """A server's compile policy for one model's deferring runners: every shape they ran eagerly is
-    sent to a `Warmer` child (CPU models; `child=False`, or another device: none); with nothing to
-    decode, the server compiles one graph the child has finished (a cache hit) or a fused-function
-    layout (`compile_one`). No request waits on a graph the child is still compiling."""
+    (and every fused-function layout) sent to a `Warmer` child (CPU models; `child=False`, or another
+    device: none); with nothing to decode, the server compiles one graph the child has finished (a
+    cache hit: `compile_one`). No request waits on a graph the child is still compiling."""
 
     def __init__(self, model, child: bool = True):
         from .state import state_of
@@ -111,15 +119,15 @@ class Background:
     def sync(self) -> None:
         """Send the shapes queued since the last call to the child."""
         if self.warmer is not None:
+            for key, fused in list(self.state.fused_deferred.items()):
+                self.warmer.ask(key, fused)
             for key in list(self.state.deferred):
                 self.warmer.ask(key)
 
     def can_compile(self) -> bool:
         """Whether `compile_one` has something to do now."""
-        if self.state.fused_deferred:
-            return True
         ready = self.warmer.poll() if self.warmer is not None else None
-        return any(ready is None or k in ready for k in self.state.deferred)
+        return any(ready is None or k in ready for k in (*self.state.fused_deferred, *self.state.deferred))
 
     def compile_one(self) -> bool:
         return self.state.compile_next(self.warmer.poll() if self.warmer is not None else None)

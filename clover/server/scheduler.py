@@ -21,7 +21,7 @@
 * `--runner compiled`: the engines and the slot jobs defer compiling (a step of a shape with no graph
   runs eagerly and queues the shape); the queued shapes are compiled in a child process into the
   on-disk caches (`compile.warm.Background`), and with nothing to decode the loop loads one the child
-  has finished (a cache hit) at a time, so no request waits on a compile, only (when it arrives
+  has finished (a cache hit) at a time, after IDLE_BEFORE_COMPILE_S without work, so no request waits on a compile, only (when it arrives
   during one) on a load.
 * Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
@@ -53,7 +53,7 @@ from ..engine.slots import SlotMode, Task
 from .metrics import Metrics
 
 COMPILE_POLL_S = 0.2  # idle with shapes in the compiling child: how often the loop looks for a finished one
-IDLE_BEFORE_COMPILE_S = 0.5  # how long the loop must have had nothing to do before it loads a graph
+IDLE_BEFORE_COMPILE_S = 2.0  # how long the loop must have had nothing to do before it loads a graph
 
 
 # ---- what the scheduler posts to a request (typed; tuples underneath, so `event[0]` is the kind) ----
