@@ -9,8 +9,11 @@ from .options import add_threads_arg
 
 def register(sub) -> None:
     p = sub.add_parser("quantize", help="int4 weight-only quantisation of a checkpoint (RTN or GPTQ)")
-    p.add_argument("src", metavar="SRC", help="Clover checkpoint folder (bf16 or fp32)")
-    p.add_argument("dst", metavar="DST", help="output folder (must not exist unless --force)")
+    p.add_argument("src", metavar="SRC", nargs="?", help="Clover checkpoint folder (bf16 or fp32), or a public "
+                   "block-diffusion family's (SDAR, LLaDA2, Fast-dLLM v2; rtn only)")
+    p.add_argument("dst", metavar="DST", nargs="?", help="output folder (must not exist unless --force)")
+    p.add_argument("--model", metavar="DIR", help="SRC as a flag")
+    p.add_argument("--out", metavar="DIR", help="DST as a flag")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
                    help="input columns sharing one scale / zero point (default 128)")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
@@ -27,16 +30,29 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from ..utils.checkpoint import check_folder
+def folders(args) -> tuple[str, str]:
+    """(SRC, DST), each given once: positionally or as --model / --out."""
+    pairs = (("SRC", args.src, "--model", args.model), ("DST", args.dst, "--out", args.out))
+    for what, positional, flag, value in pairs:
+        if positional and value:
+            raise UserError(f"give {what} once: positionally or as {flag}")
+        if not (positional or value):
+            raise UserError(f"missing {what} (or {flag} DIR)")
+    return args.src or args.model, args.dst or args.out
 
+
+def run(args) -> int:
+    from ..utils.checkpoint import check_folder, families_module
+
+    args.src, args.dst = folders(args)
     check_folder(args.src)  # a bad source: one line naming the file, before torch is imported
 
     from ..api import check_checkpoint
     from ..convert.quantize import QuantizationError, quantize_checkpoint
     from .convert import parse_size
 
-    check_checkpoint(args.src)  # and its shapes against its config, before anything is written
+    if not families_module().is_family_folder(args.src):  # a family's shapes: checked as it is read
+        check_checkpoint(args.src)  # and its shapes against its config, before anything is written
     quiet = {"notice": lambda msg: None} if args.json else {}
     try:
         summary = quantize_checkpoint(

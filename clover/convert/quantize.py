@@ -147,13 +147,14 @@ def noisy_copy(ids: torch.Tensor, mask_id: int, block: int, seed: int = 0) -> to
 # ------------------------------------------------------------------------------------------------
 # The conversion
 # ------------------------------------------------------------------------------------------------
-def _plan(config, group_size: int, quantize_head: bool):
-    """Names of the quantised modules (checked against the group size) and the exclusion list."""
+def _plan(config, group_size: int, quantize_head: bool, model_class=None):
+    """Names of the quantised modules (checked against the group size) and the exclusion list;
+    `model_class` builds the model from `config` (default: Clover's)."""
     from ..models import CloverForBlockDiffusion
 
     not_quantized = [m for m in DEFAULT_NOT_QUANTIZED if not (quantize_head and m == "lm_head")]
     with torch.device("meta"):
-        model = CloverForBlockDiffusion(config)
+        model = (model_class or CloverForBlockDiffusion)(config)
     targets = {}
     for name, module in quantized_targets(model, not_quantized):
         if isinstance(module, torch.nn.Linear):
@@ -164,6 +165,29 @@ def _plan(config, group_size: int, quantize_head: bool):
             check_group_size(module.down_proj.shape, group_size, name + ".down_proj")
             targets[name] = "experts"
     return targets, not_quantized
+
+
+class _Output:
+    """The tensors written to the int4 folder, counted: kept ones (bf16, or as they are with
+    `cast=False`) and quantised ones (their stored parts)."""
+
+    def __init__(self, writer, cast: bool = True):
+        self.writer, self.cast = writer, cast
+        self.stats = {"quantized_params": 0, "kept_params": 0, "quantized_bytes": 0, "kept_bytes": 0,
+                      "src_bytes_quantized": 0}
+
+    def keep(self, name, t):
+        self.stats["kept_params"] += t.numel()
+        t = _high_precision(t) if self.cast else t
+        self.stats["kept_bytes"] += t.numel() * t.element_size()
+        self.writer.add(name, t)
+
+    def put_quantized(self, name, stored, w):
+        self.stats["quantized_params"] += w.numel()
+        self.stats["src_bytes_quantized"] += w.numel() * w.element_size()
+        for k, t in stored.items():
+            self.stats["quantized_bytes"] += t.numel() * t.element_size()
+            self.writer.add(f"{name}.{k}", t)
 
 
 def quantize_checkpoint(
@@ -192,6 +216,11 @@ def quantize_checkpoint(
         raise QuantizationError(f"{dst} already exists (use --force to replace it)")
     if dst.resolve() == src.resolve():
         raise QuantizationError("DST must differ from SRC")
+    if _family(raw) is not None:
+        if method != "rtn" or calib is not None:
+            raise QuantizationError("a public family is quantised with --method rtn (gptq calibrates in Clover's "
+                                    "training layout)")
+        return quantize_family(src, dst, raw, group_size, quantize_head, max_shard_bytes, notice)
     config = CloverConfig.from_pretrained(src)
     if quantize_head and config.tie_word_embeddings:
         raise QuantizationError("--quantize-head needs an untied lm_head (this model ties it to the embeddings)")
@@ -222,23 +251,94 @@ def quantize_checkpoint(
         writer = ShardWriter(tmp, max_shard_bytes)
         stats = _quantize_into(source, writer, config, targets, group_size, method, calib_ids, notice)
         shards = writer.close()
-        qc = {
-            "quant_method": QUANT_METHOD, "bits": 4, "group_size": group_size, "method": method,
-            "modules_not_quantized": not_quantized,
-            "format": "qweight uint8 [..., N, K/2] (low nibble = even column), scales bf16 and qzeros uint8 "
-                      "[..., N, K/group_size]; W = (q - qzeros) * scales",
-        }
+        qc = _quantization_config(group_size, method, not_quantized)
         if calib_ids is not None:
             name = calib_path.name if calib_path is not None else "clover.data held-out split (seed 1)"
             qc["calibration"] = {"file": name, "samples": int(calib_ids.shape[0]),
                                  "seq_len": int(calib_ids.shape[1]), "layout": "block-diffusion training [x_t ; x_0]"}
         out_cfg = {**raw, "quantization_config": qc, "dtype": "bfloat16"}
         out_cfg.pop("torch_dtype", None)
-        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
-        for path in src.iterdir():
-            if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
-                shutil.copy2(path, tmp / path.name)
+        _finish_folder(tmp, src, out_cfg)
     return {"dst": str(dst), "method": method, "group_size": group_size, "shards": shards, **stats}
+
+
+def _quantization_config(group_size: int, method: str, not_quantized) -> dict:
+    return {
+        "quant_method": QUANT_METHOD, "bits": 4, "group_size": group_size, "method": method,
+        "modules_not_quantized": list(not_quantized),
+        "format": "qweight uint8 [..., N, K/2] (low nibble = even column), scales bf16 and qzeros uint8 "
+                  "[..., N, K/group_size]; W = (q - qzeros) * scales",
+    }
+
+
+def _finish_folder(tmp: Path, src: Path, config: dict) -> None:
+    """config.json, and every other file of SRC but its weights (tokenizer, chat template, ...)."""
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for path in src.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(path, tmp / path.name)
+
+
+# ------------------------------------------------------------------------------------------------
+# The public families (clover/models/modeling_{sdar,llada2,fast_dllm}.py)
+# ------------------------------------------------------------------------------------------------
+def _family(raw: dict):
+    """The public family a config.json names, None for Clover's own."""
+    from ..models.families import UnknownFamily, family_of
+
+    if raw.get("model_type") == "clover":
+        return None
+    try:
+        return family_of(raw)
+    except UnknownFamily:
+        return None
+
+
+def _check_shapes(state: dict, model_class, config, src: Path) -> None:
+    """The folder's tensors (Clover's names) are the model's, shaped as its config says."""
+    with torch.device("meta"):
+        want = {k: tuple(t.shape) for k, t in model_class(config).state_dict().items()}
+    got = {k: tuple(t.shape) for k, t in state.items()}
+    for name in sorted(set(want) | set(got)):
+        if want.get(name) != got.get(name):
+            raise QuantizationError(f"{src}: tensor {name} is {got.get(name)} in the files but {want.get(name)} "
+                                    "for its config.json")
+
+
+def quantize_family(src: Path, dst: Path, raw: dict, group_size: int, quantize_head: bool, max_shard_bytes: int,
+                    notice=_notice) -> dict:
+    """A public family's folder -> int4 (RTN): the same modules as Clover's (every linear layer but
+    the routers and, unless `quantize_head`, the head; every routed-experts stack), written under
+    Clover's names (per-expert tensors stacked: `mlp.experts.gate_up_proj.qweight`); the other
+    tensors are kept as the source stores them (the published folders are bf16)."""
+    from ..models.modeling_family import map_published, read_weights
+
+    fam = _family(raw)
+    try:
+        config = fam.config_class().from_dict(raw)
+        if quantize_head and config.tie_word_embeddings:
+            raise QuantizationError("--quantize-head needs an untied lm_head (this model ties it to the embeddings)")
+        targets, not_quantized = _plan(config, group_size, quantize_head, fam.model_class())
+    except ValueError as e:
+        raise QuantizationError(str(e)) from None
+    state = map_published(read_weights(src), config)
+    _check_shapes(state, fam.model_class(), config, src)
+    quantized = {}  # tensor name -> the name its stored parts take
+    for n, kind in targets.items():
+        for name in [f"{n}.weight"] if kind == "linear" else [f"{n}.gate_up_proj", f"{n}.down_proj"]:
+            quantized[name] = n if kind == "linear" else name
+    with staged_folder(dst, "quantizing") as tmp:
+        out = _Output(ShardWriter(tmp, max_shard_bytes), cast=False)
+        for name in list(state):
+            t = state.pop(name)
+            if name in quantized:
+                out.put_quantized(quantized[name], quantize_rtn(t, group_size), t)
+            else:
+                out.keep(name, t)
+        shards = out.writer.close()
+        notice(f"{len(targets)} modules quantised (rtn)")
+        _finish_folder(tmp, src, {**raw, "quantization_config": _quantization_config(group_size, "rtn", not_quantized)})
+    return {"dst": str(dst), "method": "rtn", "group_size": group_size, "shards": shards, **out.stats}
 
 
 def _layer_keys(weight_map, prefix: str) -> list[str]:
@@ -248,21 +348,8 @@ def _layer_keys(weight_map, prefix: str) -> list[str]:
 def _quantize_into(source, writer, config, targets, g, method, calib_ids, notice) -> dict:
     from ..models.modeling_clover import CloverDecoderLayer, CloverRMSNorm, training_layout
 
-    stats = {"quantized_params": 0, "kept_params": 0, "quantized_bytes": 0, "kept_bytes": 0, "src_bytes_quantized": 0}
-    layer_err = []
-
-    def keep(name, t):
-        stats["kept_params"] += t.numel()
-        t = _high_precision(t)
-        stats["kept_bytes"] += t.numel() * t.element_size()
-        writer.add(name, t)
-
-    def put_quantized(name, stored, w):
-        stats["quantized_params"] += w.numel()
-        stats["src_bytes_quantized"] += w.numel() * w.element_size()
-        for k, t in stored.items():
-            stats["quantized_bytes"] += t.numel() * t.element_size()
-            writer.add(f"{name}.{k}", t)
+    out = _Output(writer)
+    stats, keep, put_quantized = out.stats, out.keep, out.put_quantized
 
     wm = source.weight_map
     gptq = method == "gptq"

@@ -29,11 +29,11 @@ class FamilySeam(nn.Module):
 
     @property
     def device(self):
-        return self.family_model.head_weight().device
+        return self.family_model.model.embed.weight.device
 
     @property
     def dtype(self):
-        return self.family_model.head_weight().dtype
+        return self.family_model.model.embed.weight.dtype
 
     # ---- the compiled runner's three calls (engine/runner.py CompiledRunner, compile/state.py) ----
     def block_of(self, block_size=None, clean_block_size=None) -> int:

@@ -272,7 +272,7 @@ class BlockFamilyModel(nn.Module):
         return self.model.embed.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def new_cache(self, batch_size: int, capacity: int = 256) -> FamilyCache:
-        p = self.head_weight()
+        p = self.model.embed.weight  # the model's dtype (the head may be int4)
         return FamilyCache(self.config, batch_size, capacity, p.device, p.dtype)
 
     def forward(self, input_ids, positions=None, cache=None, commit: bool | int = False,
@@ -315,12 +315,20 @@ class BlockFamilyModel(nn.Module):
 
     @classmethod
     def from_state_dict(cls, config, state: dict, dtype=None, device=None):
+        """The model of `state` (published names, or Clover's for an int4 folder of `clover quantize`:
+        config.json's `quantization_config` swaps in the int4 modules, whose stored parts keep their
+        dtypes) in `dtype` (default: the embeddings')."""
         with torch.device("meta"):
             model = cls(config)
+        quantization = config.raw.get("quantization_config")
+        if quantization:
+            from ..quant import apply_quantization
+
+            apply_quantization(model, quantization)
         mapped = map_published(state, config)
         dtype = dtype or mapped[f"model.{cls.embed_name}.weight"].dtype  # the weights' (a router bias may be fp32)
-        mapped = {k: v.to(device=device or "cpu", dtype=dtype if v.is_floating_point() else v.dtype)
-                  for k, v in mapped.items()}
+        mapped = {k: v.to(device=device or "cpu", dtype=dtype if v.is_floating_point() and not _int4_part(k)
+                          else v.dtype) for k, v in mapped.items()}
         missing = [k for k in model.state_dict() if k not in mapped]
         extra = [k for k in mapped if k not in model.state_dict()]
         if missing or extra:
@@ -331,6 +339,11 @@ class BlockFamilyModel(nn.Module):
                                   f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
         model.load_state_dict(mapped, strict=True, assign=True)
         return model.eval()
+
+
+def _int4_part(name: str) -> bool:
+    """A stored part of an int4 weight (quant/int4.py), kept in its own dtype."""
+    return name.rsplit(".", 1)[-1] in ("qweight", "scales", "qzeros")
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
