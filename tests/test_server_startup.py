@@ -37,6 +37,16 @@ def test_kernels_are_built_at_start_up_not_inside_a_request(loaded, monkeypatch)
     assert builds == [threading.current_thread().name]  # the request (greedy picks included) built nothing
 
 
+def test_int4_layers_are_packed_at_start_up():
+    from clover.quant import Int4Linear
+    from clover.utils.startup import prepare
+
+    model = torch.nn.Sequential(Int4Linear(64, 32, 32), torch.nn.ReLU(), Int4Linear(32, 64, 32))
+    assert all(m._packed is None for m in model if isinstance(m, Int4Linear))
+    prepare(model)
+    assert all(m._packed is not None for m in model if isinstance(m, Int4Linear))
+
+
 def test_prepare_says_when_it_compiles(monkeypatch):
     said = []
     monkeypatch.setattr(tiled, "_state", {"bf16_x": False})

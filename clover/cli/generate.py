@@ -141,10 +141,10 @@ def load_model(args, rows: int):
     model behind the same interface."""
     if getattr(args, "backend", "torch") != "llamacpp":
         from ..distributed.parallel import load as load_sharded  # imports torch: after the light checks
-        from ..ops.linear import tiled
+        from ..utils.startup import prepare
 
         model, tokenizer = load_sharded(args)  # clover.load in one process
-        tiled.prepare_for(model)  # the C++ CPU kernels now, with a word: not in the first decode or request
+        prepare(model)  # the C++ CPU kernels (with a word) and int4 packing now: not in the first decode or request
         return model, tokenizer
     from ..backends.llamacpp import LlamaCppError
     from ..backends.llamacpp.model import load_llamacpp

@@ -235,6 +235,14 @@ def apply_quantization(model: nn.Module, quantization_config: dict) -> nn.Module
     return model
 
 
+def pack_int4_weights(model: nn.Module) -> None:
+    """Every int4 layer's kernel layout built now, which its first matmul would otherwise do (in a
+    server: inside the first request)."""
+    for m in model.modules():
+        if isinstance(m, Int4Weight) and m.kernel == "auto" and m._packed is None:
+            m._packed = m._build()
+
+
 def set_int4_kernel(model: nn.Module, kernel: str) -> None:
     """'auto' (device kernels) or 'reference' (dequantise then matmul) for every int4 layer."""
     for m in model.modules():

@@ -135,9 +135,9 @@ class _Gate:
 def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, ...] = ()) -> FastAPI:
     from contextlib import asynccontextmanager
 
-    from ..ops.linear import tiled
+    from ..utils.startup import prepare
 
-    tiled.prepare_for(model)  # the C++ CPU kernels before the first request, never inside one
+    prepare(model)  # the C++ CPU kernels and int4 packing before the first request, never inside one
     metrics = Metrics()
     scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics,
                           settings.decode.runner)
