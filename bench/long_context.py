@@ -1,6 +1,7 @@
 """Long context: prefill seconds, peak RSS and decode step ms at 1K, 8K, 32K (and 128K) tokens.
 
     python bench/long_context.py [--contexts 1024,8192,32768] [--slow] [--threads 1] [--steps 8] [--repeats 3]
+                                 [--stall 32768]
 
 Random weights (seed 0) at the shipped default model's dims with a 131072-token limit. Each context
 runs in a fresh process (so its peak RSS is its own): the prompt is prefilled as the engine does it
@@ -10,8 +11,10 @@ draft step of one block (block size 8, nothing committed). `--slow` adds 128K (1
 room for the steps). Peak RSS is the process's high-water mark after the model is built and after
 the prefill; the attention layers' K/V grow with the context, the GDN layers' state does not. The
 longest prefill chunk is what a server's running rows wait for per turn while the prompt prefills
-beside them. Every context runs --repeats times, in rounds over the contexts; a shared machine's
-noise only slows a run, so each time is the fastest run's.
+beside them; --stall measures that gap: a stream decoding while a prompt of that many tokens joins
+its engine, prefilled a chunk per step (the server) and at once. Every context runs --repeats
+times, in rounds over the contexts; a shared machine's noise only slows a run, so each time is the
+fastest run's.
 """
 
 from __future__ import annotations
@@ -33,18 +36,27 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def one(context: int, steps: int) -> dict:
-    """Prefill `context` tokens, then time the steps; every figure of one table row."""
+def build():
+    """The random-weight model at the default dims with the 131072-token limit."""
     import torch
 
     from clover.api import DEFAULT_MODEL
-    from clover.engine import DecodeConfig
     from clover.models import CloverConfig, CloverForBlockDiffusion
 
     torch.manual_seed(0)
     config = CloverConfig.from_pretrained(DEFAULT_MODEL)
     config.max_position_embeddings = LIMIT
-    model = CloverForBlockDiffusion(config).eval()
+    return CloverForBlockDiffusion(config).eval()
+
+
+def one(context: int, steps: int) -> dict:
+    """Prefill `context` tokens, then time the steps; every figure of one table row."""
+    import torch
+
+    from clover.engine import DecodeConfig
+
+    model = build()
+    config = model.config
     base = rss_mb()
     ids = torch.randint(2, config.vocab_size, (1, context + BLOCK), generator=torch.Generator().manual_seed(0))
     chunk = DecodeConfig.prefill_chunk // BLOCK * BLOCK
@@ -74,6 +86,41 @@ def one(context: int, steps: int) -> dict:
                 draft_ms=1e3 * statistics.median(timings["draft"][1:] or timings["draft"]))
 
 
+def stall(context: int) -> dict:
+    """A stream decoding (AR) while a `context`-token prompt joins its engine: the longest gap between
+    two of its tokens, with the prompt prefilled a chunk per step (`Engine.add(interleave=True)`, the
+    server) and all at once (`add` alone), and the interleaved steps' median."""
+    import torch
+
+    from clover.engine import DecodeConfig, Engine
+
+    model = build()
+    cfg = DecodeConfig(mode="ar", block_size=1, max_new_tokens=context // 256 + 64)
+    g = torch.Generator().manual_seed(1)
+    short, long = (torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist() for n in (16, context))
+    out = {}
+    with torch.inference_mode():
+        for interleave in (True, False):
+            engine = Engine(model, cfg)
+            [row] = engine.add([short])
+            for _ in range(3):
+                engine.step()
+            gaps, last = [], time.perf_counter()
+            [joining] = engine.add([long], max_new_tokens=[1], interleave=interleave)
+            joined = False
+            while not joined:  # up to the step whose forward carries the prompt's last chunk
+                joined = any(s is joining for s in engine.seqs)
+                engine.step()
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+            assert not row.finished
+            out["interleaved" if interleave else "at_once"] = gaps
+    steps = out["interleaved"]
+    return dict(context=context, gap_ms=1e3 * max(steps), median_ms=1e3 * statistics.median(steps), steps=len(steps),
+                at_once_ms=1e3 * max(out["at_once"]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="1024,8192,32768", help="comma-separated context lengths in tokens")
@@ -82,29 +129,40 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps of each kind (the first is a warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of every context (rounds over the contexts); "
                                                           "each time is the fastest run's, RSS the highest")
+    ap.add_argument("--stall", type=int, default=32768, help="context of the prompt that joins a decoding stream "
+                                                            "(0: none)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)  # the child process: one context, JSON out
+    ap.add_argument("--gap", type=int, help=argparse.SUPPRESS)  # the child process: `stall`, JSON out
     args = ap.parse_args(argv)
     try:
         contexts = [int(x) for x in args.contexts.split(",")] + ([LIMIT - 64] if args.slow else [])
-        if any(c < 1 or c > LIMIT - 2 * BLOCK for c in contexts) or min(args.steps, args.threads, args.repeats) < 1:
+        if (any(c < 1 or c > LIMIT - 2 * BLOCK for c in contexts) or min(args.steps, args.threads, args.repeats) < 1
+                or not 0 <= args.stall <= LIMIT // 2):
             raise ValueError
     except ValueError:
         ap.exit(2, f"bench/long_context.py: contexts are 1 to {LIMIT - 2 * BLOCK} tokens, --steps, --threads and "
-                   "--repeats >= 1\n")
-    if args.one is not None:
+                   "--repeats >= 1, --stall 0 to {LIMIT // 2}\n")
+    if args.one is not None or args.gap is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(one(args.one, args.steps)))
+        print(json.dumps(stall(args.gap) if args.one is None else one(args.one, args.steps)))
         return 0
     rows = measure(contexts, args)
-    if rows is None:
+    gaps = measure([args.stall], args, "--gap") if args.stall else []
+    if rows is None or gaps is None:
         return 1
+    report(rows, gaps, args)
+    return 0
+
+
+def report(rows: list[dict], gaps: list[dict], args) -> None:
     print(f"`python bench/long_context.py --contexts {args.contexts}{' --slow' if args.slow else ''} --threads "
-          f"{args.threads} --steps {args.steps} --repeats {args.repeats}`: random weights at the default model's "
-          f"dims, {LIMIT}-token limit, eager, {os.cpu_count()} CPU cores; prefill in the engine's chunks, steps "
-          f"after it (median of {args.steps - 1 or 1}); every context run {args.repeats} times in fresh processes, "
-          "rounds over the contexts, times of the fastest run (the machine is shared), the highest load seen.\n")
+          f"{args.threads} --steps {args.steps} --repeats {args.repeats} --stall {args.stall}`: random weights at the "
+          f"default model's dims, {LIMIT}-token limit, eager, {os.cpu_count()} CPU cores; prefill in the engine's "
+          f"chunks, steps after it (median of {args.steps - 1 or 1}); every context run {args.repeats} times in fresh "
+          "processes, rounds over the contexts, times of the fastest run (the machine is shared), the highest load "
+          "seen.\n")
     print("| context tokens | prefill s | prefill tokens/s | longest chunk ms | peak RSS MB | RSS over the model MB "
           f"| AR step ms | {BLOCK}-token draft step ms | load avg |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -113,16 +171,22 @@ def main(argv=None) -> int:
               f"{r['rss_mb']:.0f} | {r['rss_mb'] - r['rss_model_mb']:.0f} | {r['ar_ms']:.2f} | {r['draft_ms']:.2f} | "
               f"{r['load']:.1f} |")
     print(growth(rows))
-    return 0
+    for g in gaps:
+        print(f"\nA stream decoding (AR) while a {g['context']}-token prompt joins its engine: the longest gap "
+              f"between its tokens {g['gap_ms']:.0f} ms (median {g['median_ms']:.0f} ms over the {g['steps']} steps "
+              f"the prompt takes to join) with the prompt prefilled a chunk per step beside it (the server), "
+              f"{g['at_once_ms']:.0f} ms with it prefilled at once (load {g['load']:.1f}).")
 
 
-def measure(contexts: list[int], args) -> list[dict] | None:
-    """Every context `--repeats` times, each run a child process; per context the fastest time of each
-    kind, the RSS of the run with the highest and the highest load. None (after a line on stderr) when a run fails."""
+def measure(contexts: list[int], args, child: str = "--one") -> list[dict] | None:
+    """Every context `--repeats` times, each run a child process (`child`: --one for a table row,
+    --gap for `stall`); per context the fastest run's figure of each time (*_ms, *_s), the RSS
+    figures of the run with the highest and the highest load. None (after a line on stderr) when a
+    run fails."""
     runs: dict[int, list[dict]] = {c: [] for c in contexts}
     for _ in range(args.repeats):
         for c in contexts:
-            out = subprocess.run([sys.executable, __file__, "--one", str(c), "--steps", str(args.steps), "--threads",
+            out = subprocess.run([sys.executable, __file__, child, str(c), "--steps", str(args.steps), "--threads",
                                   str(args.threads)], capture_output=True, text=True)
             if out.returncode:
                 print(f"bench/long_context.py: context {c} failed: {out.stderr.strip().splitlines()[-1:]}",
@@ -131,8 +195,8 @@ def measure(contexts: list[int], args) -> list[dict] | None:
             runs[c].append(json.loads(out.stdout.strip().splitlines()[-1]) | {"load": os.getloadavg()[0]})
     rows = []
     for c, rs in runs.items():
-        row = dict(max(rs, key=lambda r: r["rss_mb"]))  # its RSS figures: the highest run's
-        row.update({k: min(r[k] for r in rs) for k in ("prefill_s", "chunk_ms", "ar_ms", "draft_ms")})
+        row = dict(max(rs, key=lambda r: r.get("rss_mb", 0)))
+        row.update({k: min(r[k] for r in rs) for k in row if k.endswith(("_ms", "_s"))})
         rows.append(row | {"load": max(r["load"] for r in rs)})
     return rows
 
