@@ -127,3 +127,23 @@ def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path
         assert background.waiting() == 0
     finally:
         background.close()
+
+
+def test_the_warm_up_queues_the_default_shapes_for_the_child_before_any_request(loaded, tmp_path, monkeypatch):
+    from clover.server.app import warm_up
+
+    model, tokenizer = loaded
+    state_of(model).deferred.clear()
+    asked = tmp_path / "asked"
+    monkeypatch.setenv("CLOVER_TEST_ASKED", str(asked))
+    monkeypatch.setattr(warm, "_child", _never_done)
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, mode="ar", runner="compiled")
+    app = create_app(model, tokenizer, settings, eos_ids(model, tokenizer))
+    warm_up(app, tokenizer)
+    queued = state_of(model).waiting()
+    assert queued > 0
+    with RunningServer(app):
+        deadline = time.time() + 60
+        while not (asked.exists() and asked.read_text().count("shape") == queued) and time.time() < deadline:
+            time.sleep(0.05)
+    assert asked.read_text().count("shape") == queued

@@ -122,6 +122,7 @@ def run(args) -> int:
 
     from ..api import eos_ids
     from ..server import Settings, create_app
+    from ..server.app import warm_up
     from .generate import load_model
 
     # clover.load in one process (ranks > 0 never return), or the llama.cpp runner for up to --max-batch rows
@@ -141,6 +142,8 @@ def run(args) -> int:
     if args.max_body_bytes is not None:
         settings.max_body_bytes = args.max_body_bytes
     app = create_app(model, tokenizer, settings, eos_ids(model, tokenizer))
+    if args.backend != "llamacpp" and os.environ.get("WORLD_SIZE", "1") == "1":  # one process, torch
+        warm_up(app, tokenizer)  # the process's first forward, before the port answers
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"clover serve: {name} on http://{shown}:{port} (playground at /, OpenAI API at /v1)", flush=True)

@@ -23,7 +23,7 @@ from .scheduler import Scheduler
 from .shapes import tool_call_deltas
 from .structured import MAX_TOOL_CALLS
 
-__all__ = ["Choice", "Settings", "create_app", "tool_call_deltas"]
+__all__ = ["Choice", "Settings", "create_app", "tool_call_deltas", "warm_up"]
 
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/decide")
 MAX_BODY_BYTES = 4 * 2**20  # default request-body limit: many times what fills a 32k-token context
@@ -156,6 +156,22 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     add_error_handlers(app)
     routes.register(app)
     return app
+
+
+def warm_up(app: FastAPI, tokenizer) -> None:
+    """One short decode of the server's default settings before it serves, as its engines run them:
+    what a process's first forward does once (allocations, lazily read weights, library set-up) is
+    not paid by the first request; under `--runner compiled` its shapes are queued for the compiling
+    child from the start."""
+    import torch
+
+    from ..engine import Engine
+
+    scheduler, decode = app.state.scheduler, app.state.settings.decode
+    config = scheduler.config(decode.engine_key(), max_new_tokens=2 * decode.block_size)
+    ids = tokenizer("Hello")["input_ids"] or [0]
+    with torch.inference_mode():
+        Engine(scheduler.model, config, defer_compile=True).generate([ids])
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -184,6 +184,7 @@ class Scheduler:
     def start(self) -> None:
         if self.runner == "compiled":
             self.compiles = Background(self.model)
+            self.compiles.sync()  # shapes met before the server started (its warm-up)
         self.thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
         self.thread.start()
 
