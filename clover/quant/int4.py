@@ -155,27 +155,16 @@ class PackedInt4:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (any float dtype) -> [..., N] in x's dtype, computed with bf16 activations."""
-        shape = x.shape
-        x2 = x.reshape(-1, self.k)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        if self.kind == "cpu":
-            threads = torch.get_num_threads()
-            if threads > 1 and x2.shape[0] * self.n * self.k < CPU_SERIAL_WORK:
-                # small products: the kernel's parallel_for costs more than it saves, and on a core
-                # busy with other work waits far longer for its worker than the product takes
-                torch.set_num_threads(1)
-                try:
-                    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size, self.sz)
-                finally:
-                    torch.set_num_threads(threads)
-            else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.weight, self.group_size, self.sz)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), self.weight, self.group_size, self.sz)
-        if y.shape[-1] != self.n:
-            y = y[:, : self.n]
-        return y.reshape(*shape[:-1], self.n).to(x.dtype)
+        threads = torch.get_num_threads()
+        if self.kind == "cpu" and threads > 1 and x.numel() * self.n < CPU_SERIAL_WORK:
+            # small products: the kernel's parallel_for costs more than it saves, and on a core
+            # busy with other work waits far longer for its worker than the product takes
+            torch.set_num_threads(1)
+            try:
+                return packed_matmul(x, self.weight, self.sz, self.group_size, self.n, self.kind)
+            finally:
+                torch.set_num_threads(threads)
+        return packed_matmul(x, self.weight, self.sz, self.group_size, self.n, self.kind)
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Recover the stored format exactly (for saving after the stored copy was released): the
@@ -189,6 +178,23 @@ class PackedInt4:
         q = q[:, : self.n].t().round().to(torch.uint8)
         scales, qzeros = stored_from_tinygemm(self.sz, self.n)
         return pack_int4(q), scales, qzeros
+
+
+def packed_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
+                  kind: str = "cpu") -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., n] in x's dtype for W in a kernel's layout (`PackedInt4`), with bf16
+    activations; traceable (a compiled graph calls it on the layout held as buffers)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.dtype != torch.bfloat16:
+        x2 = x2.to(torch.bfloat16)
+    if kind == "cpu":
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), weight, group_size, sz)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), weight, group_size, sz)
+    if y.shape[-1] != n:
+        y = y[:, :n]
+    return y.reshape(*shape[:-1], n).to(x.dtype)
 
 
 def kernel_kind(device: torch.device) -> str:

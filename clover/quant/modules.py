@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe import segmented_experts
-from .int4 import PackedInt4, check_group_size, kernel_kind, reference_matmul
+from .int4 import PackedInt4, check_group_size, kernel_kind, packed_matmul, reference_matmul
 
 QUANT_METHOD = "clover_int4"
 # Linear layers kept in high precision by default (matched on the last name component):
@@ -70,8 +70,33 @@ class Int4Weight(nn.Module):
             self._released = True
         return packed
 
+    def prepare_for_graphs(self) -> None:
+        """Before a compiled runner traces the model: the kernel layout built now and held as buffers
+        (`packed_weight_i`, `packed_sz_i`; not saved), so a graph reads them as its inputs and a
+        Replay binds them by name."""
+        if self.kernel != "auto":
+            return
+        if self._packed is None:
+            self._packed = self._build()
+        for i, p in enumerate(self._packed or ()):
+            self.register_buffer(f"packed_weight_{i}", p.weight, persistent=False)
+            self.register_buffer(f"packed_sz_{i}", p.sz, persistent=False)
+
+    def graph_layout(self) -> tuple[list, list] | None:
+        """(weights, scales-and-zeros) of the kernel layout per matrix while a graph is traced on it
+        (`prepare_for_graphs`), else None."""
+        if not (torch.compiler.is_compiling() and self.kernel == "auto" and "packed_weight_0" in self._buffers):
+            return None
+        count = math.prod(self.lead)
+        return ([self._buffers[f"packed_weight_{i}"] for i in range(count)],
+                [self._buffers[f"packed_sz_{i}"] for i in range(count)])
+
     def matmul(self, x: torch.Tensor, index: int = 0) -> torch.Tensor:
         """x [..., K] @ W[index]^T (index into the flattened lead dims) in x's dtype."""
+        graph = self.graph_layout()
+        if graph is not None:
+            return packed_matmul(x, graph[0][index], graph[1][index], self.group_size, self.out_features,
+                                 self._packed[index].kind)
         if self.kernel == "auto":
             if self._packed is None:
                 self._packed = self._build()
@@ -100,6 +125,8 @@ class Int4Weight(nn.Module):
             self.qweight, self.scales, self.qzeros = self.stored()
             self._released = False
         self._packed = None
+        for name in [n for n in self._buffers if n.startswith("packed_")]:
+            del self._buffers[name]
 
     @staticmethod
     def _stored_state(module, state_dict, prefix, local_metadata):
@@ -176,7 +203,30 @@ class Int4Experts(nn.Module):
         return self.down_proj.matmul(F.silu(gate) * up, e)
 
     def forward(self, x, top_idx, top_w):
+        gate_up, down = self.gate_up_proj.graph_layout(), self.down_proj.graph_layout()
+        if gate_up is not None and down is not None and self.gate_up_proj._packed[0].kind == "cpu":
+            return int4_experts_op(x, top_idx, top_w, *gate_up, *down, self.gate_up_proj.group_size, self.inter)
         return segmented_experts(x, top_idx, top_w, self.num_experts, self._expert)
+
+
+@torch.library.custom_op("clover::int4_experts", mutates_args=())
+def int4_experts_op(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: list[torch.Tensor],
+                    gate_up_sz: list[torch.Tensor], down: list[torch.Tensor], down_sz: list[torch.Tensor],
+                    group_size: int, inter: int) -> torch.Tensor:
+    """`Int4Experts` on the CPU kernel layout as one opaque op for torch.compile (its routing is
+    data-dependent): the same sort, grouping and kernel calls as the eager module, so the same
+    outputs. Inference only."""
+
+    def expert(e, xs):
+        gate, up = packed_matmul(xs, gate_up[e], gate_up_sz[e], group_size, 2 * inter).split(inter, dim=-1)
+        return packed_matmul(F.silu(gate) * up, down[e], down_sz[e], group_size, x.shape[-1])
+
+    return segmented_experts(x, top_idx, top_w, len(gate_up), expert)
+
+
+@int4_experts_op.register_fake
+def _int4_experts_fake(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter):
+    return torch.empty_like(x)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,6 +291,25 @@ def pack_int4_weights(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, Int4Weight) and m.kernel == "auto" and m._packed is None:
             m._packed = m._build()
+
+
+def quantize_rtn_in_place(model: nn.Module, group_size: int, not_quantized=DEFAULT_NOT_QUANTIZED) -> nn.Module:
+    """Every layer the int4 format covers replaced by its round-to-nearest int4 twin, in memory (what
+    `clover quantize --method rtn` writes, without a folder)."""
+    from .int4 import quantize_rtn
+
+    for name, module in quantized_targets(model, not_quantized):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(module, nn.Linear):
+            new = Int4Linear.from_float(module.weight.detach(), group_size, module.bias)
+        else:
+            e, two_i, h = module.gate_up_proj.shape
+            new = Int4Experts(e, h, two_i // 2, group_size, device=module.gate_up_proj.device)
+            new.gate_up_proj.load_stored(quantize_rtn(module.gate_up_proj.detach(), group_size))
+            new.down_proj.load_stored(quantize_rtn(module.down_proj.detach(), group_size))
+        setattr(parent, attr, new)
+    return model
 
 
 def set_int4_kernel(model: nn.Module, kernel: str) -> None:
