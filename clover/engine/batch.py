@@ -137,9 +137,11 @@ class Prefill:
     Clover; the layout's), left-padded, committed to a cache of their own one chunk per `advance`,
     chunk boundaries on clean windows counted from the end. The last chunk is not run here: it rides
     with the rows' first decoding forward (`pending`, after `RowBatch.admit`). An engine advances a
-    long prompt's chunks between the decoding steps of its running rows."""
+    long prompt's chunks between the decoding steps of its running rows; with `tail` (whole clean
+    windows) the last chunk is cut there too and only its last `tail` tokens ride with that forward,
+    which the running rows share (their columns are padded to its width)."""
 
-    def __init__(self, batch: RowBatch, seqs: list[Sequence], capacity: int):
+    def __init__(self, batch: RowBatch, seqs: list[Sequence], capacity: int, tail: int | None = None):
         self.seqs, self.runner, self.bs = list(seqs), batch.runner, batch.clean_block_size
         self.cache = batch.runner.new_cache(len(seqs), capacity=capacity)
         cleans = [batch.layout.prefilled(s.prompt_ids, self.bs) for s in seqs]
@@ -153,6 +155,8 @@ class Prefill:
         self.ids, self.pad = ids.to(batch.device), pad.to(batch.device)
         chunk = batch.chunk()
         self.cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]  # the next chunk: cuts[0:2]
+        if tail and width - tail > self.cuts[-2]:
+            self.cuts.insert(-1, width - tail)
 
     @property
     def chunks_left(self) -> int:

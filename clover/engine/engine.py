@@ -69,13 +69,13 @@ class Engine:
         (continuous batching: requests may be added between steps). `max_new_tokens` gives each row
         its own budget (default: the config's). `interleave`: a prompt that takes more than one
         prefill forward prefills one chunk per `step`, after the running rows' decoding forward, and
-        joins them when only its last chunk is left (a long prompt never stalls them for longer than
-        a chunk); until then it is in `prefilling`."""
+        joins them when only its last clean window is left, which rides with their next forward (a
+        long prompt never stalls them for longer than a chunk); until then it is in `prefilling`."""
         budgets = [self.cfg.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
         seqs = sequences(prompts, budgets, self.seam.context, self.added)
         self.added += len(seqs)
         later = [s for s in seqs if interleave and self.batch.prefill_forwards(s.prompt_ids)]
-        self.joining += [Prefill(self.batch, [s], self._capacity([s])) for s in later]
+        self.joining += [Prefill(self.batch, [s], self._capacity([s]), tail=self.batch.clean_block_size) for s in later]
         now = [s for s in seqs if not any(s is t for t in later)]
         if now:
             prefill = Prefill(self.batch, now, self._capacity(now))
@@ -124,7 +124,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Advance every running row, then one prefill chunk of the first prompt in `prefilling` (its
-        rows join once only the last chunk is left); returns (sequence, new tokens) for rows that
+        rows join once only the last clean window is left); returns (sequence, new tokens) for rows that
         produced output."""
         events = []
         if self.seqs:
