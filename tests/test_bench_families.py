@@ -1,0 +1,30 @@
+"""bench/families.py runs each family's published loop and Clover's engine on the same random
+weights and reports one row per family (the figures are not checked: speed only via benchmarks);
+Clover's batch-1 tokens equal the published loop's."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_families", ROOT / "bench" / "families.py")
+families = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(families)
+
+
+def test_one_row_per_family_with_the_same_tokens(capsys):
+    assert families.main(["--rounds", "1", "--families", "sdar,llada2", "--new-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| family")]
+    assert [r.split("|")[1].strip() for r in rows] == ["sdar", "llada2"]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert cells[-1] == "yes" and "x [" in cells[5]
+        assert cells[7] == "refused" or "x [" in cells[7]
+    assert "load average" in out
+
+
+def test_bad_arguments_are_one_line(capsys):
+    assert families.main(["--families", "gpt2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gpt2" in err and "\n" not in err
