@@ -124,3 +124,13 @@ def test_reachable_from_the_api_and_the_cli(tmp_path, capsys):
     assert main(args[:-1] + ["-3"]) == 2
     err = capsys.readouterr().err.strip()
     assert "max_post_steps" in err and "\n" not in err
+
+
+@pytest.mark.timeout(1800)
+def test_compiled_runner_gives_the_eager_tokens(seam):
+    """The editing step (`edit_step`, fused by the runner) and the family's steps as compiled graphs:
+    the same tokens and forwards as the eager runner, for a batch of prompts of different lengths."""
+    ps = prompts()[:3]
+    settings = dict(edit_threshold=0.0, max_post_steps=4)
+    want = engine_run(seam, ps, **settings)
+    assert engine_run(seam, ps, runner="compiled", **settings) == want
