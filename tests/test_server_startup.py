@@ -147,3 +147,13 @@ def test_the_warm_up_queues_the_default_shapes_for_the_child_before_any_request(
         while not (asked.exists() and asked.read_text().count("shape") == queued) and time.time() < deadline:
             time.sleep(0.05)
     assert asked.read_text().count("shape") == queued
+
+
+def test_the_child_ends_when_the_server_end_of_its_pipe_closes(loaded, monkeypatch):
+    """As when the server dies: the child must not live on holding the server's listening socket."""
+    model, _ = loaded
+    monkeypatch.setattr(warm, "_child", _never_done)
+    warmer = warm.Warmer(state_of(model))
+    warmer.conn.close()
+    warmer.proc.join(timeout=30)
+    assert not warmer.proc.is_alive()

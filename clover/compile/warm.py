@@ -46,7 +46,7 @@ class Warmer:
     def __init__(self, state):
         ctx = multiprocessing.get_context("fork")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(state.model(), state.c_shims, child), daemon=True,
+        self.proc = ctx.Process(target=_start, args=(self.conn, state.model(), state.c_shims, child), daemon=True,
                                 name="clover-compile")
         self.proc.start()
         child.close()
@@ -80,6 +80,13 @@ class Warmer:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=2)
+
+
+def _start(parent_end, *args) -> None:
+    """The child: without its copy of the server's end of the pipe, so that the server's end closing
+    (or the server dying) ends it, and the listening socket it inherited with it."""
+    parent_end.close()
+    _child(*args)
 
 
 def _child(model, c_shims: bool, conn) -> None:
