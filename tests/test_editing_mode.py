@@ -134,3 +134,26 @@ def test_compiled_runner_gives_the_eager_tokens(seam):
     settings = dict(edit_threshold=0.0, max_post_steps=4)
     want = engine_run(seam, ps, **settings)
     assert engine_run(seam, ps, runner="compiled", **settings) == want
+
+
+def test_reachable_from_the_server(tmp_path):
+    """A request's extra body fields choose the mode and its settings: the reply is the engine's."""
+    import openai
+    from server_utils import RunningServer, client
+
+    import clover
+    from clover.api import eos_ids
+    from clover.server import Settings, create_app
+
+    write_family(tmp_path, "llada2_moe")
+    model, tok = clover.load(tmp_path, device="cpu")
+    editing = {"mode": "editing", "threshold": 0.5, "edit_threshold": 0.0, "max_post_steps": 2}
+    want = clover.generate(model, tok, "Hello there", max_new_tokens=6, block_size=4, **editing)
+    settings = Settings(model_id="fam", block_size=4, max_batch=4, max_queue=8)
+    with RunningServer(create_app(model, tok, settings, eos_ids(model, tok))) as s:
+        c = client(s)
+        got = c.completions.create(model="fam", prompt="Hello there", max_tokens=6, extra_body=editing)
+        assert got.choices[0].text == want.text
+        with pytest.raises(openai.BadRequestError, match="edit_threshold"):
+            c.completions.create(model="fam", prompt="Hello there", max_tokens=6,
+                                 extra_body={**editing, "edit_threshold": 1.5})
