@@ -21,12 +21,35 @@ import torch
 
 from ..settings import DEFAULTS, MODES, DecodeConfig  # noqa: F401 - re-exported (clover.engine)
 from .batch import Prefill, RowBatch
+from .editing import EditingMode
 from .layout import Layout
 from .model_api import seam_of
-from .modes import make_mode
+from .modes import ARMode, DiffusionMode, Mode, SelfSpecMode, TokenHook
+from .policies import SCORES
 from .runner import make_runner
 from .sampling import make_generator
 from .sequence import Sequence, sequences
+
+
+def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = None, layout: Layout = Layout()) -> Mode:
+    """`layout`: the model's (engine/layout.py); `ar` and `self_spec` need its shift."""
+    if hook is not None and cfg.mode != "ar":
+        raise ValueError(f"a token hook constrains ar decoding, not {cfg.mode}")
+    if cfg.mode in ("ar", "self_spec") and not layout.shift:
+        raise ValueError(f"mode {cfg.mode} needs a model whose position i predicts token i+1; this one predicts "
+                         f"each masked position itself (no shift): use a diffusion mode ({', '.join(SCORES)})")
+    if cfg.mode in SCORES:
+        mode = DiffusionMode(cfg, mask_id, device, generator)
+    elif cfg.mode == "self_spec":
+        mode = SelfSpecMode(cfg, mask_id, device, generator)
+    elif cfg.mode == "ar":
+        mode = ARMode(cfg, mask_id, device, generator, hook)
+    elif cfg.mode == "editing":
+        mode = EditingMode(cfg, mask_id, device, generator, layout)
+    else:
+        raise ValueError(f"unknown mode {cfg.mode!r}")
+    mode.layout = layout
+    return mode
 
 class Engine:
     def __init__(self, model, config: DecodeConfig, defer_compile: bool = False, hook=None):

@@ -33,7 +33,7 @@ import torch
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
 from .layout import Layout
-from .policies import SCORES, make_policy
+from .policies import make_policy
 from .sampling import banned_ids, sample
 from .sequence import Sequence
 
@@ -423,26 +423,3 @@ def sample_and_score(policy, sampling, mask_id, logits):
     pure, so a compiled runner makes it one graph (`runner.fuse`)."""
     tokens, probs = sample(logits, sampling, mask_id)
     return tokens, policy.score(probs, tokens)
-
-
-def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = None, layout: Layout = Layout()) -> Mode:
-    """`layout`: the model's (engine/layout.py); `ar` and `self_spec` need its shift."""
-    if hook is not None and cfg.mode != "ar":
-        raise ValueError(f"a token hook constrains ar decoding, not {cfg.mode}")
-    if cfg.mode in ("ar", "self_spec") and not layout.shift:
-        raise ValueError(f"mode {cfg.mode} needs a model whose position i predicts token i+1; this one predicts "
-                         f"each masked position itself (no shift): use a diffusion mode ({', '.join(SCORES)})")
-    if cfg.mode in SCORES:
-        mode = DiffusionMode(cfg, mask_id, device, generator)
-    elif cfg.mode == "self_spec":
-        mode = SelfSpecMode(cfg, mask_id, device, generator)
-    elif cfg.mode == "ar":
-        mode = ARMode(cfg, mask_id, device, generator, hook)
-    elif cfg.mode == "editing":
-        from .editing import EditingMode  # LLaDA2.1's editing decode; it imports this module
-
-        mode = EditingMode(cfg, mask_id, device, generator, layout)
-    else:
-        raise ValueError(f"unknown mode {cfg.mode!r}")
-    mode.layout = layout
-    return mode
