@@ -100,3 +100,23 @@ def test_benchmarks_and_readme_stay_short_with_the_headline_first():
     readme = update.README.read_text()
     assert len(readme.splitlines()) <= 150
     assert "make demo" in readme and "make test" in readme
+
+
+def test_a_long_section_keeps_its_first_table_and_refold_rerenders_stored_output(tmp_path, monkeypatch):
+    table = "| n | ms |\n|---:|---:|\n" + "".join(f"| {n} | {n / 10} |\n" for n in range(3))
+    output = "\n".join(["intro", "", "more words", "", table, "second:", "", table.replace("ms", "s"), "end"])
+    short, full = update.fold("two", output)
+    assert full == output and "second:" not in short and short.count("| n |") == 1
+    assert short.endswith("(more: [bench/details/two.md](bench/details/two.md))")
+    bench, details = tmp_path / "BENCHMARKS.md", tmp_path / "details"
+    head = update.section_head("two", "python two.py", "2026-01-01")
+    bench.write_text(f"# Clover benchmarks\n\nintro\n\n<!-- bench:two -->\n{head}{output}\n<!-- /bench:two -->\n")
+    monkeypatch.setattr(update, "FILE", bench)
+    monkeypatch.setattr(update, "README", tmp_path / "README.md")
+    monkeypatch.setattr(update, "DETAILS", details)
+    monkeypatch.setattr(update, "HEADLINE", [update.Row("step", "two", "{a} s", "-", {"a": ({"n": "2"}, "s")})])
+    assert update.main(["--refold"]) == 0
+    text = bench.read_text()
+    assert "second:" not in text and (details / "two.md").read_text() == f"{head}{output}\n"
+    assert "| step | 0.2 s | - |" in text  # the headline reads the table that moved to details
+    assert update.main(["--refold"]) == 0 and bench.read_text() == text  # idempotent
