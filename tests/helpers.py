@@ -3,6 +3,7 @@ tokens included) with Clover's chat template and a tiny random Clover model save
 
 from __future__ import annotations
 
+import contextlib
 import string
 
 import torch
@@ -53,3 +54,23 @@ def tiny_model(seed: int, peak: float = 40.0, **overrides):
     m = CloverForBlockDiffusion(preset_config("clover-tiny", **overrides)).eval()
     m.lm_head.weight.data *= peak
     return m
+
+
+@contextlib.contextmanager
+def runner_calls(runner: str):
+    """While inside: (logits, logits_index) of every forward of the eager or compiled runner class."""
+    from clover.engine.runner import CompiledRunner, EagerRunner
+
+    logits, cls = [], CompiledRunner if runner == "compiled" else EagerRunner
+    real = cls.forward
+
+    def record(self, ids, cache, **kw):
+        out = real(self, ids, cache, **kw)
+        logits.append((out.detach().clone(), kw.get("logits_index")))
+        return out
+
+    cls.forward = record
+    try:
+        yield logits
+    finally:
+        cls.forward = real

@@ -8,24 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_families import VOCAB, confident, write_family
+from test_families import confident, write_family
+from test_families_engine import budget, prompts  # the same prompts (odd lengths) and budgets
 
 from clover.engine import DecodeConfig, Engine
 from clover.models.family_seam import FamilySeam
 from clover.models.reference_generate import llada2_generate
 
 B, THRESHOLD = 4, 0.3
-LENGTHS = (5, 7, 8, 3)  # odd, a whole block, shorter than a block
-
-
-def prompts(seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def budget(n: int) -> int:
-    """Tokens up to the end of the third block after the prompt's (the published loop fills whole blocks)."""
-    return (n // B + 3) * B - n
 
 
 @pytest.fixture(scope="module")

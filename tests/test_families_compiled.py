@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import runner_calls
 from test_families import VOCAB, confident, write_family
 
 from clover.compile import state_of
 from clover.engine import DecodeConfig, Engine
-from clover.engine.runner import CompiledRunner, EagerRunner
 from clover.models.family_seam import FamilySeam
 
 THRESHOLD = 0.6
@@ -28,24 +28,12 @@ def prompts(seed: int = 3):
 
 def decode(seam, runner: str, batch, budgets, block: int):
     """(logits of every runner call, token ids, forwards per row, the runner)."""
-    logits = []
-    cls = CompiledRunner if runner == "compiled" else EagerRunner
-    real = cls.forward
-
-    def record(self, ids, cache, **kw):
-        out = real(self, ids, cache, **kw)
-        logits.append((out.detach().clone(), kw.get("logits_index")))
-        return out
-
-    cls.forward = record
-    try:
+    with runner_calls(runner) as logits:
         engine = Engine(seam, DecodeConfig(block_size=block, threshold=THRESHOLD, max_new_tokens=max(budgets),
                                            runner=runner))
         seqs = engine.add(batch, budgets)
         while engine.running:
             engine.step()
-    finally:
-        cls.forward = real
     return logits, [s.token_ids for s in seqs], [s.forward_passes for s in seqs], engine.runner
 
 

@@ -14,7 +14,7 @@ from clover.engine import DecodeConfig, Engine
 from clover.compile import RECOMPILE_LIMIT, CompileState, Fused, state_of
 from clover.engine import runner as runner_module
 from clover.engine.runner import CompiledRunner, EagerRunner
-from helpers import tiny_model
+from helpers import runner_calls, tiny_model
 
 FULL = os.environ.get("CLOVER_COMPILED_TESTS") == "1"
 full_only = pytest.mark.skipif(not FULL, reason="compiles many graphs: set CLOVER_COMPILED_TESTS=1")
@@ -28,17 +28,7 @@ def model():  # two layers (one GDN, one attention): half the compile time of cl
 def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, replay=True, block=4, defer=False):
     """Logits of every runner call and the sequences; `late` prompts join after the first step and
     rows with smaller budgets leave early."""
-    logits = []
-    cls = CompiledRunner if runner == "compiled" else EagerRunner
-    real = cls.forward
-
-    def record(self, ids, cache, **kw):
-        out = real(self, ids, cache, **kw)
-        logits.append((out.detach().clone(), kw.get("logits_index")))
-        return out
-
-    cls.forward = record
-    try:
+    with runner_calls(runner) as logits:
         engine = Engine(model, DecodeConfig(mode=mode, block_size=block, threshold=0.5, max_new_tokens=max(budgets),
                                             prefill_chunk=4, runner=runner), defer_compile=defer)
         if not replay:
@@ -49,8 +39,6 @@ def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5
             seqs += engine.add(list(late), [late_budget] * len(late))
         while engine.running:
             engine.step()
-    finally:
-        cls.forward = real
     return logits, seqs, engine.runner
 
 
