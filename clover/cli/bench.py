@@ -64,13 +64,18 @@ def add_decode_flags(p) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
 
 
+def add_infill_flags(p) -> None:
+    """The infilling decoders' commit threshold (the one infill default) and block size."""
+    p.add_argument("--threshold", type=float, default=INFILL_THRESHOLD)
+    add_decode_args(p, "block_size")
+
+
 # ---- decide -----------------------------------------------------------------------------------------
 def add_decide_flags(p) -> None:
     add_model_flags(p)
     p.add_argument("--groups", type=int, default=500, help="held-out groups (default 500)")
     p.add_argument("--seed", type=int, default=0, help="benchmark seed (clover.data.tasks.decision_benchmark)")
-    p.add_argument("--threshold", type=float, default=INFILL_THRESHOLD)
-    add_decode_args(p, "block_size")
+    add_infill_flags(p)
 
 
 # ---- pareto ------------------------------------------------------------------------------------------
@@ -119,8 +124,7 @@ def add_structured_flags(p) -> None:
     add_model_flags(p)
     p.add_argument("--n", type=int, default=10, help="cases of each of the 7 kinds (default 10)")
     p.add_argument("--seed", type=int, default=1000, help="benchmark seed (default 1000)")
-    p.add_argument("--threshold", type=float, default=INFILL_THRESHOLD)
-    add_decode_args(p, "block_size")
+    add_infill_flags(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="budget of free generation (default 64)")
     p.add_argument("--records", metavar="JSONL", help="write every case's record (every method) as JSONL")
     p.add_argument("--corpus", action="store_true",
