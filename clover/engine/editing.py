@@ -28,28 +28,19 @@ import torch
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
 from .layout import Layout
-from .modes import Events, Mode
+from .modes import Events, Mode, RowState
 from .policies import make_policy
 from .sequence import Sequence
 
 
 @dataclass
-class EditState:
+class EditState(RowState):
     """Per row, the block being decoded: [rows, B] except the step counters [rows]."""
 
     eligible: torch.Tensor  # columns the block decodes and may edit (not the prompt's, within the budget)
     fill_step: torch.Tensor  # the forward of the block that last wrote column j
     steps_done: torch.Tensor  # forwards of the block that had a mask to fill
     post: torch.Tensor  # forwards of the block after its last mask (edits only)
-
-    def fields(self) -> tuple[torch.Tensor, ...]:
-        return self.eligible, self.fill_step, self.steps_done, self.post
-
-    def cat(self, other: "EditState") -> "EditState":
-        return EditState(*(torch.cat([a, b]) for a, b in zip(self.fields(), other.fields())))
-
-    def take(self, idx: torch.Tensor) -> "EditState":
-        return EditState(*(t[idx] for t in self.fields()))
 
 
 class EditingMode(Mode):
@@ -115,7 +106,7 @@ class EditingMode(Mode):
         for seq, row in zip(batch.seqs, info):
             if row[0]:
                 cols = [j for j in range(B) if row[1 + j]]
-                tokens = _cut_at_eos([row[B + 1 + j] for j in cols], self.eos)
+                tokens = self._cut_at_eos([row[B + 1 + j] for j in cols])
                 seq.append(tokens, [row[2 * B + 1 + j] for j in cols][: len(tokens)], self.eos)
                 events.append((seq, tokens))
             go_on.append(bool(row[0]) and not seq.finished)
@@ -127,13 +118,6 @@ class EditingMode(Mode):
             self.state = EditState(*(torch.where(go[:, None] if a.dim() == 2 else go, a, b)
                                      for a, b in zip(fresh.fields(), st.fields())))
         return events
-
-
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
 
 
 def edit_step(policy, edit_threshold: float, max_post_steps: int, mask_id: int, tokens, prob, window, eligible,

@@ -24,6 +24,7 @@ batch runs the forward (`RowBatch.run`: Engine.step, or the server's scheduler b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Protocol
@@ -56,6 +57,13 @@ class Mode:
 
     def sample(self, logits):
         return sample(logits, self.cfg.sampling, self.mask_id, self.generator)
+
+    def _cut_at_eos(self, tokens: list[int]) -> list[int]:
+        """`tokens` up to and including the first EOS."""
+        for i, t in enumerate(tokens):
+            if t in self.eos:
+                return tokens[: i + 1]
+        return tokens
 
     def tokens(self, logits):
         """The chosen token of each column: greedy straight from the logits (no distribution), else drawn."""
@@ -194,15 +202,23 @@ class SelfSpecMode(Mode):
         batch.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
         return events
 
-    def _cut_at_eos(self, tokens: list[int]) -> list[int]:
-        for i, t in enumerate(tokens):
-            if t in self.eos:
-                return tokens[: i + 1]
-        return tokens
+
+class RowState:
+    """A mode's per-row tensors (a dataclass of them, row-major): joined (`cat`) and selected
+    (`take`) together, in the dataclass's field order."""
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def cat(self, other):
+        return type(self)(*(torch.cat([a, b]) for a, b in zip(self.fields(), other.fields())))
+
+    def take(self, idx: torch.Tensor):
+        return type(self)(*(t[idx] for t in self.fields()))
 
 
 @dataclass
-class BlockState:
+class BlockState(RowState):
     """Per row, the block being denoised: [rows, B] except `steps_done` [rows]."""
 
     filled: torch.Tensor  # target j is decided
@@ -210,15 +226,6 @@ class BlockState:
     fill_step: torch.Tensor  # the step of the block at which target j was filled
     steps_done: torch.Tensor  # steps taken in the current block
     eligible: torch.Tensor  # targets the block may fill (the budget; nothing after a filled EOS)
-
-    def cat(self, other: "BlockState") -> "BlockState":
-        return BlockState(*(torch.cat([a, b]) for a, b in zip(self.fields(), other.fields())))
-
-    def take(self, idx: torch.Tensor) -> "BlockState":
-        return BlockState(*(t[idx] for t in self.fields()))
-
-    def fields(self) -> tuple[torch.Tensor, ...]:
-        return self.filled, self.targets, self.fill_step, self.steps_done, self.eligible
 
 
 class DiffusionMode(Mode):

@@ -65,12 +65,6 @@ class CloverCache(RowCache):
         self.recorded: dict[int, GdnRecord] = {}
 
     # ---- what the layers read and write ------------------------------------------------------
-    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K/V [B, H, L, D] of every column written at its slot [B, L], in place (static shapes)."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        self.key[layer][rows, :, slots] = cast(k.transpose(1, 2), self.dtype)
-        self.value[layer][rows, :, slots] = cast(v.transpose(1, 2), self.dtype)
-
     def commit_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V [B, H, n, D] of the first n (clean) columns scattered to their slots [B, n]."""
         index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])

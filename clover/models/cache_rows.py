@@ -14,6 +14,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from ..ops.utils import cast
+
 KV = ("key", "value")
 
 
@@ -58,6 +60,12 @@ class RowCache:
         if prefix is not None:
             k, v = k[:, :, :prefix], v[:, :, :prefix]
         return k.to(dtype), v.to(dtype)
+
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V [B, H, L, D] of every column written at its slot [B, L], in place (static shapes)."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]
+        self.key[layer][rows, :, slots] = cast(k.transpose(1, 2), self.dtype)
+        self.value[layer][rows, :, slots] = cast(v.transpose(1, 2), self.dtype)
 
     def extend_kv(self, layer: int, prefix: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values a forward attends to, [cache prefix ; new columns], without copying the

@@ -47,12 +47,6 @@ class FamilyCache(RowCache):
         self.key[layer].permute(0, 2, 1, 3)[rows, slots] = k.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
         self.value[layer].permute(0, 2, 1, 3)[rows, slots] = v.permute(0, 2, 1, 3)[rows, cols].to(self.dtype)
 
-    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K/V [B, Hkv, L, D] of every column written at its slot [B, L], in place (static shapes)."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        self.key[layer][rows, :, slots] = k.transpose(1, 2).to(self.dtype)
-        self.value[layer][rows, :, slots] = v.transpose(1, 2).to(self.dtype)
-
     # ---- snapshot / rollback (self-speculation) ------------------------------------------------
     def snapshot(self) -> dict:
         return {"lens": self.lens.clone()}
