@@ -101,10 +101,9 @@ class Engine:
         self.joining += [Prefill(self.batch, [s], self._capacity([s]), tail=self.batch.clean_block_size) for s in later]
         now = [s for s in seqs if not any(s is t for t in later)]
         if now:
-            prefill = Prefill(self.batch, now, self._capacity(now))
-            while prefill.chunks_left:
-                prefill.advance()
-            self._admit(prefill)
+            first = not self.batch.seqs
+            self.batch.join(now, capacity=self._capacity(now))
+            self.mode.join(now, first)
         return seqs
 
     def _capacity(self, seqs: list[Sequence]) -> int:
