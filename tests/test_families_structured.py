@@ -259,6 +259,24 @@ def test_response_format_json_schema(served):
     assert isinstance(json.loads(got.choices[0].message.content), dict)
 
 
+def test_request_decoding_reaches_the_family_grammar(served):
+    """A request's threshold and block_size decide how a family's structured reply is decoded (its
+    forwards), for response_format and for a forced call: at threshold 0 a block's whole masked prefix
+    fills per forward, at 1 only what the grammar forces rides along; a larger block, fewer forwards."""
+    c, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def forwards(threshold: float, block_size: int, **kw) -> int:
+        got = c.chat.completions.create(model="fam", messages=ASK, max_tokens=120,
+                                        extra_body={"threshold": threshold, "block_size": block_size}, **kw)
+        return got.model_extra["clover"]["structured"][0]["forward_passes"]
+
+    for kw in ({"response_format": fmt}, {"tools": [WEATHER], "tool_choice": named}):
+        loose = forwards(0.0, 4, **kw)
+        assert forwards(1.0, 4, **kw) > loose > forwards(0.0, 8, **kw)
+
+
 def test_cli_generate_json_schema(tmp_path):
     from test_families_engine import _clover
 

@@ -114,9 +114,10 @@ def fill_prefix(rule, logits: torch.Tensor, threshold: float) -> tuple[list[int]
     return new, False
 
 
-def choose_token_task(model, prompt: list[int], options: list[int]):
+def choose_token_task(model, prompt: list[int], options: list[int], block_size: int | None = None):
     """`yield from` in a task: which of the single tokens `options` the model puts right after
-    `prompt`, in its own layout (one forward): (index of the option, forwards)."""
+    `prompt`, in its own layout (one forward, blocks of `block_size`, default the family's):
+    (index of the option, forwards)."""
     allowed = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     allowed[options] = True
 
@@ -124,5 +125,5 @@ def choose_token_task(model, prompt: list[int], options: list[int]):
         logits[:, ~allowed.to(logits.device)] = float("-inf")
 
     rule = Constraint(allow, lambda t: False, set(), None, None, 0, 1, model.config.mask_token_id)
-    tokens, _, forwards = yield from decode_blocks_task(model, prompt, rule)
+    tokens, _, forwards = yield from decode_blocks_task(model, prompt, rule, block_size=block_size)
     return options.index(tokens[0]), forwards

@@ -137,8 +137,13 @@ class Routes:
         return cfg.engine_key()
 
     def infill_threshold(self, req) -> float:
-        """What a request's slots commit at: its own threshold, else the server's infill threshold."""
-        return self.settings.infill_threshold if req.threshold is None else req.threshold
+        """What a request's slots (structured replies, forced calls, decide) commit at: its own threshold,
+        else the server's infill threshold; for a public family, whose structured replies decode in its
+        blocks as its free replies do, the server's decoding threshold (the family's published one unless
+        `clover serve --threshold`)."""
+        if req.threshold is not None:
+            return req.threshold
+        return self.settings.decode.threshold if absolute_blocks(self.model) else self.settings.infill_threshold
 
     def check_rows(self, rows: int, param: str) -> None:
         """A request of more rows (prompts x n) than the queue holds can never run: 400, not a 503 to retry."""

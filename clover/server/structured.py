@@ -129,7 +129,7 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
                 return _instead(tokenizer, plan, infilled, prefix, suffix, max_tokens)
     try:
         r = yield from grammar_json_task(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
-                                         max_new_tokens=max_tokens)
+                                         max_new_tokens=max_tokens, threshold=threshold, block_size=block_size)
     except Refused as e:  # e.g. no level's grammar compiled within the time budget
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
     if infilled is not None:  # the infill's forwards were spent too
@@ -220,7 +220,8 @@ def another_call(model, tokenizer, context: list[int], threshold: float, block_s
     model's choice, (True: another, forwards)."""
     newline = pieces(tokenizer, ["\n"], before=CALL_CLOSE, after=CALL_OPEN)[0][:1]
     if absolute_blocks(model):  # a public family: one token in its own layout (engine/family_grammar.py)
-        pick, forwards = yield from choose_token_task(model, context, newline + [_end_of_turn(model, tokenizer)])
+        pick, forwards = yield from choose_token_task(model, context, newline + [_end_of_turn(model, tokenizer)],
+                                                      block_size)
         return pick == 0, forwards
     slot = Slot([], [], choices=[newline, [_end_of_turn(model, tokenizer)]], values=[True, False], name="another call")
     row = Row(context, [slot], block_size, model.config.max_block_size)
@@ -238,7 +239,8 @@ def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan]
         names = {"enum": list(plans)}
         if absolute_blocks(model):  # a public family: the grammar path, in its own layout
             pick = yield from grammar_json_task(model, tokenizer, context, names, prefix=lead + CALL_HEAD,
-                                                suffix=', "arguments":', max_new_tokens=room)
+                                                suffix=', "arguments":', max_new_tokens=room, threshold=threshold,
+                                                block_size=block_size)
         else:
             pick = yield from infill_json_task(model, tokenizer, context, names, prefix=lead + CALL_HEAD,
                                                suffix=', "arguments":', threshold=threshold, block_size=block_size)

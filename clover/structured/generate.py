@@ -32,16 +32,20 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?")
 
 
-def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float = INFILL_THRESHOLD,
-                  block_size: int = 32, max_string_tokens: int = 16, max_new_tokens: int = 256,
+def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float | None = None,
+                  block_size: int | None = None, max_string_tokens: int = 16, max_new_tokens: int = 256,
                   method: str = "auto") -> JsonResult:
     """A JSON value for `prompt` (a string, or chat messages) that follows `schema`: the schema is
     normalised, then infilled when the infiller can lay it out (clover.structured.schema), else (and
     for {"type": "json_object"}) decoded under its grammar (clover.structured.grammar) within
     `max_new_tokens`; `Refused` (a ValueError) for a schema nothing can honour. A string slot holds
     at most `max_string_tokens` tokens (and maxLength characters). `method="free"` takes
-    unconstrained generation instead (the schema still checked first), to compare with."""
+    unconstrained generation instead (the schema still checked first), to compare with. `threshold`
+    and `block_size` default to INFILL_THRESHOLD and 32, for a public family to its published ones."""
     from ..chat import encode
+
+    if not absolute_blocks(model):
+        threshold, block_size = INFILL_THRESHOLD if threshold is None else threshold, block_size or 32
 
     start = time.perf_counter()
     if method not in ("auto", "free", "grammar"):
@@ -64,7 +68,8 @@ def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, th
             return out
         except sk.Unsupported as e:
             reason = str(e)
-    out = grammar_json(model, tokenizer, ids, target, max_new_tokens=max_new_tokens)
+    out = grammar_json(model, tokenizer, ids, target, max_new_tokens=max_new_tokens, threshold=threshold,
+                       block_size=block_size)
     out.fallback_reason = reason if method == "auto" else "method='grammar' asked for"
     out.seconds = time.perf_counter() - start
     return out

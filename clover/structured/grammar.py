@@ -207,7 +207,8 @@ def check_budget(tokenizer, schema, max_new_tokens: int, prefix: str = "", suffi
 
 
 def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
-                 max_new_tokens: int = 256, tries: int = TRIES):
+                 max_new_tokens: int = 256, tries: int = TRIES, threshold: float | None = None,
+                 block_size: int | None = None):
     """Decode the JSON of `schema` (normalised) after `prompt_ids` and the fixed text `prefix`, then
     `suffix`; a JsonResult with method "grammar". BudgetTooSmall first when even the smallest valid
     document cannot fit `max_new_tokens`. The caps start at the first LADDER level whose documents
@@ -217,12 +218,16 @@ def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = 
     rejects (a keyword the grammar does not enforce) again sampled, up to `tries` such times (the
     forwards of every try are counted). The first try is greedy. When no try gave a valid document,
     the smallest one is returned (`note` says so); `complete` is False only when none could be built
-    and the tightest level ran out. `grammar_json_task`: the same as a task (engine/slots.py)."""
-    return drive(grammar_json_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, tries))
+    and the tightest level ran out. A public family decodes in its own blocks of `block_size` at
+    `threshold` (None: the family's published ones; engine/family_grammar.py); Clover's left-to-right
+    decoding ignores them. `grammar_json_task`: the same as a task (engine/slots.py)."""
+    return drive(grammar_json_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, tries,
+                                   threshold, block_size))
 
 
 def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
-                      max_new_tokens: int = 256, tries: int = TRIES):
+                      max_new_tokens: int = 256, tries: int = TRIES, threshold: float | None = None,
+                      block_size: int | None = None):
     start = time.perf_counter()
     check_budget(tokenizer, schema, max_new_tokens, prefix, suffix)
     level = start_level(schema, max_new_tokens)
@@ -238,7 +243,7 @@ def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: s
             continue
         generator = None if rejected == 0 else torch.Generator().manual_seed(rejected)
         out = yield from _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens,
-                                      generator, grammar)
+                                      generator, grammar, (threshold, block_size))
         forwards += out.forward_passes
         if out.valid:
             break
@@ -283,7 +288,8 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
                               grammar))
 
 
-def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, grammar):
+def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, grammar,
+                 blocks=(None, None)):
     import xgrammar as xgr
 
     start = time.perf_counter()
@@ -306,7 +312,7 @@ def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_t
 
     tokens, complete, forwards = yield from decode_constrained_task(
         model, list(prompt_ids) + head, allow, accept, set(stops), max_new_tokens, generator,
-        _closers(tokenizer, stops), max_new_tokens // 4)
+        _closers(tokenizer, stops), max_new_tokens // 4, *blocks)
     text = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     tail = token_ids(tokenizer, suffix) if suffix and complete else []
     if not complete:
