@@ -77,3 +77,104 @@ def test_cli_generate_on_an_int4_family_folder(tmp_path):
     assert json.loads(run.stdout)["finish_reason"] in ("length", "stop")
     run = _clover("quantize", str(src), str(tmp_path / "g"), "--method", "gptq")
     assert run.returncode == 2 and "--method rtn" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+
+
+# ---- streamed quantisation: the same bytes as quantising the whole model in memory, bounded memory ----
+def reshard(folder, parts: int = 3, dtype=torch.bfloat16) -> int:
+    """The folder's model.safetensors split into `parts` shards with an index (names shuffled across
+    them, so one layer's experts sit in several files), cast to `dtype` as the published folders are;
+    returns the bytes stored."""
+    from safetensors.torch import load_file, save_file
+
+    state = {k: v.to(dtype) for k, v in load_file(str(folder / "model.safetensors")).items()}
+    names = list(state)
+    order = torch.randperm(len(names), generator=torch.Generator().manual_seed(3)).tolist()
+    weight_map = {}
+    for p in range(parts):
+        file = f"model-{p + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {names[i]: state[names[i]] for i in order[p::parts]}
+        save_file(chunk, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, file))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def quantize_in_memory(src, dst, group_size: int, max_shard_bytes: int) -> None:
+    """The reference: the whole folder read (read_weights), mapped (map_published), then every
+    tensor quantised or kept in the mapped order - what `quantize_family` did before it streamed."""
+    from clover.convert.quantize import _Output, _family, _finish_folder, _plan, _quantization_config
+    from clover.models.modeling_family import map_published, read_weights
+    from clover.utils.checkpoint_io import ShardWriter
+
+    raw = json.loads((src / "config.json").read_text())
+    fam = _family(raw)
+    config = fam.config_class().from_dict(raw)
+    targets, not_quantized = _plan(config, group_size, False, fam.model_class())
+    state = map_published(read_weights(src), config)
+    dst.mkdir()
+    quantized = {f"{n}.weight": n for n, kind in targets.items() if kind == "linear"}
+    quantized |= {f"{n}.{p}": f"{n}.{p}" for n, kind in targets.items() if kind == "experts"
+                  for p in ("gate_up_proj", "down_proj")}
+    out = _Output(ShardWriter(dst, max_shard_bytes), cast=False)
+    for name, t in state.items():
+        if name in quantized:
+            out.put_quantized(quantized[name], quantize_rtn(t, group_size), t)
+        else:
+            out.keep(name, t)
+    out.writer.close()
+    _finish_folder(dst, src, {**raw, "quantization_config": _quantization_config(group_size, "rtn", not_quantized)})
+
+
+def folder_bytes(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("model_type", ["sdar_moe", "llada2_moe", "sdar"])
+def test_streamed_family_quantisation_is_byte_identical(tmp_path, model_type):
+    from clover.convert.quantize import quantize_checkpoint
+
+    src = tmp_path / "src"
+    write_family(src, model_type)
+    reshard(src)
+    for shard in (1 << 12, 1 << 40):  # several output shards; one
+        got, want = tmp_path / f"got{shard}", tmp_path / f"want{shard}"
+        quantize_checkpoint(src, got, group_size=G, max_shard_bytes=shard, notice=lambda m: None)
+        quantize_in_memory(src, want, G, shard)
+        assert folder_bytes(got) == folder_bytes(want)
+        assert (len([p for p in got.iterdir() if p.suffix == ".safetensors"]) > 1) == (shard < 1 << 20)
+
+
+def test_streamed_family_quantisation_memory_does_not_grow_with_the_model(tmp_path, monkeypatch):
+    """Tensors read from the source folder and still alive at once: their peak bytes are the same for
+    a model of 2 and of 6 layers (one layer's expert stack), every tensor is read, none twice."""
+    import weakref
+
+    from clover.convert.quantize import quantize_checkpoint
+    from clover.utils.checkpoint_io import SafetensorsSource
+
+    live, seen = {"now": 0, "peak": 0}, []
+    read = SafetensorsSource.get
+
+    def tracked(self, key):
+        t = read(self, key)
+        nbytes = t.numel() * t.element_size()
+        live["now"] += nbytes
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(t, lambda n=nbytes: live.__setitem__("now", live["now"] - n))
+        seen.append(key)
+        return t
+
+    monkeypatch.setattr(SafetensorsSource, "get", tracked)
+    peaks = []
+    for layers in (2, 6):
+        src = tmp_path / f"src{layers}"
+        write_family(src, "sdar_moe", num_hidden_layers=layers)
+        total = reshard(src)
+        live["peak"], seen[:] = 0, []
+        quantize_checkpoint(src, tmp_path / f"q{layers}", group_size=G, max_shard_bytes=1, notice=lambda m: None)
+        stored = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(seen) == sorted(stored)  # every tensor read once
+        peaks.append(live["peak"])
+        assert live["peak"] < total / 3
+    assert peaks[0] == peaks[1] > 0

@@ -310,8 +310,10 @@ def quantize_family(src: Path, dst: Path, raw: dict, group_size: int, quantize_h
     """A public family's folder -> int4 (RTN): the same modules as Clover's (every linear layer but
     the routers and, unless `quantize_head`, the head; every routed-experts stack), written under
     Clover's names (per-expert tensors stacked: `mlp.experts.gate_up_proj.qweight`); the other
-    tensors are kept as the source stores them (the published folders are bf16)."""
-    from ..models.modeling_family import map_published, read_weights
+    tensors are kept as the source stores them (the published folders are bf16). Streamed: one
+    tensor (one layer's expert stack) read from the folder's files at a time, besides the output
+    shard being filled (at most `max_shard_bytes`)."""
+    from ..models.modeling_family import published_plan
 
     fam = _family(raw)
     try:
@@ -321,20 +323,23 @@ def quantize_family(src: Path, dst: Path, raw: dict, group_size: int, quantize_h
         targets, not_quantized = _plan(config, group_size, quantize_head, fam.model_class())
     except ValueError as e:
         raise QuantizationError(str(e)) from None
-    state = map_published(read_weights(src), config)
-    _check_shapes(state, fam.model_class(), config, src)
+    source = SafetensorsSource(src, QuantizationError)
+    plan = published_plan(source.stored_order(), config)
+    on_meta = lambda key: torch.empty(source.shape(key), device="meta")  # noqa: E731 - shapes only
+    _check_shapes({name: build(on_meta) for name, build in plan.items()}, fam.model_class(), config, src)
     quantized = {}  # tensor name -> the name its stored parts take
     for n, kind in targets.items():
         for name in [f"{n}.weight"] if kind == "linear" else [f"{n}.gate_up_proj", f"{n}.down_proj"]:
             quantized[name] = n if kind == "linear" else name
     with staged_folder(dst, "quantizing") as tmp:
         out = _Output(ShardWriter(tmp, max_shard_bytes), cast=False)
-        for name in list(state):
-            t = state.pop(name)
+        for name, build in plan.items():
+            t = build(source.get)
             if name in quantized:
                 out.put_quantized(quantized[name], quantize_rtn(t, group_size), t)
             else:
                 out.keep(name, t)
+            del t
         shards = out.writer.close()
         notice(f"{len(targets)} modules quantised (rtn)")
         _finish_folder(tmp, src, {**raw, "quantization_config": _quantization_config(group_size, "rtn", not_quantized)})

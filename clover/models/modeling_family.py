@@ -344,30 +344,39 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 
 def map_published(state: dict, config) -> dict:
-    """Published tensor names -> this model's: per-expert gate/up/down stacked into the fused
+    """Published tensor names -> this model's (`published_plan`), built from `state`."""
+    return {name: build(state.__getitem__) for name, build in published_plan(list(state), config).items()}
+
+
+def published_plan(names: list[str], config) -> dict:
+    """This model's tensor names, in order, each with how to build it from the published tensors
+    (`build(get)`, `get(published name) -> tensor`): per-expert gate/up/down stacked into the fused
     gate_up_proj / down_proj (already fused tensors pass through); a tied head's copy dropped; a
-    router's expert bias that a checkpoint leaves out is zero (its initial value)."""
+    router's expert bias that a checkpoint leaves out is zero (its initial value). Built one at a
+    time, a whole model never needs to be in memory (convert/quantize.py streams it)."""
     out, experts = {}, {}
-    for name, t in state.items():
+    for name in names:
         m = _EXPERT.match(name)
         if m:
-            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = name
         elif not (name == "lm_head.weight" and config.tie_word_embeddings):
-            out[name] = t
+            out[name] = lambda get, name=name: get(name)
     for prefix, parts in experts.items():
         n = 1 + max(e for e, _ in parts)
-        try:
-            out[prefix + ".gate_up_proj"] = torch.stack(
-                [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(n)])
-            out[prefix + ".down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(n)])
-        except KeyError as e:
+        missing = next(((e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")
+                        if (e, p) not in parts), None)
+        if missing is not None:
             from ..utils.checkpoint import CheckpointError
 
-            raise CheckpointError(f"{prefix}: expert tensor {e.args[0]} missing") from None
+            raise CheckpointError(f"{prefix}: expert tensor {missing} missing")
+        out[prefix + ".gate_up_proj"] = lambda get, parts=parts, n=n: torch.stack(
+            [torch.cat([get(parts[(e, "gate_proj")]), get(parts[(e, "up_proj")])]) for e in range(n)])
+        out[prefix + ".down_proj"] = lambda get, parts=parts, n=n: torch.stack(
+            [get(parts[(e, "down_proj")]) for e in range(n)])
     for i in range(config.num_hidden_layers):
         name = f"model.layers.{i}.mlp.gate.expert_bias"
         if config.model_type == "llada2_moe" and config.is_moe_layer(i) and name not in out:
-            out[name] = torch.zeros(config.num_experts)
+            out[name] = lambda get: torch.zeros(config.num_experts)
     return out
 
 

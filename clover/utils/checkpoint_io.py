@@ -33,10 +33,13 @@ class SafetensorsSource:
         file = self.weight_map.get(key)
         if file is None:
             raise self.error(f"{self.src}: missing tensor {key}")
+        return self._handle(file, f" (holding {key})")
+
+    def _handle(self, file: str, holding: str = ""):
         if file not in self._open:
             path = self.src / file
             if not path.is_file():
-                raise self.error(f"shard {file} (holding {key}) is missing from {self.src}")
+                raise self.error(f"shard {file}{holding} is missing from {self.src}")
             self._open[file] = safe_open(path, "pt")
         return self._open[file]
 
@@ -45,6 +48,13 @@ class SafetensorsSource:
 
     def shape(self, key: str) -> tuple:
         return tuple(self._file(key).get_slice(key).get_shape())
+
+    def stored_order(self) -> list[str]:
+        """Every tensor name as `safetensors.torch.load_file` gives them, file after file: each file's
+        names in storage order (`offset_keys`), or sorted where safetensors has no `offset_keys` (its
+        `load_file` then read them sorted)."""
+        handles = [self._handle(file) for file in dict.fromkeys(self.weight_map.values())]
+        return [k for h in handles for k in getattr(h, "offset_keys", h.keys)()]
 
 
 class ShardWriter:
