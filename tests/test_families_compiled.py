@@ -1,6 +1,6 @@
 """The compiled runner (engine/runner.py CompiledRunner) on the public families: their steps as
 static graphs (modeling_family.static_block_step: every column's K/V written into the cache in
-place, the keys the whole capacity masked past each row's length), replayed. The engine's decode
+place, the keys the cache slots in use masked past each row's length), replayed. The engine's decode
 through it equals the eager runner's: fp32 logits of every call within 1e-5, the same tokens and
 forwards, for a batch of prompts of odd lengths; a second decode of the same prompts compiles
 nothing (no recompile) and replays every compiled step. Tiny random folders in the published
@@ -89,3 +89,19 @@ def test_cli_generate_compiled_on_a_family_folder(tmp_path):
     eager, compiled = _clover(*args), _clover(*args, "--runner", "compiled")
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr
     assert json.loads(compiled.stdout)["text"] == json.loads(eager.stdout)["text"]
+
+
+@pytest.mark.timeout(1800)
+def test_compiled_steps_read_the_span_in_use(tmp_path):
+    """Rows that grow past the first attention span (compile.attention_span: 64 slots, then 128)
+    switch graphs mid-decode and still decode as the eager runner, every step through a graph."""
+    write_family(tmp_path, "sdar")
+    seam = FamilySeam(confident(tmp_path, "sdar", PEAK))
+    g = torch.Generator().manual_seed(5)
+    batch, budgets = [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in (53, 47, 3)], [19, 14, 9]
+    ref_logits, ref, ref_forwards, _ = decode(seam, "eager", batch, budgets, 4)
+    got_logits, got, forwards, runner = decode(seam, "compiled", batch, budgets, 4)
+    assert got == ref and forwards == ref_forwards
+    same_logits(got_logits, ref_logits)
+    assert runner.eager_calls == 0
+    assert {k.span for k in state_of(seam).replays} == {64, 128}

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 STEADY_MAX = 64  # widest clean segment and window a compiled graph takes (also the compiled prefill chunk)
 CAPACITY_BUCKET = 256  # compiled caches hold a multiple of this many tokens per row
+SPAN_MIN = 64  # the fewest cache slots a span-limited graph's attention reads (`attention_span`)
 
 
 class ShapeKey(NamedTuple):
@@ -28,13 +29,23 @@ class ShapeKey(NamedTuple):
     logits_to_keep: int
     grad: bool
     inference: bool
+    span: int = 0  # cache slots the attention reads (0: the whole capacity; `attention_span`)
 
 
 def shape_key(ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,
-              block: int) -> ShapeKey:
+              block: int, span: int = 0) -> ShapeKey:
     return ShapeKey(tuple(ids.shape), ids.device, draft_len, clean_block_size, block, pad_mask is None,
                     cache.recording, cache.capacity, cache.batch_size, cache.dtype, logits_to_keep,
-                    torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+                    torch.is_grad_enabled(), torch.is_inference_mode_enabled(), span)
+
+
+def attention_span(used: int, capacity: int) -> int:
+    """The cache slots a span-limited step reads when its rows use the first `used` (committed
+    tokens and the step's own columns): a power of two from SPAN_MIN, at most the capacity. A graph
+    per span, so the attention of a short sequence does not read the whole capacity bucket."""
+    if used > capacity:
+        raise ValueError(f"a step using {used} cache slots does not fit the capacity {capacity}")
+    return min(_next_pow2(max(used, SPAN_MIN)), capacity)
 
 
 def is_steady(num_clean: int, length: int) -> bool:

@@ -20,13 +20,15 @@ from .shapes import ShapeKey
 RECOMPILE_LIMIT = 256
 
 
-def _step(model, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int, block: int):
+def _step(model, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int, block: int,
+          span: int = 0):
     """One steady step, layout included: its masks and positions are a dozen small ops on the
     cache's lengths, fused into the graph here. A model behind the seam that lays out its own step
-    (`graph_step`: the public families, models/family_seam.py) runs that instead."""
+    (`graph_step`: the public families, models/family_seam.py) runs that instead, its attention
+    reading the first `span` cache slots (0: all)."""
     graph_step = getattr(model, "graph_step", None)
     if graph_step is not None:
-        return graph_step(ids, pad_mask, cache, logits_to_keep, draft_len, clean_block_size, block)
+        return graph_step(ids, pad_mask, cache, logits_to_keep, draft_len, clean_block_size, block, span)
     layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_block_size, block, cache,
                            pad_mask, ids.device, static=True)
     return model.head(model.model(ids, layout, cache, logits_to_keep), logits_to_keep)
@@ -107,7 +109,7 @@ class CompileState:
         self.raise_recompile_limits()  # in this thread (the step may have been made in another)
         try:
             logits = step(model, ids, pad_mask, cache, key.logits_to_keep, key.draft_len, key.clean_block_size,
-                          key.block)
+                          key.block, key.span)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
                           "graphs) reached, new shapes now run eagerly", stacklevel=4)

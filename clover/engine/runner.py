@@ -98,7 +98,9 @@ class CompiledRunner(EagerRunner):
         clean_block_size, block = self.model.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
         rows = ids.shape[0]
         run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
-        key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_block_size, block)
+        span_of = getattr(self.model, "attention_span", None)  # a model whose graphs read only the slots in use
+        span = span_of(run_cache, run_ids.shape[1]) if span_of is not None else 0
+        key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_block_size, block, span)
         logits, replayed = self.state.call(key, run_ids, run_pad, run_cache, replay=self.replay, defer=self.defer)
         if logits is None:
             return self._eager(given, cache, call)

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
+from ..compile.shapes import attention_span
+
 
 class FamilySeam(nn.Module):
     def __init__(self, loaded):
@@ -53,10 +55,17 @@ class FamilySeam(nn.Module):
         return block, block
 
     def graph_step(self, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,
-                   block: int):
+                   block: int, span: int = 0):
         """One compiled step: the logits of the last `logits_to_keep` columns; every column's K/V
-        written into the cache in place (modeling_family.static_block_step)."""
-        return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep)
+        written into the cache in place, the attention reading its first `span` slots (0: all;
+        modeling_family.static_block_step)."""
+        return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
+
+    @staticmethod
+    def attention_span(cache, length: int) -> int:
+        """The cache slots a compiled step of `length` columns reads (compile.attention_span): the
+        rows' committed tokens and the step's own columns, in power-of-two buckets."""
+        return attention_span(cache.max_len() + length, cache.capacity)
 
     @staticmethod
     def commit_lens(cache, num_clean: int, pad_mask=None) -> None:

@@ -118,12 +118,13 @@ def block_step(input_ids, block_size: int, positions=None, cache=None, commit: b
     return Step(positions, new[:, None], prefix, cache, committed)
 
 
-def static_block_step(input_ids, block_size: int, cache: FamilyCache, pad=None) -> Step:
+def static_block_step(input_ids, block_size: int, cache: FamilyCache, pad=None, span: int = 0) -> Step:
     """The layout of a compiled step (fixed shapes, no host sync): every column's K/V is written into
     the cache in place, the committed (clean) columns at their slots, the draft's in scratch slots
     past the row's new length (no later query reads them; later commits overwrite them), and the
-    keys are the cache's whole capacity, masked past each row's length. The same positions and
-    block mask as `block_step`; the caller advances the lengths after the forward."""
+    keys are the cache's first `span` slots (0: its whole capacity; the caller makes sure every
+    row's length plus the step's columns fit), masked past each row's length. The same positions
+    and block mask as `block_step`; the caller advances the lengths after the forward."""
     batch, length = input_ids.shape
     device = input_ids.device
     lens = cache.lens
@@ -133,10 +134,11 @@ def static_block_step(input_ids, block_size: int, cache: FamilyCache, pad=None) 
     new = (blk[:, None, :] <= blk[:, :, None]) & valid[:, None, :]
     if pad is not None:  # a padded query looks at itself only (and the committed prefix)
         new = new | (torch.eye(length, dtype=torch.bool, device=device)[None] & pad[:, :, None])
-    old = (torch.arange(cache.capacity, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
+    span = span or cache.capacity
+    old = (torch.arange(span, device=device)[None, :] < lens[:, None])[:, None, :].expand(-1, length, -1)
     slots = commit_slots(lens, pad, length)  # real columns at lens + their order, pads after every real one
     mask = old.scatter(2, slots[:, None, :].expand(-1, length, -1), new)
-    return Step(positions, mask[:, None], cache.capacity, cache, None, slots=slots)
+    return Step(positions, mask[:, None], span, cache, None, slots=slots)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,9 +179,9 @@ def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
     cos, sin = step.rope_for(rotary_dim, theta, q.dtype)
     q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
     keys, values = k, v
-    if step.slots is not None:  # static: every column written in place, then the whole capacity read
+    if step.slots is not None:  # static: every column written in place, then the step's span of slots read
         step.cache.write_kv(layer, step.slots, k, v)
-        keys, values = step.cache.kv(layer, k.dtype)
+        keys, values = step.cache.kv(layer, k.dtype, step.prefix)
     elif step.prefix:  # [prefix ; new] in the cache's own storage, no copy of it
         keys, values = step.cache.extend_kv(layer, step.prefix, k, v)
     out = masked_attention(q, keys, values, step.mask, q.shape[-1] ** -0.5)
@@ -281,11 +283,11 @@ class BlockFamilyModel(nn.Module):
             cache.advance(torch.bincount(step.commit[0], minlength=cache.batch_size))
         return x if hidden_only else self.logits(x)
 
-    def static_forward(self, input_ids, cache: FamilyCache, block_size: int, pad=None, keep: int = 0):
-        """Logits of the last `keep` columns (0: all) of a compiled step (`static_block_step`): every
-        column's K/V written into the cache in place; the caller then advances the lengths by the
-        clean columns."""
-        x = self.hidden(input_ids, static_block_step(input_ids, block_size, cache, pad))
+    def static_forward(self, input_ids, cache: FamilyCache, block_size: int, pad=None, keep: int = 0, span: int = 0):
+        """Logits of the last `keep` columns (0: all) of a compiled step (`static_block_step`, its
+        attention over the first `span` cache slots, 0: all): every column's K/V written into the
+        cache in place; the caller then advances the lengths by the clean columns."""
+        x = self.hidden(input_ids, static_block_step(input_ids, block_size, cache, pad, span))
         return self.logits(x[:, -keep:] if keep else x)
 
     def hidden(self, input_ids, step: Step) -> torch.Tensor:
