@@ -54,10 +54,11 @@ model: install
 
 # Self-distillation of the shipped model (issue 55; recipes/default/distill.toml, recipe.toml [distill]):
 # its greedy answers to fresh task prompts, cached, then the distill objective; exports over
-# clover/assets/default. Hours on 2 CPU cores (recipes/default/README.md). RESUME=1 keeps finished steps.
+# clover/assets/default. Hours on 2 CPU cores (recipes/default/README.md). RESUME=1 keeps finished steps;
+# STOP_AFTER=S checkpoints and exits after S seconds without exporting (a sitting shorter than the stage).
 distill: install
 	$(BIN)/pip install -q -e ".[train]"
-	$(BIN)/python recipes/default/make_model.py --distill $(if $(RESUME),--resume,)
+	$(BIN)/python recipes/default/make_model.py --distill $(if $(RESUME),--resume,) $(if $(STOP_AFTER),--stop-after $(STOP_AFTER),)
 
 # llama.cpp back end (docs/llamacpp.md): fetch the pinned llama-cpp-python sdist from PyPI, build its
 # vendored llama.cpp (libllama + llama-simple) and a copy patched for block diffusion into build/llamacpp

@@ -11,7 +11,9 @@ import torch
 
 from clover.training import TrainConfig, Trainer
 from clover.training import distill as D
-from clover.training.objectives import block_diffusion_loss, ar_loss, diffusion_loss_from_logits, distill_loss
+from clover.training.config import RunStopped
+from clover.training.objectives import (ar_loss, ar_terms, block_diffusion_loss, diffusion_loss_from_logits,
+                                        distill_loss, kl_from_logits)
 
 from helpers import save_tiny_model, tiny_tokenizer
 
@@ -157,6 +159,53 @@ def test_distill_loss_is_the_block_loss_plus_the_weighted_ar_loss():
     assert float(ar) > 0.5  # an untrained model: the terms are not trivially zero
 
 
+def test_kl_term_by_hand():
+    """Teacher .5/.3/.2 against student .7/.2/.1 at one column of a 3-token vocabulary: the term is
+    sum p_t log(p_t / p_s); zero where the student equals the teacher, masked columns left out; its
+    gradient on the student's logits is p_s - p_t, so a descent step raises the tokens the teacher
+    likes more than the student does."""
+    p_t, p_s = [0.5, 0.3, 0.2], [0.7, 0.2, 0.1]
+    t_logits = torch.tensor([[p_t, [0.9, 0.05, 0.05]]]).log()
+    s_logits = torch.tensor([[p_s, [0.1, 0.1, 0.8]]]).log().requires_grad_(True)
+    mask = torch.tensor([[True, False]])  # the second column is no target: any mismatch there is free
+    by_hand = sum(a * math.log(a / b) for a, b in zip(p_t, p_s))
+    kl = kl_from_logits(s_logits, t_logits, mask, 1)
+    assert float(kl.detach()) == pytest.approx(by_hand, rel=1e-5) and by_hand > 0.05
+    assert float(kl_from_logits(t_logits, t_logits, mask, 1)) == pytest.approx(0.0, abs=1e-7)
+    kl.backward()
+    grad = s_logits.grad[0, 0]
+    torch.testing.assert_close(grad, torch.tensor(p_s) - torch.tensor(p_t))
+    assert s_logits.grad[0, 1].abs().max() == 0
+    stepped = (s_logits.detach() - 0.5 * s_logits.grad).softmax(-1)[0, 0]
+    assert stepped[0] < p_s[0] and stepped[2] > p_s[2]  # toward the teacher
+    assert float(kl_from_logits(stepped.log()[None, None], t_logits[:, :1], mask[:, :1], 1)) < by_hand
+
+
+def test_distill_loss_adds_the_weighted_kl_to_a_teacher():
+    from clover.models import CloverForBlockDiffusion, preset_config
+
+    torch.manual_seed(0)
+    model = CloverForBlockDiffusion(preset_config("clover-tiny")).eval()
+    other = CloverForBlockDiffusion(preset_config("clover-tiny")).eval()
+    ids = torch.randint(0, 100, (2, 20))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, :6] = False
+    gen = lambda: torch.Generator().manual_seed(1)  # noqa: E731
+    with torch.no_grad():
+        plain, _ = distill_loss(model, ids, mask, 4, 0.25, generator=gen())
+        stats = {}
+        same, _ = distill_loss(model, ids, mask, 4, 0.25, stats, teacher=model, kl_weight=3.0, generator=gen())
+        assert stats["ar_kl"] == pytest.approx(0.0, abs=1e-6)  # the student is its own teacher
+        torch.testing.assert_close(same, plain)
+        ce, kl, n = ar_terms(model, ids, mask, teacher=other)
+        got, _ = distill_loss(model, ids, mask, 4, 0.25, teacher=other, kl_weight=3.0, generator=gen())
+        at1, n1 = distill_loss(model, ids, mask, 1, 0.25, teacher=other, kl_weight=3.0)
+    assert n == n1 == 2 * 14 and float(kl) > 0.01
+    torch.testing.assert_close(got, plain + 3.0 * kl)
+    torch.testing.assert_close(at1, ce + 3.0 * kl)  # block 1: the AR loss once, plus the KL
+    torch.testing.assert_close(ce, ar_loss(model, ids, mask)[0])
+
+
 # ---- the loop -------------------------------------------------------------------------------------------
 def _cfg(setup, out, **kw):
     d, teacher = setup
@@ -206,3 +255,47 @@ def test_distill_fits_the_teacher(setup, tmp_path):
     with torch.no_grad():
         after = float(block_diffusion_loss(tr.model.eval(), rows, mask, 4, generator=gen())[0])
     assert after < 0.7 * before
+
+
+def test_kl_weight_loads_a_frozen_teacher_and_logs_the_term(setup, tmp_path):
+    tr = Trainer(_cfg(setup, tmp_path / "kl", ar_kl_weight=1.0, lr=1e-2, ckpt_every=0))
+    assert tr.teacher_model is not None and not any(p.requires_grad for p in tr.teacher_model.parameters())
+    before = [p.clone() for p in tr.teacher_model.parameters()]
+    tr.fit()
+    logged = [json.loads(x) for x in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
+    kls = [r["ar_kl"] for r in logged if "ar_kl" in r]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6) and kls[-1] > 1e-4  # the student starts as the teacher
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.teacher_model.parameters()))
+    assert Trainer(_cfg(setup, tmp_path / "nokl")).teacher_model is None
+    with pytest.raises(ValueError, match="ar_kl_weight"):
+        _cfg(setup, tmp_path / "c", ar_kl_weight=-1.0).validate()
+
+
+def test_stop_after_checkpoints_and_resumes_as_if_not_stopped(setup, tmp_path):
+    whole = Trainer(_cfg(setup, tmp_path / "whole", teacher_cache=str(tmp_path / "cache")))
+    whole.fit()
+    run = tmp_path / "cut"
+    stopped = Trainer(_cfg(setup, run, teacher_cache=str(tmp_path / "cache"), stop_after=1e-6)).fit()
+    assert stopped["stopped"] and stopped["step"] == 1 and stopped["checkpoint"].endswith("step_000001")
+    assert not (run / "final").exists() and not (run / "summary.json").exists()
+    again = Trainer(_cfg(setup, run, teacher_cache=str(tmp_path / "cache")), resume=True)
+    assert again.step == 1
+    assert "stopped" not in again.fit() and (run / "final").is_dir()
+    for a, b in zip(whole.model.parameters(), again.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_stop_after_during_the_teacher_cache_keeps_its_parts(setup, tmp_path):
+    cache = tmp_path / "cache"
+
+    def boom(k):
+        if k == 0:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        _build(setup, cache, after_part=boom)
+    with pytest.raises(RunStopped, match="2 of 3 parts to go"):
+        _build(setup, cache, deadline=0.0)
+    assert sorted(_parts(cache)) == ["part_000000.jsonl"]
+    with pytest.raises(RunStopped):
+        Trainer(_cfg(setup, tmp_path / "run", teacher_cache=str(cache), stop_after=1e-6))
+    assert _build(setup, cache) == _build(setup, tmp_path / "ref")

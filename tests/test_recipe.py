@@ -54,6 +54,7 @@ def test_every_focus_round_splits_into_a_data_mix_and_trainer_options(make_model
 @pytest.mark.parametrize("argv, message", [
     (["--focus-time-budgets"] + ["1"] * 9, "one per focus round"),
     (["--recipe", "no/such/recipe.toml"], "No such file"),
+    (["--stop-after", "60"], "--stop-after is for --distill"),
 ])
 def test_bad_flags_fail_before_any_work(make_model, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -100,11 +101,11 @@ def test_distill_step_prepares_a_valid_stage(make_model, tmp_path):
             "chat_frac": 0.4, "think_frac": 0.3}
     rec = {"run_dir": str(tmp_path / "run"), "seed": 0, "data": data,
            "distill": {"n_prompts": 50, "chat_frac": 0.5, "time_budget": 60}}
-    args = type("A", (), {"resume": False})()
+    args = type("A", (), {"resume": False, "stop_after": 30.0})()
     cfg = make_model.distill(rec, args, {"seed": 0, "progress": False}, shipped)
     run = tmp_path / "run" / "distill"
     assert (run / "teacher" / "config.json").read_text() == "x" and cfg.objective == "distill"
-    assert cfg.init == cfg.teacher == str(run / "teacher") and cfg.time_budget == 60
+    assert cfg.init == cfg.teacher == str(run / "teacher") and cfg.time_budget == 60 and cfg.stop_after == 30
     assert cfg.teacher_cache == str(run / "teacher_cache") and cfg.out_dir == str(run / "train")
     assert cfg.replay_files == [str(tmp_path / "run" / "data" / "train.jsonl")] and cfg.replay_frac > 0
     prompts = [json.loads(x) for x in (run / "prompts.jsonl").read_text().splitlines()]

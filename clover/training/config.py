@@ -16,6 +16,11 @@ RECIPE_HINT = ("recipes/default's stages get their data and tokenizer from `make
                "runs/default/ and trains them: recipes/default/README.md")
 
 
+class RunStopped(Exception):
+    """A run reached its `stop_after` before its teacher cache was complete: every finished part is
+    kept, and the same command with --resume continues."""
+
+
 @dataclass
 class TrainConfig:
     objective: str = "ar"
@@ -63,10 +68,12 @@ class TrainConfig:
     teacher_max_new_tokens: int = 64  # budget of each teacher answer (a record's own max_new_tokens if smaller)
     teacher_batch: int = 32  # prompts per engine run (and per cache part)
     ar_weight: float = 0.0  # distill: weight of the AR loss added to the block loss of every block > 1 step
+    ar_kl_weight: float = 0.0  # distill: weight of KL(teacher || student) at block size 1 (a frozen teacher forward per step)
     replay_files: list = field(default_factory=list)  # distill: data files trained as they are beside the teacher's rows
     replay_frac: float = 0.0  # distill: their share of the training rows (< 1)
     self_spec_frac: float = 0.0  # share of steps on causal-prefix + one-noisy-window samples (self_spec_loss)
     # bookkeeping
+    stop_after: float = 0.0  # seconds after the run starts: save a checkpoint and stop unfinished (resume with --resume)
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4
@@ -101,6 +108,10 @@ class TrainConfig:
             raise ValueError(f"replay_frac must be in [0, 1), got {self.replay_frac}")
         if self.ar_weight < 0:
             raise ValueError(f"ar_weight must be >= 0, got {self.ar_weight}")
+        if self.ar_kl_weight < 0:
+            raise ValueError(f"ar_kl_weight must be >= 0, got {self.ar_kl_weight}")
+        if self.stop_after < 0:
+            raise ValueError(f"stop_after must be >= 0, got {self.stop_after}")
         if self.objective == "distill":
             if not (self.teacher or self.init):
                 raise ValueError("objective distill needs a teacher model: set init (or teacher)")

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import torch
 
 from ..utils.files import atomic_write
+from .config import RunStopped
 
 VERSION = 1
 
@@ -95,10 +97,11 @@ def _open_cache(cache: Path, meta: dict) -> None:
 
 
 def build_teacher_cache(model, tok, prompts, cache, max_new_tokens: int, batch: int, teacher_id: str,
-                        eos=(), progress: bool = True, after_part=None) -> list[dict]:
+                        eos=(), progress: bool = True, after_part=None, deadline=None) -> list[dict]:
     """Generate the parts of `cache` that are missing (greedy `ar`, `batch` prompts per engine run) and
     return every record {"prompt_ids", "output_ids", "finish_reason"} in prompt order. `after_part(k)`
-    is called after part k is in place (tests inject faults there)."""
+    is called after part k is in place (tests inject faults there). Past `deadline` (time.time())
+    it stops between parts: RunStopped, the finished parts kept."""
     from tqdm import tqdm
 
     from ..engine import DecodeConfig, Engine
@@ -111,6 +114,10 @@ def build_teacher_cache(model, tok, prompts, cache, max_new_tokens: int, batch: 
     bar = tqdm(total=n_parts, initial=n_parts - len(todo), desc="teacher (ar)", disable=not progress,
                dynamic_ncols=True)
     for k in todo:
+        if deadline is not None and time.time() >= deadline:
+            bar.close()
+            raise RunStopped(f"teacher cache {cache}: stopped at the deadline with {len(todo) - todo.index(k)} of "
+                             f"{n_parts} parts to go (resume to continue)")
         chunk = prompts[k * batch:(k + 1) * batch]
         budgets = [min(b or max_new_tokens, max_new_tokens) for _, b in chunk]
         with torch.inference_mode():
@@ -152,7 +159,8 @@ def teacher_stream(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
-def teacher_data(cfg, tok, device, progress: bool = True, after_part=None) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_data(cfg, tok, device, progress: bool = True, after_part=None,
+                 deadline=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The distillation stream of a TrainConfig: its cache (`teacher_cache`, default
     <out_dir>/teacher), completed first from the teacher (`teacher`, default `init`) when parts are
     missing."""
@@ -168,6 +176,6 @@ def teacher_data(cfg, tok, device, progress: bool = True, after_part=None) -> tu
         return teacher_stream(read_teacher_cache(cache))
     model, _ = load(teacher, str(device))
     recs = build_teacher_cache(model, tok, prompts, cache, cfg.teacher_max_new_tokens, cfg.teacher_batch,
-                               meta["teacher"], eos_ids(model, tok), progress, after_part)
+                               meta["teacher"], eos_ids(model, tok), progress, after_part, deadline)
     del model
     return teacher_stream(recs)

@@ -26,7 +26,10 @@ It is also dParallel's certainty forcing (arXiv 2509.26488: minimise the entropy
 
 Self-distillation (`distill_loss`, objective "distill", clover/training/distill.py): the same block
 objective, with its confidence term, on the teacher's greedy `ar` output, plus `ar_weight` x the AR
-loss of the same rows, so block size 1 keeps predicting what the teacher predicted.
+loss of the same rows, so block size 1 keeps predicting what the teacher predicted, plus `ar_kl_weight` x
+KL(teacher || student) of the next-token distributions at block size 1 on the same rows (the frozen
+teacher's logits computed in the step): its whole distribution, not only its argmax, so block size 1
+stays close to the model it started as, also on replayed rows and on tokens it was not greedy about.
 """
 
 from __future__ import annotations
@@ -42,8 +45,16 @@ from ..models.modeling_clover import window_ids
 def ar_loss(model, ids: torch.Tensor, loss_mask: torch.Tensor, shard: Shard | None = None) -> tuple[torch.Tensor, int]:
     """Mean next-token CE over targets with loss_mask (targets = ids[:, 1:]). Returns (loss, count);
     with a `shard`, its share of the loss and the global count."""
+    ce, _, n = ar_terms(model, ids, loss_mask, shard)
+    return ce, n
+
+
+def ar_terms(model, ids, loss_mask, shard: Shard | None = None, teacher=None):
+    """(mean next-token CE, mean KL(teacher || model) or None, count) over the targets with loss_mask,
+    from one forward of `model` at block size 1 (and one of the frozen `teacher`, when given, on the
+    same rows). With a `shard`, its share of each mean and the global count."""
+    n_all = int(loss_mask[:, 1:].sum())
     if shard is not None:
-        n_all = int(loss_mask[:, 1:].sum())
         ids, loss_mask = shard.take(ids), shard.take(loss_mask)
     logits = model(ids).logits
     # targets shifted left and padded (the last column has none) instead of slicing the logits: a
@@ -51,8 +62,21 @@ def ar_loss(model, ids: torch.Tensor, loss_mask: torch.Tensor, shard: Shard | No
     tgt = F.pad(ids[:, 1:], (0, 1))
     m = F.pad(loss_mask[:, 1:], (0, 1))
     ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view_as(tgt)
-    n = int(m.sum()) if shard is None else n_all
-    return (ce * m).sum() / max(n, 1), n
+    kl = None
+    if teacher is not None:
+        with torch.no_grad():
+            t_logits = teacher(ids).logits
+        kl = kl_from_logits(logits, t_logits, m, n_all)
+    return (ce * m).sum() / max(n_all, 1), kl, n_all
+
+
+def kl_from_logits(logits, teacher_logits, mask, n):
+    """sum over columns with `mask` of KL(softmax(teacher_logits) || softmax(logits)), divided by n:
+    the teacher's whole next-token distribution as the target, not only its argmax."""
+    log_s = logits.float().log_softmax(-1)
+    log_t = teacher_logits.float().log_softmax(-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+    return (kl * mask).sum() / max(n, 1)
 
 
 def sample_noise(ids, loss_mask, block, t_min, t_max, mask_id, generator, complementary=False, suffix_frac=0.0):
@@ -134,16 +158,31 @@ def block_diffusion_loss(model, ids, loss_mask, block, t_min=0.1, t_max=1.0, gen
     return diffusion_loss_from_logits(logits, x0, masked, weight, n, conf_weight, stats, shard), n
 
 
-def distill_loss(model, ids, loss_mask, block, ar_weight=0.0, stats=None, **bd) -> tuple[torch.Tensor, int]:
+def distill_loss(model, ids, loss_mask, block, ar_weight=0.0, stats=None, teacher=None, kl_weight=0.0,
+                 **bd) -> tuple[torch.Tensor, int]:
     """block_diffusion_loss (keywords `bd`: noise, confidence term) + ar_weight x ar_loss on the same
-    rows; their parts go to `stats` as bd_loss / ar_loss."""
+    rows + kl_weight x the KL from the frozen `teacher`'s next-token distribution at block size 1
+    (both from one forward at block size 1); their parts go to `stats` as bd_loss / ar_loss / ar_kl.
+    At block size 1 the block loss is the AR loss itself: it is counted once."""
+    shard = bd.get("shard")
+    use_kl = bool(kl_weight) and teacher is not None
+    if block == 1:
+        if not use_kl:
+            return ar_loss(model, ids, loss_mask, shard)
+        ce, kl, n = ar_terms(model, ids, loss_mask, shard, teacher)
+        if stats is not None:
+            stats["ar_loss"], stats["ar_kl"] = float(ce.detach()), float(kl.detach())
+        return ce + kl_weight * kl, n
     loss, n = block_diffusion_loss(model, ids, loss_mask, block, stats=stats, **bd)
-    if not ar_weight or block == 1:
+    if not (ar_weight or use_kl):
         return loss, n
-    ar, _ = ar_loss(model, ids, loss_mask, bd.get("shard"))
+    ce, kl, _ = ar_terms(model, ids, loss_mask, shard, teacher if use_kl else None)
     if stats is not None:
-        stats["bd_loss"], stats["ar_loss"] = float(loss.detach()), float(ar.detach())
-    return loss + ar_weight * ar, n
+        stats["bd_loss"], stats["ar_loss"] = float(loss.detach()), float(ce.detach())
+        if use_kl:
+            stats["ar_kl"] = float(kl.detach())
+    total = loss + ar_weight * ce
+    return (total + kl_weight * kl if use_kl else total), n
 
 
 def block_diffusion_loss_naive(model, ids, xt, masked, weight, block, n_eligible):

@@ -38,7 +38,7 @@ import torch
 from ..data.dataset import encode_files, pack
 from ..utils.files import atomic_write
 from ..utils import checkpoint_dirs as checkpoints
-from .config import TrainConfig, resume_point  # their home is config.py (torch-free); re-exported here
+from .config import RunStopped, TrainConfig, resume_point  # their home is config.py (torch-free); re-exported here
 from .objectives import ar_loss, block_diffusion_loss, distill_loss, self_spec_loss
 
 
@@ -90,6 +90,9 @@ class Trainer:
             pass
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        # stop_after: this process's deadline (a stage longer than one sitting checkpoints and stops)
+        self.deadline = time.time() + cfg.stop_after if cfg.stop_after > 0 else None
+        self.stopped = False
         self.out = Path(cfg.out_dir)
         self.ckdir = self.out / "checkpoints"
         self.device = torch.device(cfg.device) if dist is None else dist.device
@@ -129,6 +132,7 @@ class Trainer:
 
                 self.expert_params = apply_expert_parallel(self.model, dist)
             shard_model(self.model, dist, cfg.bf16, self.expert_params)
+        self.teacher_model = self._frozen_teacher()
         ids, mask = self._train_stream()
         self.rows, self.rmask = self._with_replay(*pack(ids, mask, cfg.seq_len))
         self.eval_rows = None
@@ -161,6 +165,17 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "train_config.json").write_text(self.config_json())
 
+    def _frozen_teacher(self):
+        """distill with ar_kl_weight > 0: the teacher model, frozen, whose block-size-1 logits each step's
+        KL term compares against (a full copy on every rank); else None."""
+        cfg = self.cfg
+        if cfg.objective != "distill" or not cfg.ar_kl_weight:
+            return None
+        from ..models import CloverForBlockDiffusion
+
+        teacher = CloverForBlockDiffusion.from_pretrained(cfg.teacher or cfg.init, dtype=torch.float32)
+        return teacher.to(self.device).eval().requires_grad_(False)
+
     def _train_stream(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The training tokens and loss mask: the files' records, or for `distill` the teacher's
         answers to the files' prompts (generated into the cache by rank 0 when missing)."""
@@ -171,7 +186,8 @@ class Trainer:
 
         if self.dist is not None and not self.main:
             self.dist.barrier()
-        out = teacher_data(cfg, self.tok, self.device, cfg.progress and self.main)
+        deadline = self.deadline if self.dist is None else None  # under torchrun: checked in the loop only
+        out = teacher_data(cfg, self.tok, self.device, cfg.progress and self.main, deadline=deadline)
         if self.dist is not None and self.main:
             self.dist.barrier()
         return out
@@ -279,7 +295,8 @@ class Trainer:
         bd = dict(t_min=self.cfg.t_min, t_max=self.cfg.t_max, generator=gen, complementary=self.cfg.complementary,
                   suffix_frac=suffix_frac, conf_weight=conf_weight, shard=shard)
         if self.cfg.objective == "distill" and not held_out:
-            return distill_loss(self.model, ids, mask, block, self.cfg.ar_weight, stats, **bd)
+            return distill_loss(self.model, ids, mask, block, self.cfg.ar_weight, stats, teacher=self.teacher_model,
+                                kl_weight=self.cfg.ar_kl_weight, **bd)
         return block_diffusion_loss(self.model, ids, mask, block, stats=stats, **bd)
 
     def _shard(self, batch: int):
@@ -455,7 +472,11 @@ class Trainer:
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
                 self.save_checkpoint()
             bar.update(1)
+            if self._past_deadline():
+                break
         bar.close()
+        if self.stopped:
+            return self._stop()
         last_eval = self.evaluate()
         if last_eval:
             self._log({"step": self.step, **last_eval})
@@ -479,6 +500,26 @@ class Trainer:
         if self.main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _past_deadline(self) -> bool:
+        """stop_after reached (every rank takes rank 0's answer)."""
+        if self.deadline is None or self.step >= self.max_steps:
+            return False
+        late = float(time.time() >= self.deadline)
+        if self.dist is not None:
+            late = self.dist.broadcast(late)
+        self.stopped = bool(late)
+        return self.stopped
+
+    def _stop(self) -> dict:
+        """End an unfinished run at its deadline: a checkpoint of this step (no final/, no summary.json),
+        from which --resume continues as if it had not stopped."""
+        if self._saved_step != self.step:
+            self.save_checkpoint()
+        self._log({"step": self.step, "stopped": True, "elapsed_s": self.elapsed})
+        self.plot()
+        return {"step": self.step, "max_steps": self.max_steps, "tokens": self.tokens, "elapsed_s": self.elapsed,
+                "stopped": True, "checkpoint": str(self.ckdir / checkpoints.checkpoint_name(self.step))}
 
     def plot(self) -> Path | None:
         if not self.main:

@@ -241,8 +241,21 @@ def distill(rec: dict, args, common: dict, export_dir: Path) -> Path:
                                                  "teacher": str(teacher), "tokenizer": str(teacher),
                                                  "teacher_cache": str(data / "teacher_cache"),
                                                  "train_files": [str(prompts)], "replay_files": [str(base / "train.jsonl")],
-                                                 "time_budget": float(spec["time_budget"])})
+                                                 "time_budget": float(spec["time_budget"]),
+                                                 "stop_after": args.stop_after})
     return cfg
+
+
+def stopped_or(run, *a) -> dict:
+    """run(*a)'s summary, or {"stopped": True, "step": 0} where the stage stopped at its --stop-after
+    while still making its teacher cache (the finished parts kept for --resume)."""
+    from clover.training.config import RunStopped
+
+    try:
+        return run(*a)
+    except RunStopped as e:
+        log(str(e))
+        return {"stopped": True, "step": 0}
 
 
 def main(argv=None) -> int:
@@ -260,12 +273,18 @@ def main(argv=None) -> int:
     ap.add_argument("--distill", action="store_true",
                     help="run only the self-distillation stage from the shipped model (distill.toml, recipe.toml "
                          "[distill]) and export its result")
+    ap.add_argument("--stop-after", type=float, default=0.0, metavar="S",
+                    help="--distill: after S seconds save a checkpoint (or the finished teacher parts) and exit "
+                         "without exporting; --resume continues the stage (for a machine held for less than it)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of every stage (default: each TOML's)")
     ap.add_argument("--continue", dest="cont", action="store_true",
                     help="start from the shipped model and run only the focus rounds recipe.toml lists after the "
                          "last one its recipe.json records (for a machine that has no runs/ folder to --resume)")
     args = ap.parse_args(argv)
     if args.distill and args.cont:
         ap.error("--distill and --continue are separate runs: pick one")
+    if args.stop_after and not args.distill:
+        ap.error("--stop-after is for --distill (the other stages fit their time budgets)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available on this machine")
     try:  # checked now, not after hours of earlier stages
@@ -284,11 +303,15 @@ def main(argv=None) -> int:
     t_start = time.time()
     common = dict(tokenizer=str(tok_dir), train_files=[str(data / "train.jsonl")],
                   eval_files=[str(data / "heldout.jsonl")], seed=rec["seed"], progress=sys.stderr.isatty(),
-                  device=args.device, bf16=args.bf16)
+                  device=args.device, bf16=args.bf16, **({"threads": args.threads} if args.threads else {}))
     if args.distill:
         prov = json.loads((export_dir / "recipe.json").read_text())
         cfg = distill(rec, args, common, export_dir)
-        prov["distill_stage"] = run_stage("distill", cfg, args.resume)
+        prov["distill_stage"] = stage = stopped_or(run_stage, "distill", cfg, args.resume)
+        if stage.get("stopped"):
+            log(f"distill: stopped after --stop-after {args.stop_after:g} s at step {stage['step']} (nothing exported); "
+                f"continue with `make distill RESUME=1` (make_model.py --distill --resume)")
+            return 0
         prov["stage"], tok_dir = "distill", Path(cfg.teacher)
         final = Path(cfg.out_dir) / "final"
     elif args.cont:
