@@ -299,3 +299,15 @@ def test_stop_after_during_the_teacher_cache_keeps_its_parts(setup, tmp_path):
     with pytest.raises(RunStopped):
         Trainer(_cfg(setup, tmp_path / "run", teacher_cache=str(cache), stop_after=1e-6))
     assert _build(setup, cache) == _build(setup, tmp_path / "ref")
+
+
+def test_clover_train_stopped_in_the_teacher_phase_exits_cleanly(setup, tmp_path, capsys):
+    from clover.cli import main
+
+    d, teacher = setup
+    code = main(["train", "--objective", "distill", "--init", str(teacher), "--tokenizer", str(teacher),
+                 "--train-files", str(d / "prompts.jsonl"), "--out-dir", str(tmp_path / "run"), "--max-steps", "2",
+                 "--teacher-batch", "3", "--teacher-max-new-tokens", "6", "--no-progress", "--stop-after", "1e-9"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["stopped"] and "3 of 3 parts to go" in out["reason"]
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -81,7 +81,7 @@ def build_config(args):
 
 def run(args) -> int:
     cfg = build_config(args)  # option mistakes are one line before torch loads
-    from ..training.config import resume_point
+    from ..training.config import RunStopped, resume_point
 
     resume_point(cfg, args.resume)  # checkpoint mistakes too (under torchrun: from rank 0 alone, before the group)
     from ..distributed import runtime
@@ -90,6 +90,8 @@ def run(args) -> int:
     d = runtime.from_env(cfg.device)  # None unless launched by torchrun with several processes
     try:
         summary = Trainer(cfg, resume=args.resume, dist=d).fit()
+    except RunStopped as e:  # stop_after reached while the teacher was answering: its finished parts are kept
+        summary = {"step": 0, "stopped": True, "reason": str(e)}
     finally:
         if d is not None:
             runtime.shutdown(d)
