@@ -3,7 +3,9 @@ parallel_tool_calls (each reply: one or more calls, the function picked by the m
 the arguments infilled) sent one after another, then the same 8 at once. Prints the wall time of
 each (median of --rounds), the ratio concurrent / sequential (target <= 0.5: the requests' slot
 jobs share batched forwards), whether the concurrent replies equal the sequential ones, the model
-calls and tokens each way, and what one batched forward saves over one-row forwards of that size.
+calls and tokens each way, and what one batched forward saves over one-row forwards of that size; then why:
+a model call's cost (per call, per token fed), the ratio the fewest forwards would reach with the same tokens,
+and with the tokens an exact prefix cache would save (estimated from the jobs' first forwards, nothing cached).
 
     PYTHONPATH=. python bench/tool_calls.py [--model DIR] [--rounds 3] [--threads 1] [--block-size 8]
 
@@ -62,28 +64,74 @@ def call(url: str, ask: str, max_tokens: int, tools: list[dict]) -> list[dict]:
 
 
 class Meter:
-    """Model calls, tokens fed (and of them padding) and seconds inside the model, from forward hooks."""
+    """Every model call (rows, tokens fed, of them padding, draft-window tokens, seconds, and for a job's first
+    forward of one row its window width and clean context), from forward hooks."""
 
     def __init__(self, model):
-        self.calls = self.fed = self.pad = 0
-        self.seconds, self._t0 = 0.0, 0.0
+        self.records: list[tuple] = []
+        self._t0, self._fresh = 0.0, False
         self.hooks = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
                       model.register_forward_hook(self._post, with_kwargs=True)]
 
     def _pre(self, module, args, kwargs):
+        cache = kwargs.get("cache")
+        self._fresh = cache is not None and int(cache.lens.max()) == 0
         self._t0 = time.perf_counter()
 
     def _post(self, module, args, kwargs, out):
+        seconds = time.perf_counter() - self._t0
         ids, pad = kwargs.get("input_ids", args[0] if args else None), kwargs.get("pad_mask")
-        self.calls, self.fed = self.calls + 1, self.fed + ids.numel()
-        self.pad += int(pad.sum()) if pad is not None else 0
-        self.seconds += time.perf_counter() - self._t0
+        rows, draft, first = ids.shape[0], kwargs.get("draft_len") or 0, None
+        if self._fresh and rows == 1:
+            first = (kwargs.get("clean_block_size"), tuple(ids[0, : ids.shape[1] - draft].tolist()))
+        self.records.append((rows, ids.numel(), int(pad.sum()) if pad is not None else 0, rows * draft, seconds, first))
 
-    def take(self) -> tuple:
-        out = (self.calls, self.fed, self.pad, self.seconds)
-        self.calls = self.fed = self.pad = 0
-        self.seconds = 0.0
+    def take(self) -> list[tuple]:
+        out, self.records = self.records, []
         return out
+
+
+def totals(records: list[tuple]) -> tuple:
+    """(model calls, tokens fed, padding, seconds in the model) of a pass."""
+    return (len(records), sum(r[1] for r in records), sum(r[2] for r in records), sum(r[4] for r in records))
+
+
+def cache_savings(firsts: list[tuple]) -> tuple[int, int]:
+    """Tokens an exact prefix cache would save the jobs' first forwards, [(window width W, clean context)] in
+    order: a context is laid out in clean windows of W anchored at its end, so a snapshot after P tokens
+    serves only a job of the same W whose boundaries fall on P. (Within a pass, every boundary of every
+    context before stored; the prefix all contexts share stored at every alignment.)"""
+    seen, within, ref = set(), 0, firsts[0][1]
+    shared = min(next((i for i, (x, y) in enumerate(zip(c, ref)) if x != y), min(len(c), len(ref)))
+                 for _, c in firsts)
+    for w, c in firsts:
+        bounds = range(len(c) % w or w, len(c) + 1, w)
+        within += max([p for p in bounds if (w, c[:p]) in seen] + [0])
+        seen |= {(w, c[:p]) for p in bounds}
+    return within, sum(max([p for p in range(len(c) % w or w, shared + 1, w)] + [0]) for w, c in firsts)
+
+
+def call_cost(model, window: int = 9, repeats: int = 7) -> tuple[float, float]:
+    """(seconds per model call, per token fed): least squares over the medians of one-row calls of a job's
+    first forward (a fresh cache, a clean context of 0 to 256 tokens and a draft window), sizes interleaved."""
+    import torch
+
+    from clover.engine.runner import make_runner
+
+    runner, sizes = make_runner("eager", model), [0, 32, 64, 128, 256]
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    ids = torch.randint(0, model.config.vocab_size, (1, sizes[-1] + window))
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for n in sizes:
+                t0 = time.perf_counter()
+                runner.forward(ids[:, : n + window], runner.new_cache(1, capacity=n + window), block_size=window,
+                               draft_len=window, clean_block_size=window, logits_to_keep=window)
+                times[n].append(time.perf_counter() - t0)
+    xs, ys = [n + window for n in sizes], [statistics.median(times[n]) for n in sizes]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
 
 
 def batching_gain(model, tokens: int, rows: int = 8, repeats: int = 5) -> float:
@@ -106,19 +154,53 @@ def batching_gain(model, tokens: int, rows: int = 8, repeats: int = 5) -> float:
     return statistics.median(ratios)
 
 
-def rounds(one, n: int, meter: Meter, solo: list) -> tuple[list, list, bool]:
-    """`n` rounds, each the 8 requests one after another then at once: [(wall s, meter)] of each, equal."""
-    seq, par, equal = [], [], True
+def rounds(one, n: int, meter: Meter, solo: list) -> tuple[list, list, bool, list, int]:
+    """`n` rounds, each the 8 requests one after another then at once: [(wall s, calls, fed, pad, model s)]
+    of each, whether every reply equals `solo`, each sequential pass's model calls and the most calls one
+    request took (the longest chain of forwards a request needs, whatever runs beside it)."""
+    seq, par, equal, calls, chain = [], [], True, [], 0
     with ThreadPoolExecutor(len(ASKS)) as pool:
         for _ in range(n):  # sequential and concurrent alternate
             meter.take()
-            t0 = time.perf_counter()
-            equal &= [one(a) for a in ASKS] == solo
-            seq.append((time.perf_counter() - t0,) + meter.take())
+            t0, records, replies = time.perf_counter(), [], []
+            for a in ASKS:
+                replies.append(one(a))
+                records.append(meter.take())
+            seq.append((time.perf_counter() - t0,) + totals([r for req in records for r in req]))
+            equal &= replies == solo
+            calls.append([r for req in records for r in req])
+            chain = max([chain] + [len(req) for req in records])
             t0 = time.perf_counter()
             equal &= list(pool.map(one, ASKS)) == solo
-            par.append((time.perf_counter() - t0,) + meter.take())
-    return seq, par, equal
+            par.append((time.perf_counter() - t0,) + totals(meter.take()))
+    return seq, par, equal, calls, chain
+
+
+def floors(cost: tuple[float, float], passes: list[list[tuple]], chain: int, taken: float) -> str:
+    """What the cost of a model call (`call_cost`: a + b x tokens) lets the ratio reach, concurrent model time
+    over sequential, both ways feeding the same tokens: as now (no two jobs share a context's work), less
+    what an exact prefix cache would save (`cache_savings`, both ways alike), or only the draft windows
+    (every context cached: an exact replay); in the fewest forwards concurrency could take (the longest
+    request's chain) and in the forwards it took."""
+    a, b = cost
+    mean = lambda f: statistics.mean(f(calls) for calls in passes)  # noqa: E731
+    n, fed, drafts = mean(len), mean(lambda c: sum(r[1] for r in c)), mean(lambda c: sum(r[3] for r in c))
+    saved = [cache_savings([r[5] for r in calls if r[5] is not None]) for calls in passes]
+    within, shared = statistics.mean(t[0] for t in saved), statistics.mean(t[1] for t in saved)
+    cases = [("as now: no two jobs share a context's work", fed),
+             ("an exact prefix cache, from empty each pass", fed - within),
+             ("the same, the shared system prompt cached at every alignment", fed - shared),
+             ("every context cached (an exact replay): the draft windows only", drafts)]
+    lines = [f"\nWhy: a model call costs {a * 1e3:.1f} ms + {b * 1e3:.3f} ms a token fed (one-row calls of a job's first "
+             f"forward, 9 to 265 tokens), so concurrent / sequential model time would be, feeding (both ways):\n",
+             f"| tokens fed | per pass | in {chain} forwards (the longest request's chain) | in {taken:.0f} (taken) |",
+             "|---|---:|---:|---:|"]
+    for what, tokens in cases:
+        lines.append(f"| {what} | {tokens:.0f} | {(chain * a + tokens * b) / (n * a + tokens * b):.2f}x | "
+                     f"{(taken * a + tokens * b) / (n * a + tokens * b):.2f}x |")
+    lines.append("\nA job lays its context out in clean windows of its first window's width, anchored at the context's "
+                 "end: a snapshot after P tokens serves only a later job of that width whose window boundaries fall on P.")
+    return "\n".join(lines)
 
 
 def report(args, solo, seq, par, equal, gain: dict, tokens: int) -> None:
@@ -164,13 +246,14 @@ def main() -> None:
     one = lambda ask: call(url, ask, args.max_tokens, TOOLS[: args.tools])  # noqa: E731
     solo = [one(a) for a in ASKS]  # warm-up, and the replies to compare with
     meter = Meter(model)
-    seq, par, equal = rounds(one, args.rounds, meter, solo)
+    seq, par, equal, calls, chain = rounds(one, args.rounds, meter, solo)
     for h in meter.hooks:
         h.remove()
     server.should_exit = True
     tokens = round(statistics.median(r[2] / r[1] for r in seq))
     gain = {n: batching_gain(model, n) for n in sorted({16, 32, tokens})}
     report(args, solo, seq, par, equal, gain, tokens)
+    print(floors(call_cost(model), calls, chain, statistics.median(r[1] for r in par)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+"""bench/tool_calls.py's estimate of what an exact prefix cache would save: a job lays its context out in
+clean windows of its first window's width anchored at the context's end, so a snapshot after P tokens
+serves only a later job of the same width whose window boundaries fall on P (no model is run)."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_tool_calls", ROOT / "bench" / "tool_calls.py")
+tool_calls = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool_calls)
+
+
+def ctx(shared: int, tail: int = 0, tag: int = 1) -> tuple:
+    """`shared` tokens every context has, then `tail` of its own."""
+    return tuple(range(shared)) + tuple(1000 * tag + t for t in range(tail))
+
+
+def test_a_snapshot_serves_only_jobs_of_the_same_width_and_alignment():
+    savings = tool_calls.cache_savings
+    assert savings([(4, ctx(20, 3)), (4, ctx(20, 3))]) == (23, 46)  # the same context again: all of it
+    assert savings([(4, ctx(20, 4, 1)), (4, ctx(20, 8, 2))]) == (20, 40)  # both lay windows out from 0: 20 shared
+    assert savings([(4, ctx(20, 5, 1)), (4, ctx(20, 9, 2))])[0] == 17  # 25 - 4k and 29 - 4k meet on 17
+    assert savings([(4, ctx(20, 5, 1)), (4, ctx(20, 8, 2))])[0] == 0  # 25 - 4k and 28 - 4k never meet
+    assert savings([(4, ctx(20, 4, 1)), (5, ctx(20, 5, 2))])[0] == 0  # another width: nothing
+    # the shared prefix cached at every alignment: each job keeps its last boundary inside it
+    assert savings([(4, ctx(20, 5, 1)), (4, ctx(20, 6, 2))]) == (0, 17 + 18)
+    assert savings([(3, ctx(6)), (3, ctx(6, 1))]) == (0, 6 + 4)
