@@ -146,8 +146,8 @@ def test_cli_generate_on_a_family_folder(tmp_path):
 @pytest.mark.parametrize("model_type", ["sdar", "Fast_dLLM_Qwen"])
 def test_clover_serve_on_a_family_folder(tmp_path, model_type, monkeypatch, capsys):
     """`clover serve --model DIR` (in-process; uvicorn's run hands over its app): chat and stream with
-    the official client through the family's own chat template; /v1/decide refused in one 400 (its
-    slots are laid out as Clover's windows; structured output: tests/test_families_structured.py)."""
+    the official client through the family's own chat template; /v1/decide answers (its bad bodies
+    are 400s; structured output: tests/test_families_structured.py)."""
     import openai
     import uvicorn
     from server_utils import RunningServer, client
@@ -173,8 +173,12 @@ def test_clover_serve_on_a_family_folder(tmp_path, model_type, monkeypatch, caps
         chunks = list(c.chat.completions.create(model="fam", messages=messages, max_tokens=6, stream=True))
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert text == got.choices[0].message.content  # greedy: the same reply
-        with pytest.raises(openai.BadRequestError, match="absolute positions"):  # decide's slots are Clover's
-            c.post("/decide", body={"material": "x", "questions": [{"question": "a?", "options": ["y", "n"]}]}, cast_to=dict)
+        out = c.post("/decide", body={"material": "x", "questions": [{"question": "a?", "options": ["y", "n"]}]},
+                     cast_to=dict)  # in the family's blocks (tests/test_families_decide.py)
+        assert out["answers"][0]["answer"] in ("y", "n")
+        with pytest.raises(openai.BadRequestError, match="at most 8"):
+            c.post("/decide", body={"material": "x", "questions": [{"question": "a?", "type": "boolean"}] * 9},
+                   cast_to=dict)
 
 
 @pytest.mark.parametrize("model_type", ["llada2_moe", "Fast_dLLM_Qwen"])

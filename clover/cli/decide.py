@@ -18,9 +18,11 @@ def register(sub) -> None:
     p.add_argument("--material", required=True, metavar="FILE", help="a text file: the material the questions are about")
     p.add_argument("--questions", required=True, metavar="FILE.jsonl", help="one question per line (JSON)")
     p.add_argument("--mode", default="joint", help="joint (default) or independent")
-    p.add_argument("--threshold", type=float, default=INFILL_THRESHOLD, metavar="T",
-                   help=f"commit every slot whose confidence is > T per forward (default {INFILL_THRESHOLD})")
-    p.add_argument("--block-size", type=int, default=32, metavar="B", help="max tokens per answer window (default 32)")
+    p.add_argument("--threshold", type=float, metavar="T",
+                   help=f"commit every slot whose confidence is > T per forward (default {INFILL_THRESHOLD}; a "
+                   "public family: its published threshold)")
+    p.add_argument("--block-size", type=int, metavar="B", help="max tokens per answer window (default 32; a public "
+                   "family: its published block size)")
     p.add_argument("--split", action="store_true", help="more than 8 questions: answer them in groups of 8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -56,7 +58,8 @@ def run(args) -> int:
     questions = read_questions(args.questions)
     parse_questions(questions, args.split)  # every mistake reported before the model loads
     try:
-        check_threshold(args.threshold)
+        if args.threshold is not None:
+            check_threshold(args.threshold)
     except ValueError as e:
         raise UserError(f"--{e}") from None
     model, tokenizer = load(args.model, args.device)

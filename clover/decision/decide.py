@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
+from ..engine.family_grammar import absolute_blocks
+from ..engine.family_infill import infill_blocks_task
 from ..engine.infill import Row, Slot, TextRule, denoise_task, pieces, token_ids
 from ..engine.slots import drive
 
@@ -181,30 +183,51 @@ def _rows(model, tokenizer, material: str, questions: list[Question], mode: str,
     return rows
 
 
-def decide(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float = INFILL_THRESHOLD,
-           block_size: int = 32, split: bool = False) -> Decision:
+def decide(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float | None = None,
+           block_size: int | None = None, split: bool = False) -> Decision:
     """Answer questions about `material`. Each question is {"question": str, "options": [str, ...]}
     or {"question": str, "type": "boolean" | "integer" | "text", "max_tokens": N} (or a Question).
     `joint`: all slots of a group (<= 8 questions) denoised together in one sequence; `independent`:
     one question per row, rows batched. More than 8 questions is an error unless `split` (groups of 8).
     Answers come back in question order: str (options / text), bool (boolean), int (integer).
+    `threshold` and `block_size` default to INFILL_THRESHOLD and 32; a public family (SDAR, LLaDA2,
+    Fast-dLLM v2) decodes each row's answers in its own blocks, left to right under the rows' options
+    (engine/family_infill.py), at its published block size and threshold unless given.
     `decide_task`: the same as a task (engine/slots.py), whose jobs the server batches."""
     return drive(decide_task(model, tokenizer, material, questions, mode, threshold, block_size, split))
 
 
-def decide_task(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float = INFILL_THRESHOLD,
-                block_size: int = 32, split: bool = False):
+def decide_task(model, tokenizer, material: str, questions, mode: str = "joint", threshold: float | None = None,
+                block_size: int | None = None, split: bool = False):
     start = time.perf_counter()
+    family = absolute_blocks(model)
+    if not family:
+        threshold, block_size = INFILL_THRESHOLD if threshold is None else threshold, block_size or 32
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     if not isinstance(material, str) or not material.strip():
         raise ValueError("material is empty")
-    check_threshold(threshold)
-    check_block_size(block_size, model, low=2)
+    if threshold is not None:
+        check_threshold(threshold)
+    if block_size is not None:
+        check_block_size(block_size, model, low=2)
     qs = parse_questions(questions, split)
-    rows = _rows(model, tokenizer, material.strip(), qs, mode, block_size)
-    # rows batch together when their windows have the same sizes (one block size per forward, no
-    # right padding to start with), so a batched row computes what it would alone
+    rows = _rows(model, tokenizer, material.strip(), qs, mode, block_size or model.config.block_size)
+    if family:  # its own blocks, row after row
+        calls = 0
+        for r in rows:
+            calls += yield from infill_blocks_task(model, r, set(_eos(model, tokenizer)), threshold, block_size)
+    else:
+        calls = yield from _denoise_buckets(model, rows, threshold)
+    answers = [Answer(s.value, s.confidence) for r in rows for s in r.slots]
+    return Decision(answers, sum(r.forwards for r in rows), time.perf_counter() - start, mode, calls,
+                    sum(len(r.prompt) for r in rows))
+
+
+def _denoise_buckets(model, rows: list[Row], threshold: float):
+    """Clover's rows denoised together; returns the batched model calls. Rows batch when their windows
+    have the same sizes (one block size per forward, no right padding to start with), so a batched
+    row computes what it would alone."""
     buckets: dict[tuple, list[Row]] = {}
     for r in rows:
         sizes = tuple(len(r.region(w, model.config.mask_token_id)[0]) for w in range(len(r.windows)))
@@ -212,6 +235,4 @@ def decide_task(model, tokenizer, material: str, questions, mode: str = "joint",
     calls = 0
     for bucket in buckets.values():
         calls += yield from denoise_task(model, bucket, threshold)
-    answers = [Answer(s.value, s.confidence) for r in rows for s in r.slots]
-    return Decision(answers, sum(r.forwards for r in rows), time.perf_counter() - start, mode, calls,
-                    sum(len(r.prompt) for r in rows))
+    return calls

@@ -196,7 +196,7 @@ class DecideRequest(BaseModel):
     questions: list[DecideQuestion]
     mode: Literal["joint", "independent"] = "joint"
     threshold: float | None = Field(None, ge=0.0, le=1.0)  # None: the server's infill threshold
-    block_size: int = Field(32, ge=2)
+    block_size: int | None = Field(None, ge=2)  # None: 32, a public family's published block size
     split: bool = False
 
 

@@ -446,10 +446,6 @@ class Routes:
 
         self.check_model(req)
         self.check_text(req)
-        if absolute_blocks(self.model):
-            raise APIError(400, "decide is not available for this model: its answer slots are laid out as Clover's "
-                           "windows (token shift, blocks right after the prompt), and this model keeps its blocks at "
-                           "absolute positions (a public family)", param="model")
         questions = [q.model_dump(exclude_none=True) for q in req.questions]
         if not req.material.strip():
             raise APIError(400, "material is empty", param="material")
@@ -457,7 +453,9 @@ class Routes:
             parse_questions(questions, req.split)
         except ValueError as e:
             raise APIError(400, str(e), param="questions")
+        # a public family's rows decode in its blocks as its free replies do: the server's block size unless asked
+        block_size = req.block_size or (self.settings.decode.block_size if absolute_blocks(self.model) else None)
         result = await self.structured(request, decide_task(self.model, self.tokenizer, req.material, questions,
-                                                            req.mode, self.infill_threshold(req), req.block_size,
+                                                            req.mode, self.infill_threshold(req), block_size,
                                                             req.split))
         return result.to_dict()
