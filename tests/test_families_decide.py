@@ -121,9 +121,7 @@ def test_family_answers_stay_in_their_options(family, mode):
 
 
 def test_family_decide_route_and_cli(tmp_path):
-    import http.client
-
-    from server_utils import RunningServer
+    from server_utils import RunningServer, raw
     from test_families_engine import _clover
 
     from clover.api import eos_ids, load
@@ -134,10 +132,8 @@ def test_family_decide_route_and_cli(tmp_path):
     app = create_app(model, tok, Settings(model_id="fam", block_size=4, threshold=0.9), eos_ids(model, tok))
 
     def post(server, body):
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-        conn.request("POST", "/v1/decide", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
+        status, _, text = raw(server, "POST", "/v1/decide", body, timeout=120)
+        return status, json.loads(text)
 
     with RunningServer(app) as server:
         for extra in ({}, {"threshold": 0.0, "block_size": 8}, {"mode": "independent", "threshold": 1.0}):
