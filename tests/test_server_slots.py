@@ -312,3 +312,70 @@ def test_a_client_that_goes_away_cancels_its_rows_at_once(loaded):
             assert not sched.engines and len(forwards) < 200
     finally:
         hook.remove()
+
+
+def test_a_fresh_job_with_no_partner_sits_out_one_step_once():
+    """slots.ready: a job before its first forward, alone in its shape, waits one step while others run
+    (never twice, never when nothing else runs); a job that has run, or has partners, never waits."""
+    from types import SimpleNamespace
+
+    def job(fresh=True):
+        return SimpleNamespace(fresh=fresh, waited=False)
+
+    late, group = job(), [job(), job()]
+    assert slots.ready([[late], group]) == [group] and late.waited
+    assert slots.ready([[late], group]) == [[late], group]  # once only
+    alone = [[job()], [job()]]
+    assert slots.ready(alone) == alone  # nobody else runs: no one waits
+    ran = job(fresh=False)
+    assert slots.ready([[ran], group]) == [[ran], group]
+
+
+def test_tasks_a_step_apart_meet_in_phase_and_reply_as_alone(loaded, monkeypatch):
+    """Forced tool calls whose tasks start a step apart: the late ones' jobs share forwards with the
+    first's once its next job has sat out a step, so fewer forwards than in lockstep a step behind; the
+    replies are each task's alone."""
+    import torch
+
+    from clover.server.protocol import ToolPlan
+    from clover.server.structured import infill_tool_call, infill_tool_call_task
+
+    model, tok = loaded
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
+             for n in ("weather", "time")]
+    plan = ToolPlan(tools, [t["function"] for t in tools], "required", True)
+    prompts = [tok(f"Question {i}: the weather in city {i}?").input_ids for i in range(4)]
+    alone = [infill_tool_call(model, tok, p, plan, 0.5, 4, 64).tool_calls for p in prompts]
+
+    def run() -> tuple[list, int]:
+        core, tasks = slots.SlotMode(), [slots.Task(infill_tool_call_task(model, tok, p, plan, 0.5, 4, 64)) for p in prompts]
+
+        def go(task, done=None):
+            job = task.resume(done)
+            while job is not None:
+                core.join(job)
+                if not job.finished:
+                    return
+                job = task.resume(job)
+
+        with torch.inference_mode():  # as the scheduler's loop
+            go(tasks[0])
+            for i in range(1000):
+                for job in core.step():
+                    go(job.task, job)
+                if i == 0:
+                    for task in tasks[1:]:
+                        go(task)
+                if not core.running:
+                    break
+        return [t.future.result().tool_calls for t in tasks], core.forwards
+
+    def names(calls):
+        return [[c["function"] for c in r] for r in calls]
+
+    replies, forwards = run()
+    monkeypatch.setattr(slots, "ready", lambda groups: groups)
+    replies_lockstep, forwards_lockstep = run()
+    assert names(replies) == names(replies_lockstep) == names(alone)
+    assert forwards < forwards_lockstep

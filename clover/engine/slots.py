@@ -7,8 +7,9 @@ commits, or the tokens so far and the grammar - and yields the `Forward` it need
 `RowBatch.forward` calls the model.
 
 `SlotMode` runs many jobs side by side, rows joining and leaving between steps: each `step` gives
-every job one forward, and jobs whose forwards have the same shape (window width, draft length,
-block size) and the same clean window size of their pending segment share one batched forward
+every job one forward (a job just started with no partner may sit out one step first: `ready`), and
+jobs whose forwards have the same shape (window width, draft length, block size) and the same clean
+window size of their pending segment share one batched forward
 (`batch.merge` / `batch.split`: caches side by side, pending segments left-padded, which is what a
 row computes alone - the padding is masked). Jobs of different shapes never share a forward, so a
 job's tokens do not depend on what runs beside it. A job's failure (its prefill, its own logic, a
@@ -45,12 +46,14 @@ class SlotJob:
         self.error: BaseException | None = None
         self.finished = False
         self.task: Task | None = None  # the task that yielded it
+        self.fresh, self.waited = True, False  # before its first forward; whether it sat out a step (`ready`)
 
     def start(self, runner: str = "eager", defer: bool = False) -> None:
         self.batch, self.steps = self._start(runner=runner, defer=defer)
         self.advance(None)
 
     def advance(self, logits: torch.Tensor | None) -> None:
+        self.fresh = self.fresh and logits is None
         try:
             self.need = self.steps.send(logits)
         except StopIteration as stop:
@@ -80,6 +83,20 @@ def partition(jobs: list[SlotJob]) -> list[list[SlotJob]]:
         key = next((k for k in groups if k[0] == job.shape()), (job.shape(), None))
         groups.setdefault(key, []).append(job)
     return list(groups.values())
+
+
+def ready(groups: list[list[SlotJob]]) -> list[list[SlotJob]]:
+    """The groups from `partition` that run this step. A job before its first forward with no partner sits
+    out one step (once) while other groups run: of requests that arrived a step apart, the early one's
+    next job waits for the late ones' to reach the same phase, and from then on their jobs share forwards
+    instead of running a step apart in forwards of their own. A job's forwards, and so its tokens, do not
+    change; it only starts a step later."""
+    wait = [g for g in groups if len(g) == 1 and g[0].fresh and not g[0].waited]
+    if len(wait) == len(groups):
+        return groups
+    for g in wait:
+        g[0].waited = True
+    return [g for g in groups if g not in wait]
 
 
 def forward(group: list[SlotJob]) -> list[torch.Tensor]:
@@ -125,7 +142,7 @@ class SlotMode:
             job.fail(error)
 
     def step(self) -> list[SlotJob]:
-        for group in partition(self.jobs):
+        for group in ready(partition(self.jobs)):
             self.forwards += 1
             try:
                 outs = forward(group)

@@ -15,8 +15,9 @@
 * Structured replies (response_format, forced tool calls) and /v1/decide are tasks (engine/slots.py:
   a generator of slot jobs, CPU planning in between): the request plans up to its first job off the
   event loop and submits the task; this thread runs its jobs beside the engines, one forward per job
-  per loop turn, jobs of the same shape batched in one forward, and resumes the task with each job's
-  result. No thread waits on another. A task's failure is its own (its future holds the error); a
+  per loop turn, jobs of the same shape batched in one forward (a job just started with no partner
+  sits out one turn, so requests that arrived a turn apart get in phase: slots.ready), and resumes the
+  task with each job's result. No thread waits on another. A task's failure is its own (its future holds the error); a
   cancelled task's job leaves between steps and the task ends with `Cancelled`.
 * `--runner compiled`: the engines and the slot jobs defer compiling (a step of a shape with no graph
   runs eagerly and queues the shape); the queued shapes are compiled in a child process into the
