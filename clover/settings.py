@@ -151,8 +151,13 @@ class DecodeConfig:
             policy_steps(self.block_size, self.steps)
 
     def check(self, model) -> "DecodeConfig":
-        """The checks that need the model (its largest block); returns self."""
+        """The checks that need the model (its largest block; a mode that means nothing on its layout,
+        engine/layout.py); returns self."""
+        from .engine.layout import Layout
+        from .engine.model_api import seam_of
+
         check_block_size(self.block_size, model)
+        Layout.of(seam_of(model), self.mode)
         return self
 
     def engine_key(self) -> "DecodeConfig":

@@ -277,6 +277,38 @@ def test_request_decoding_reaches_the_family_grammar(served):
         assert forwards(1.0, 4, **kw) > loose > forwards(0.0, 8, **kw)
 
 
+def test_what_a_vllm_client_sends(served, capsys):
+    """n > 1 (whole and streamed), stop strings, no-op sampling fields pass; what the server cannot honour
+    is a 400 naming the field (logprobs, penalties, logit_bias, a mode meaningless for the family), and
+    `clover serve --mode` of such a mode is one line, exit 2."""
+    from clover.cli import main
+
+    c, folder = served
+    cc = c.chat.completions.create
+    text = cc(model="fam", messages=ASK, max_tokens=12).choices[0].message.content
+    got = cc(model="fam", messages=ASK, max_tokens=12, n=2, presence_penalty=0, frequency_penalty=0.0, logit_bias={})
+    assert [ch.message.content for ch in got.choices] == [text, text]  # greedy: the same twice
+    chunks = list(cc(model="fam", messages=ASK, max_tokens=12, n=2, stream=True))
+    for i in range(2):
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks
+                       if ch.choices and ch.choices[0].index == i) == text
+    stop = text[len(text) // 2]
+    got = cc(model="fam", messages=ASK, max_tokens=12, stop=[stop]).choices[0]
+    assert (got.message.content, got.finish_reason) == (text[: text.index(stop)], "stop")
+    for kw, param in [({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+                      ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
+                      ({"logit_bias": {"7": 5}}, "logit_bias"), ({"extra_body": {"repetition_penalty": 1.2}},
+                                                                 "repetition_penalty"),
+                      ({"extra_body": {"mode": "self_spec"}}, "mode")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            cc(model="fam", messages=ASK, max_tokens=4, **kw)
+        assert e.value.body["param"] == param, e.value.body
+    capsys.readouterr()
+    assert main(["serve", "--model", str(folder), "--port", "0", "--threads", "1", "--mode", "self_spec"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "self_spec" in err and len(err.splitlines()) == 1
+
+
 def test_cli_generate_json_schema(tmp_path):
     from test_families_engine import _clover
 

@@ -45,9 +45,7 @@ class EditState(RowState):
 
 class EditingMode(Mode):
     def __init__(self, cfg, mask_id: int, device, generator, layout: Layout):
-        if layout.shift or not layout.absolute:
-            raise ValueError("mode editing needs a model that predicts each masked position itself in blocks at "
-                             "absolute positions (LLaDA2.1, SDAR); this one does not: use low_confidence")
+        assert not layout.shift and layout.absolute, "Layout.of refuses editing on this layout"
         super().__init__(cfg, mask_id, device, generator)
         self.layout = layout
         self.policy = make_policy("low_confidence", cfg.block_size, cfg.threshold)

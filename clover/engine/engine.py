@@ -32,12 +32,9 @@ from .sequence import Sequence, sequences
 
 
 def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = None, layout: Layout = Layout()) -> Mode:
-    """`layout`: the model's (engine/layout.py); `ar` and `self_spec` need its shift."""
+    """`layout`: the model's for this mode (`Layout.of`, which refuses a mode that means nothing on it)."""
     if hook is not None and cfg.mode != "ar":
         raise ValueError(f"a token hook constrains ar decoding, not {cfg.mode}")
-    if cfg.mode in ("ar", "self_spec") and not layout.shift:
-        raise ValueError(f"mode {cfg.mode} needs a model whose position i predicts token i+1; this one predicts "
-                         f"each masked position itself (no shift): use a diffusion mode ({', '.join(SCORES)})")
     if cfg.mode in SCORES:
         mode = DiffusionMode(cfg, mask_id, device, generator)
     elif cfg.mode == "self_spec":

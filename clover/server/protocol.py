@@ -1,6 +1,8 @@
 """OpenAI request bodies (pydantic) and the response / chunk / error shapes the server writes.
 
-Unknown fields are accepted and ignored (clients send many); known ones have strict types, as OpenAI
+Unknown fields are accepted and ignored (clients send many), but for the sampling fields of OpenAI and
+vLLM this server does not honour (`NOT_HONOURED`: penalties, logit_bias, top_logprobs, best_of, ...),
+which are 400s unless they hold a value that changes nothing; known ones have strict types, as OpenAI
 checks them (`max_tokens: "4"`, `n: true`, `stream: "yes"` are 400s naming the field). Clover's own
 decoding parameters (`block_size`, `threshold`, `mode`, `steps`) and vLLM's `ignore_eos` are extra body fields
 (`extra_body=` in the openai client). Function calling (`tools`, `tool_choice`, `parallel_tool_calls`)
@@ -44,6 +46,29 @@ def bad_text(value, path: str = "") -> str | None:
                 return at
             children.append((at, child))
         stack.extend(reversed(children))  # first string first
+    return None
+
+
+# OpenAI / vLLM request fields this server does not honour, with the values that change nothing: any other
+# value is a 400 naming the field (`not_honoured`), never a reply that silently ignored it
+NOT_HONOURED = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,),
+                "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "stop_token_ids": ([],),
+                "best_of": (1,), "suffix": ("",), "guided_json": (), "guided_regex": (), "guided_choice": (),
+                "guided_grammar": ()}
+
+
+def not_honoured(req: BaseModel) -> tuple[str, str] | None:
+    """(field, why) of the first NOT_HONOURED field the request sets to a value that would matter."""
+    extra = req.model_extra or {}
+    for name, same in NOT_HONOURED.items():
+        value = extra.get(name)
+        if value is None or (value in same and not isinstance(value, bool)):
+            continue
+        if name.startswith("guided_"):
+            return name, f"{name} is not supported: ask for structured output with response_format (json_schema)"
+        if name == "top_logprobs":
+            return name, "logprobs are not supported"
+        return name, f"{name} is not supported: this server's decoding has no such setting (leave it out)"
     return None
 
 

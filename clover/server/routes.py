@@ -19,7 +19,8 @@ from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import Task
 from ..settings import MODES, DecodeConfig
 from .choice import Choice
-from .protocol import APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, now, usage
+from .protocol import (APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, not_honoured, now,
+                       usage)
 from .scheduler import Cancelled, Live, QueueFull, RowJob, Ticket
 from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
 from .structured import Infilled, format_plan, infill_format_task, infill_tool_call_task
@@ -120,6 +121,9 @@ class Routes:
             raise APIError(400, "logprobs are not supported", param="logprobs")
         if getattr(req, "echo", False):
             raise APIError(400, "echo is not supported", param="echo")
+        refused = not_honoured(req)
+        if refused is not None:
+            raise APIError(400, refused[1], param=refused[0])
         mode = req.mode or self.settings.decode.mode
         if mode not in MODES:
             raise APIError(400, f"unknown mode {mode!r} (known: {', '.join(MODES)})", param="mode")
@@ -133,7 +137,7 @@ class Routes:
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0] if str(e).split()[0] in
                            ("block_size", "threshold", "steps", "edit_threshold", "max_post_steps", "temperature",
-                            "top_p", "top_k") else None)
+                            "top_p", "top_k", "mode") else None)
         return cfg.engine_key()
 
     def infill_threshold(self, req) -> float:
