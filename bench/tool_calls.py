@@ -156,7 +156,7 @@ def batching_gain(model, tokens: int, rows: int = 8, repeats: int = 5) -> float:
 
 def rounds(one, n: int, meter: Meter, solo: list) -> tuple[list, list, bool, list, int]:
     """`n` rounds, each the 8 requests one after another then at once: [(wall s, calls, fed, pad, model s)]
-    of each, whether every reply equals `solo`, each sequential pass's model calls and the most calls one
+    of each, whether every reply equals `solo`, each sequential pass's model calls (by request) and the most calls one
     request took (the longest chain of forwards a request needs, whatever runs beside it)."""
     seq, par, equal, calls, chain = [], [], True, [], 0
     with ThreadPoolExecutor(len(ASKS)) as pool:
@@ -168,7 +168,7 @@ def rounds(one, n: int, meter: Meter, solo: list) -> tuple[list, list, bool, lis
                 records.append(meter.take())
             seq.append((time.perf_counter() - t0,) + totals([r for req in records for r in req]))
             equal &= replies == solo
-            calls.append([r for req in records for r in req])
+            calls.append(records)
             chain = max([chain] + [len(req) for req in records])
             t0 = time.perf_counter()
             equal &= list(pool.map(one, ASKS)) == solo
@@ -176,20 +176,23 @@ def rounds(one, n: int, meter: Meter, solo: list) -> tuple[list, list, bool, lis
     return seq, par, equal, calls, chain
 
 
-def floors(cost: tuple[float, float], passes: list[list[tuple]], chain: int, taken: float) -> str:
+def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: int, taken: float) -> str:
     """What the cost of a model call (`call_cost`: a + b x tokens) lets the ratio reach, concurrent model time
     over sequential, both ways feeding the same tokens: as now (no two jobs share a context's work), less
-    what an exact prefix cache would save (`cache_savings`, both ways alike), or only the draft windows
-    (every context cached: an exact replay); in the fewest forwards concurrency could take (the longest
-    request's chain) and in the forwards it took."""
+    what an exact prefix cache would save (`cache_savings`, both ways alike), each request's prompt fed
+    once and then only its draft windows (no job re-feeding its request's context), or only the draft
+    windows (every context cached: an exact replay); in the fewest forwards concurrency could take (the
+    longest request's chain) and in the forwards it took."""
     a, b = cost
-    mean = lambda f: statistics.mean(f(calls) for calls in passes)  # noqa: E731
+    mean = lambda f: statistics.mean(f([r for req in reqs for r in req]) for reqs in passes)  # noqa: E731
     n, fed, drafts = mean(len), mean(lambda c: sum(r[1] for r in c)), mean(lambda c: sum(r[3] for r in c))
-    saved = [cache_savings([r[5] for r in calls if r[5] is not None]) for calls in passes]
+    saved = [cache_savings([r[5] for req in reqs for r in req if r[5] is not None]) for reqs in passes]
+    once = statistics.mean(sum(len(req[0][5][1]) for req in reqs if req and req[0][5]) for reqs in passes) + drafts
     within, shared = statistics.mean(t[0] for t in saved), statistics.mean(t[1] for t in saved)
     cases = [("as now: no two jobs share a context's work", fed),
              ("an exact prefix cache, from empty each pass", fed - within),
              ("the same, the shared system prompt cached at every alignment", fed - shared),
+             ("each request's prompt fed once, then its draft windows", once),
              ("every context cached (an exact replay): the draft windows only", drafts)]
     lines = [f"\nWhy: a model call costs {a * 1e3:.1f} ms + {b * 1e3:.3f} ms a token fed (one-row calls of a job's first "
              f"forward, 9 to 265 tokens), so concurrent / sequential model time would be, feeding (both ways):\n",
