@@ -195,7 +195,8 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
              ("each request's prompt fed once, then its draft windows", once),
              ("every context cached (an exact replay): the draft windows only", drafts)]
     lines = [f"\nWhy: a model call costs {a * 1e3:.1f} ms + {b * 1e3:.3f} ms a token fed (one-row calls of a job's first "
-             f"forward, 9 to 265 tokens), so concurrent / sequential model time would be, feeding (both ways):\n",
+             f"forward, 9 to 265 tokens), so concurrent / sequential model time would be, feeding (both ways; optimistic for "
+             f"concurrency: a batched call costs more than that for its tokens, as the batching gains above show):\n",
              f"| tokens fed | per pass | in {chain} forwards (the longest request's chain) | in {taken:.0f} (taken) |",
              "|---|---:|---:|---:|"]
     for what, tokens in cases:
