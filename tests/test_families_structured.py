@@ -234,6 +234,22 @@ def test_forced_tool_calls_are_valid(served):
     assert "".join(d.function.arguments or "" for d in streamed) == calls[0].function.arguments  # greedy: the same
 
 
+def test_forced_call_fits_any_budget_its_smallest_call_fits(served):
+    """From the smallest call's budget up, a forced call is valid and within max_tokens (the call frame
+    counts against it: the arguments are decoded in what the frame leaves), never a 400."""
+    import re
+
+    c, _ = served
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="fam", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=1)
+    least = int(re.search(r"needs (\d+) tokens", e.value.body["message"]).group(1))
+    for budget in (least, least + 3, least + 7):
+        got = c.chat.completions.create(model="fam", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                        max_tokens=budget, parallel_tool_calls=False)
+        assert got.usage.completion_tokens <= budget and got.choices[0].finish_reason == "tool_calls"
+        _valid(got.choices[0].message.tool_calls[0].function.arguments, WEATHER)
+
+
 def test_tool_choice_auto(served):
     """The reply is text or calls in the family's `<tool_call>` frame, read back; never a broken call."""
     c, _ = served

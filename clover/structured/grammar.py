@@ -310,11 +310,13 @@ def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_t
     def accept(t: int) -> bool:
         return matcher.accept_token(t) and not matcher.is_terminated()
 
+    tail = token_ids(tokenizer, suffix) if suffix else []
+    budget = max_new_tokens - len(head) - len(tail)  # the fixed prefix and suffix count against max_tokens too
     tokens, complete, forwards = yield from decode_constrained_task(
-        model, list(prompt_ids) + head, allow, accept, set(stops), max_new_tokens, generator,
-        _closers(tokenizer, stops), max_new_tokens // 4, *blocks)
+        model, list(prompt_ids) + head, allow, accept, set(stops), budget, generator,
+        _closers(tokenizer, stops), budget // 4, *blocks)
     text = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    tail = token_ids(tokenizer, suffix) if suffix and complete else []
+    tail = tail if complete else []
     if not complete:
         return JsonResult(text, None, False, "grammar", forwards, time.perf_counter() - start, None,
                           f"max_tokens ({max_new_tokens}) ran out before the JSON was complete",
