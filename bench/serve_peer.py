@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import percentile, settle, start_server, stop_server  # noqa: E402  (bench/serve.py)
+from serve import metric, percentile, settle, start_server, stop_server  # noqa: E402  (bench/serve.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / "build" / "llamacpp" / "stock" / "bin" / "llama-server"
@@ -63,6 +63,8 @@ class Server:
     url: str | None = None
     runs: dict = field(default_factory=dict)
     error: str | None = None  # why it stopped taking part (a failed request), if it did
+    unready: str | None = None  # a compiled server whose graphs were not all loaded before its rounds
+    ready_s: float = 0.0  # seconds waited for a compiled server's graphs
 
     @property
     def name(self) -> str:
@@ -124,11 +126,11 @@ def make_folders(size: str, tmp: Path, precisions: set) -> dict:
     return folders
 
 
-def llama_command(gguf: Path, threads: int, slots: int, slot_ctx: int) -> list[str]:
+def llama_command(gguf: Path, threads: int, slots: int, slot_ctx: int, binary: Path = LLAMA_SERVER) -> list[str]:
     """llama-server with its best settings here: every thread for decode and batch, one slot per
     client, continuous batching, a context of `slots` x `slot_ctx` tokens, loopback, any free port
     given later."""
-    return [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
             "--parallel", str(slots), "-cb", "-c", str(slots * slot_ctx), "--no-webui"]
 
 
@@ -191,7 +193,7 @@ def summarise(out: list, wall: float, load: float) -> dict:
     """A level's requests [(latency, ttft, tokens)] run in `wall` seconds: aggregate tokens/s, TTFT
     p50, latency p50 / p99."""
     lat, ttft, toks = zip(*out)
-    return dict(tps=sum(toks) / wall, tokens=sum(toks), ttft=percentile(ttft, 0.5), p50=percentile(lat, 0.5),
+    return dict(tps=sum(toks) / wall, tokens=sum(toks), wall=wall, ttft=percentile(ttft, 0.5), p50=percentile(lat, 0.5),
                 p99=percentile(lat, 0.99), load=load)
 
 
@@ -232,39 +234,64 @@ def start(s: Server, args, files: dict, slots: int, slot_ctx: int) -> None:
                                mode=args.mode, model=str(files[s.precision]))
         s.proc, s.url = start_server(opts, slots, s.runner)
     else:
-        s.proc, s.url = start_llama(llama_command(files[s.precision], args.threads, slots, slot_ctx))
+        s.proc, s.url = start_llama(llama_command(files[s.precision], args.threads, slots, slot_ctx, args.llama_server))
     if s.url is None:
         print(f"bench/serve_peer.py: {s.name} did not start", file=sys.stderr)
 
 
 def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[str]) -> dict:
-    """Every server of one size up at once; per level a warm-up each, then --rounds interleaved
-    rounds. Returns the size's facts for the table; the servers' runs hold the rounds."""
+    """Every server of one size up at once; per level a warm-up each (a compiled server then loads the
+    graphs of the shapes it met: `ready`), then the size's rounds, servers interleaved. Returns the
+    size's facts for the table; the servers' runs hold the rounds."""
     from clover.backends.gguf_export import export_gguf
 
+    plan = size_plan(args, size)
     levels = [int(x) for x in args.clients.split(",")]
     files = make_folders(size, tmp, {s.precision for s in servers if s.kind == "clover"})
     for t in {s.precision for s in servers if s.kind == "llama-server"}:
         files[t] = tmp / f"{size}-{t}.gguf"
         export_gguf(files["fp32"], files[t], t)
-    slot_ctx = slot_context(prompts, args.max_tokens)
+    slot_ctx = slot_context(prompts, plan.max_tokens)
     try:
         for s in servers:
             start(s, args, files, max(levels), slot_ctx)
         for n in levels:
-            for s in servers:  # untimed: a compiled server meets this level's shapes, then compiles them
-                if attempt(s, n, prompts, 1, args.max_tokens) and s.runner == "compiled":
-                    settle(s.url)
-            for _ in range(args.rounds):
+            for s in servers:  # untimed: a compiled server meets this level's shapes, then loads their graphs
+                if attempt(s, n, prompts, 1, plan.max_tokens) and s.runner == "compiled":
+                    ready(s, args.settle_timeout)
+            for _ in range(plan.rounds):
                 for s in servers:
-                    run = attempt(s, n, prompts, args.requests, args.max_tokens)
+                    run = attempt(s, n, prompts, plan.requests, plan.max_tokens)
                     if run:
                         s.runs.setdefault(n, []).append(run)
     finally:
         for s in servers:
             if s.proc is not None:
                 stop_server(s.proc)
-    return dict(params=files["params"], levels=levels, slot_ctx=slot_ctx)
+    return dict(params=files["params"], levels=levels, slot_ctx=slot_ctx, plan=plan)
+
+
+def size_plan(args, size: str):
+    """Rounds, requests per client and tokens per reply of a size: the large one's own flags."""
+    from types import SimpleNamespace
+
+    if size == "large":
+        return SimpleNamespace(rounds=args.large_rounds, requests=args.large_requests,
+                               max_tokens=args.large_max_tokens or args.max_tokens)
+    return SimpleNamespace(rounds=args.rounds, requests=args.requests, max_tokens=args.max_tokens)
+
+
+def ready(s: Server, timeout: float) -> None:
+    """Wait until a compiled server has loaded the graph of every shape it has met (its
+    `clover_graphs_deferred` 0: the graphs are in use); one that does not within `timeout` s is
+    noted (its timed rounds then run some steps eagerly, which the table counts)."""
+    t0 = time.perf_counter()
+    settle(s.url, timeout)
+    left = metric(s.url, "clover_graphs_deferred")
+    if left:
+        s.unready = f"{left:.0f} shapes still without a graph after {timeout:.0f} s"
+        print(f"bench/serve_peer.py: {s.name}: {s.unready}", file=sys.stderr)
+    s.ready_s += time.perf_counter() - t0
 
 
 def attempt(s: Server, n: int, prompts: list[str], requests: int, max_tokens: int) -> dict | None:
@@ -273,11 +300,48 @@ def attempt(s: Server, n: int, prompts: list[str], requests: int, max_tokens: in
     if s.url is None or s.error:
         return None
     try:
-        return asyncio.run(level(s.url, prompts, n, requests, max_tokens))
+        before = counters(s.url) if s.kind == "clover" else None
+        run = asyncio.run(level(s.url, prompts, n, requests, max_tokens))
+        after = counters(s.url) if before else None
+        if after:
+            run["server"] = {k: after[k] - before[k] for k in after}
+        return run
     except Exception as e:  # noqa: BLE001  (any client or server failure: reported in the table)
         s.error = f"{n} clients: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         print(f"bench/serve_peer.py: {s.name} failed at {s.error}", file=sys.stderr)
         return None
+
+
+COUNTERS = ("clover_step_seconds_sum", "clover_model_forwards_total", "clover_graph_forwards_total",
+            "clover_eager_forwards_total")
+
+
+def counters(url: str) -> dict:
+    """A clover server's decoding counters now (COUNTERS): seconds in forwards, forwards, and (compiled)
+    forwards by a graph and eagerly."""
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    except OSError:  # the round itself then says what is wrong
+        return {}
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict:
+    values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith(COUNTERS))
+    return {k: float(values.get(k, 0)) for k in COUNTERS}
+
+
+def forwards(run: dict, runner: str) -> str:
+    """What a clover round's forwards took: their share of the round's wall time, the mean forward,
+    and (compiled) how many ran eagerly."""
+    c = run.get("server")
+    if not c or not c["clover_model_forwards_total"]:
+        return "-"
+    n = c["clover_model_forwards_total"]
+    text = f"{c['clover_step_seconds_sum'] / run['wall']:.0%}, {1e3 * c['clover_step_seconds_sum'] / n:.2f} ms"
+    if runner == "compiled":
+        text += f", {c['clover_eager_forwards_total']:.0f}/{c['clover_eager_forwards_total'] + c['clover_graph_forwards_total']:.0f} eager"
+    return text
 
 
 def peer(s: Server, servers: list[Server], n: int) -> Server | None:
@@ -287,50 +351,73 @@ def peer(s: Server, servers: list[Server], n: int) -> Server | None:
 
 
 def print_size(size: str, facts: dict, servers: list[Server], args) -> list[str]:
-    """The size's table; returns the must-show verdict lines."""
-    print(f"\n**{size}** ({facts['params'] / 1e6:.1f}M parameters, random weights, seed 0)\n")
+    """The size's table; returns the must-show verdict lines (a missed point with what its clover
+    server's forwards took, measured)."""
+    plan = facts["plan"]
+    print(f"\n**{size}** ({facts['params'] / 1e6:.1f}M parameters, random weights, seed 0): {plan.requests} "
+          f"requests per client of {plan.max_tokens} tokens, medians of {plan.rounds} rounds\n")
     print("| clients | server | aggregate tokens/s | min - max | TTFT p50 s | latency p50 s | latency p99 s "
-          "| vs llama-server, same precision (ratio of medians) | p99 / llama-server's | load avg |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| vs llama-server, same precision (ratio of medians) | p99 / llama-server's "
+          "| clover forwards: share of wall, mean, eager | load avg |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     verdicts = []
     for n in facts["levels"]:
         for s in servers:
-            if n not in s.runs:
-                continue
-            m, p = median_run(s.runs[n]), peer(s, servers, n)
-            ratio = p99 = "-"
-            if p is not None:
-                pm = median_run(p.runs[n])
-                ratio, p99 = f"{m['tps'] / pm['tps']:.2f}x", f"{m['p99'] / pm['p99']:.2f}x"
-                ok = m["tps"] >= pm["tps"] and m["p99"] <= 1.5 * pm["p99"]
-                if not ok:
-                    verdicts.append(f"{size}, {n} clients, {s.name} vs {p.name}: tokens/s {ratio}, p99 {p99}")
-            short = sum(r.get("short", 0) for r in s.runs[n])  # replies not of --max-tokens tokens: flagged
-            name = s.name + (f" ({short} replies not {args.max_tokens} tokens)" if short else "")
-            print(f"| {n} | {name} | {m['tps']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ttft']:.3f} | "
-                  f"{m['p50']:.2f} | {m['p99']:.2f} | {ratio} | {p99} | {m['load']:.1f} |")
+            if n in s.runs:
+                verdicts += print_row(size, n, s, servers, plan)
     for s in servers:
         if s.error:
             print(f"\n{s.name}: failed at {s.error}.")
         elif s.url is None:
             print(f"\n{s.name}: did not start (no figures).")
+        elif s.unready:
+            print(f"\n{s.name}: {s.unready} (its eager forwards are counted in the table).")
+    waited = {s.name: s.ready_s for s in servers if s.runner == "compiled" and s.url}
+    if waited:
+        print("\nWaited for the compiled servers' graphs (untimed): "
+              + ", ".join(f"{k} {v:.0f} s" for k, v in waited.items()) + ".")
     return verdicts
 
 
-def dry_run(servers: list[Server], args) -> None:
+def print_row(size: str, n: int, s: Server, servers: list[Server], plan) -> list[str]:
+    """One server's row at n clients; its verdict line when it misses its llama-server peer."""
+    m, p = median_run(s.runs[n]), peer(s, servers, n)
+    ratio = p99 = "-"
+    verdict = []
+    fw = forwards(m, s.runner)
+    if p is not None:
+        pm = median_run(p.runs[n])
+        ratio, p99 = f"{m['tps'] / pm['tps']:.2f}x", f"{m['p99'] / pm['p99']:.2f}x"
+        if not (m["tps"] >= pm["tps"] and m["p99"] <= 1.5 * pm["p99"]):
+            verdict.append(f"{size}, {n} clients, {s.name} vs {p.name}: tokens/s {m['tps']:.0f} vs {pm['tps']:.0f} "
+                           f"({ratio}), p99 {m['p99']:.2f} s vs {pm['p99']:.2f} s ({p99}); clover's forwards: {fw}")
+    short = sum(r.get("short", 0) for r in s.runs[n])  # replies not of the asked tokens: flagged
+    name = s.name + (f" ({short} replies not {plan.max_tokens} tokens)" if short else "")
+    print(f"| {n} | {name} | {m['tps']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ttft']:.3f} | "
+          f"{m['p50']:.2f} | {m['p99']:.2f} | {ratio} | {p99} | {fw} | {m['load']:.1f} |")
+    return verdict
+
+
+LARGE_SERVERS = "clover compiled fp32,clover compiled int4,llama-server f32,llama-server q4_0"
+
+
+def dry_run(servers: dict, args) -> None:
     levels = args.clients
-    print(f"sizes {args.sizes}; clients {levels}; {args.requests} requests per client, {args.max_tokens} tokens each; "
-          f"{args.rounds} rounds; {args.threads} threads; clover --mode {args.mode} --block-size {args.block_size} "
-          f"--threshold {args.threshold}")
-    print(f"llama-server: {LLAMA_SERVER} ({'built' if LLAMA_SERVER.exists() else 'NOT built: make llama-server'})")
+    for size, group in servers.items():
+        plan = size_plan(args, size)
+        print(f"{size}: clients {levels}; {plan.requests} requests per client, {plan.max_tokens} tokens each; "
+              f"{plan.rounds} rounds; {args.threads} threads; clover --mode {args.mode} --block-size {args.block_size} "
+              f"--threshold {args.threshold}; servers: {', '.join(s.name for s in group)}")
+    binary = args.llama_server
+    print(f"llama-server: {binary} ({'built' if binary.exists() else 'NOT built: make llama-server'})")
     slots = max(int(x) for x in levels.split(","))
-    for s in servers:
+    for s in {s.name: s for group in servers.values() for s in group}.values():
         if s.kind == "clover":
             print(f"{s.name}: clover serve --runner {s.runner} --threads {args.threads} --max-batch {slots} "
                   f"--mode {args.mode} --model SIZE-{s.precision}/")
         else:
-            print(f"{s.name}: " + " ".join(llama_command(Path(f"SIZE-{s.precision}.gguf"), args.threads, slots, 512))
-                  + " --port PORT  (-c: slots x the longest prompt and reply)")
+            print(f"{s.name}: " + " ".join(llama_command(Path(f"SIZE-{s.precision}.gguf"), args.threads, slots, 512,
+                                                         binary)) + " --port PORT  (-c: slots x the longest prompt and reply)")
 
 
 def parse(argv=None):
@@ -340,8 +427,16 @@ def parse(argv=None):
     ap.add_argument("--requests", type=int, default=2, help="requests per client per round")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (ignore_eos)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--large-requests", type=int, default=1, help="the large size's requests per client per round")
+    ap.add_argument("--large-rounds", type=int, default=1, help="the large size's rounds")
+    ap.add_argument("--large-max-tokens", type=int, help="the large size's tokens per reply (default: --max-tokens)")
+    ap.add_argument("--large-servers", default=LARGE_SERVERS, help="the large size's servers (default: the pairs of "
+                    "matching precision, clover compiled)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every server (default: all cores)")
     ap.add_argument("--servers", help="comma-separated server names (default: all; llama-server ones need its build)")
+    ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help=f"the llama-server binary (default {LLAMA_SERVER})")
+    ap.add_argument("--settle-timeout", type=float, default=900.0, help="longest wait (s) for a compiled server's "
+                    "graphs after a level's warm-up")
     ap.add_argument("--mode", default="ar", help="clover's decoding mode (default ar: random weights commit about "
                     "one token per step in any mode)")
     ap.add_argument("--block-size", type=int, default=8)
@@ -359,35 +454,46 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     ap, args = parse(argv)
+    have_llama = args.llama_server.exists() or args.dry_run
     try:
-        servers = pick_servers(args.servers, LLAMA_SERVER.exists() or args.dry_run)
         sizes = args.sizes.split(",")
         if any(s not in ("default", "large") for s in sizes) or not all(int(x) > 0 for x in args.clients.split(",")):
             raise ValueError("--sizes takes default and/or large, --clients positive integers")
+        servers = {size: pick_servers(args.large_servers if size == "large" else args.servers, have_llama)
+                   for size in sizes}
     except ValueError as e:
         ap.exit(2, f"bench/serve_peer.py: {e}\n")
     if args.dry_run:
         dry_run(servers, args)
         return 0
-    if not LLAMA_SERVER.exists():
-        print(f"bench/serve_peer.py: no {LLAMA_SERVER} (make llama-server): clover servers only", file=sys.stderr)
+    if not have_llama:
+        print(f"bench/serve_peer.py: no {args.llama_server} (make llama-server): clover servers only", file=sys.stderr)
+    os.environ.setdefault("CLOVER_COMPILE_NICE", "0")  # the compiling child not starved on a busy machine (untimed)
     prompts = task_prompts(args.per_task)
-    print(f"`python bench/serve_peer.py --sizes {args.sizes} --clients {args.clients} --requests {args.requests} "
-          f"--max-tokens {args.max_tokens} --rounds {args.rounds} --threads {args.threads} --mode {args.mode}`: "
-          f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the start; {len(prompts)} held-out task "
-          f"prompts, {args.max_tokens} tokens each (ignore_eos, greedy), streamed; medians of {args.rounds} rounds, "
-          "servers interleaved.")
+    print(header(args, prompts))
     verdicts = []
     for size in sizes:
-        group = [Server(s.kind, s.runner, s.precision) for s in servers]
+        group = [Server(s.kind, s.runner, s.precision) for s in servers[size]]
         with tempfile.TemporaryDirectory() as d:
             facts = run_size(size, group, args, Path(d), prompts)
         verdicts += print_size(size, facts, group, args)
-    if any(s.kind == "llama-server" for s in servers):
+    if any(s.kind == "llama-server" for group in servers.values() for s in group):
         print("\nclover >= llama-server tokens/s with p99 <= 1.5x, every point: "
               + ("met." if not verdicts else "NOT met at:\n" + "\n".join(f"- {v}" for v in verdicts)))
     print(f"\nLoad average at the end: {os.getloadavg()[0]:.1f}.")
     return 0
+
+
+def header(args, prompts: list[str]) -> str:
+    large = (f" --large-requests {args.large_requests} --large-rounds {args.large_rounds}"
+             + (f" --large-max-tokens {args.large_max_tokens}" if args.large_max_tokens else "")
+             if "large" in args.sizes else "")
+    return (f"`python bench/serve_peer.py --sizes {args.sizes} --clients {args.clients} --requests {args.requests} "
+            f"--max-tokens {args.max_tokens} --rounds {args.rounds}{large} --threads {args.threads} --mode {args.mode}`: "
+            f"{os.cpu_count()} CPU cores shared with other work, load average {os.getloadavg()[0]:.1f} at the start; "
+            f"{len(prompts)} held-out task prompts (ignore_eos, greedy), streamed; servers interleaved; a compiled "
+            "server's graphs loaded (untimed) after each level's warm-up. Clover forwards: the scheduler's time in "
+            "forwards over the round's wall time, the mean forward, and forwards run eagerly (compiled servers).")
 
 
 if __name__ == "__main__":

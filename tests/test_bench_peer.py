@@ -76,7 +76,7 @@ def test_flag_mistakes_are_one_line_and_exit_2(capsys):
 
 
 def test_a_failing_server_leaves_the_comparison_with_its_reason(monkeypatch):
-    s = peer.Server("clover", "compiled", "int4", url="http://127.0.0.1:9")
+    s = peer.Server("clover", "compiled", "int4", url="http://127.0.0.1:9")  # no server: no counters either
 
     async def boom(*a):
         raise RuntimeError("500 Internal Server Error\ntraceback")
@@ -85,3 +85,40 @@ def test_a_failing_server_leaves_the_comparison_with_its_reason(monkeypatch):
     assert peer.attempt(s, 4, ["p"], 1, 8) is None
     assert s.error == "4 clients: RuntimeError: 500 Internal Server Error"
     assert peer.attempt(s, 16, ["p"], 1, 8) is None and s.error.startswith("4 clients")
+
+
+def test_the_large_size_has_its_own_plan_and_servers():
+    _, args = peer.parse(["--rounds", "3", "--requests", "2", "--large-rounds", "1", "--large-max-tokens", "32"])
+    assert vars(peer.size_plan(args, "default")) == dict(rounds=3, requests=2, max_tokens=64)
+    assert vars(peer.size_plan(args, "large")) == dict(rounds=1, requests=1, max_tokens=32)
+    names = [s.name for s in peer.pick_servers(args.large_servers, True)]
+    assert names == ["clover compiled fp32", "clover compiled int4", "llama-server f32", "llama-server q4_0"]
+    assert peer.size_config("large").num_hidden_layers > peer.size_config("default").num_hidden_layers
+
+
+def test_clover_forwards_say_their_share_of_the_wall_and_eager_ones():
+    text = ("clover_step_seconds_sum 1.5\nclover_model_forwards_total 300\nclover_graph_forwards_total 290\n"
+            "clover_eager_forwards_total 10\nclover_step_seconds_count 300\n")
+    c = peer.parse_counters(text)
+    assert c["clover_step_seconds_sum"] == 1.5 and c["clover_eager_forwards_total"] == 10
+    run = dict(wall=3.0, server=c)
+    assert peer.forwards(run, "compiled") == "50%, 5.00 ms, 10/300 eager"
+    assert peer.forwards(run, "eager") == "50%, 5.00 ms"
+    assert peer.forwards(dict(wall=1.0), "compiled") == "-"  # a llama-server round
+
+
+def test_a_missed_point_names_both_figures_and_what_clover_forwards_took(capsys):
+    args = peer.parse([])[1]
+    plan = peer.size_plan(args, "default")
+    fwd = dict(clover_step_seconds_sum=1.0, clover_model_forwards_total=100.0, clover_graph_forwards_total=100.0,
+               clover_eager_forwards_total=0.0)
+    clover = peer.Server("clover", "compiled", "fp32", runs={1: [dict(tps=500.0, p99=0.3, p50=0.2, ttft=0.01, load=1.0,
+                                                                     wall=4.0, server=fwd)]})
+    llama = peer.Server("llama-server", "-", "f32", runs={1: [dict(tps=1000.0, p99=0.1, p50=0.1, ttft=0.01, load=1.0,
+                                                                   wall=2.0)]})
+    verdict = peer.print_row("default", 1, clover, [clover, llama], plan)
+    assert len(verdict) == 1 and "tokens/s 500 vs 1000 (0.50x)" in verdict[0] and "p99 0.30 s vs 0.10 s" in verdict[0]
+    assert "25%, 10.00 ms, 0/100 eager" in verdict[0]
+    llama.runs[1][0]["tps"] = 400.0
+    llama.runs[1][0]["p99"] = 0.25
+    assert peer.print_row("default", 1, clover, [clover, llama], plan) == []  # faster, p99 within 1.5x

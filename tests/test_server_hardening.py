@@ -26,6 +26,7 @@ from clover.cli.chat import ReplyView
 from clover.engine import Engine
 from clover.server import Settings, create_app
 from clover.server.scheduler import RowJob as Job, Ticket
+from clover.server.routes import INLINE_BODY_BYTES
 from clover.settings import DecodeConfig
 from server_utils import RunningServer, client, metric, raw
 
@@ -182,8 +183,9 @@ def test_health_answers_while_a_prompt_is_encoded_and_while_generating(loaded):
     slow = SlowTokenizer(tokenizer)
     with RunningServer(make_app(model, slow)) as s:
         got = {}
-        stalled = threading.Thread(target=lambda: got.update(r=raw(s, "POST", "/v1/completions",
-                                                                   {"prompt": "STALL here", "max_tokens": 4})))
+        # a body over INLINE_BODY_BYTES (a long `user` field): encoded in the encoder thread, not on the loop
+        big = {"prompt": "STALL here", "max_tokens": 4, "user": "u" * (INLINE_BODY_BYTES + 1)}
+        stalled = threading.Thread(target=lambda: got.update(r=raw(s, "POST", "/v1/completions", big)))
         stalled.start()
         assert slow.entered.wait(30)
         for _ in range(3):  # the event loop is free: health, metrics, models and errors answer at once

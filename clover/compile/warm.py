@@ -4,9 +4,9 @@ on-disk caches, which the server then loads from when it has nothing to decode.
 Why a process: a compile is dynamo tracing and inductor lowering, Python holding the GIL, so a
 compile thread beside the scheduler slows its eager steps at every op; and tracing patches
 module calls process-wide, which breaks a forward running in another thread. A child forked after
-the model is loaded shares its weights (copy on write), runs at the lowest CPU priority on one
-thread, compiles each shape (and fused-function layout) it is sent, the same graph the server
-would make (`CompileState.compile_shape`, `Fused.compile`), and reports it. The server's own
+the model is loaded shares its weights (copy on write), runs at the lowest CPU priority (unless
+$CLOVER_COMPILE_NICE says otherwise: a benchmark waiting for its graphs on a busy machine) on one
+thread, compiles each shape (and fused-function layout) it is sent, the same graph the server would make (`CompileState.compile_shape`, `Fused.compile`), and reports it. The server's own
 compile of it is then a cache hit: a trace and the cached graph's load, no inductor lowering or
 C++ compile.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+NICE_ENV = "CLOVER_COMPILE_NICE"  # the compiling child's niceness increment (default 19: the lowest priority)
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
@@ -93,7 +94,7 @@ def _child(model, c_shims: bool, conn) -> None:
     from .fused import Fused
     from .state import CompileState
 
-    os.nice(19)
+    os.nice(int(os.environ.get(NICE_ENV, "19")))
     torch.set_num_threads(1)
     state = CompileState(model, c_shims=c_shims)
     while True:

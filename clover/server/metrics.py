@@ -40,6 +40,7 @@ class Metrics:
         self.structured_replies = 0  # response_format / forced tool call replies (also in the token counters)
         self.graphs_compiled = self.graphs_deferred = 0  # --runner compiled: compiled when idle / waiting for it
         self.compile_seconds = 0.0
+        self.graph_forwards = self.eager_forwards = 0  # --runner compiled: engine forwards by a graph / eagerly
         self.latency = Histogram()  # request arrival -> last token
         self.first_token = Histogram()  # request arrival -> first block
         self.step_seconds = Histogram((0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
@@ -67,6 +68,19 @@ class Metrics:
             for _ in range(rows):
                 self.latency.observe(seconds)
                 self.first_token.observe(seconds)
+
+    def count_runner(self, runner) -> None:
+        """A compiled runner's forwards since the last count, by how they ran: a graph (`compiled_calls`)
+        or eagerly (`eager_calls`: a shape with no graph yet, or one no graph is made for). Other runners
+        are not counted."""
+        done = (getattr(runner, "compiled_calls", None), getattr(runner, "eager_calls", None))
+        if None in done:
+            return
+        seen = getattr(runner, "_counted", (0, 0))
+        runner._counted = done
+        with self.lock:
+            self.graph_forwards += done[0] - seen[0]
+            self.eager_forwards += done[1] - seen[1]
 
     @property
     def tokens_per_forward(self) -> float:
@@ -103,6 +117,10 @@ class Metrics:
                  "--runner compiled: graphs compiled while the server was idle."),
                 ("clover_compile_seconds_total", "counter", round(self.compile_seconds, 3),
                  "--runner compiled: seconds spent compiling them."),
+                ("clover_graph_forwards_total", "counter", self.graph_forwards,
+                 "--runner compiled: decoding forwards that ran a compiled graph."),
+                ("clover_eager_forwards_total", "counter", self.eager_forwards,
+                 "--runner compiled: decoding forwards that ran eagerly (no graph for the shape yet, or none made for it)."),
                 ("clover_running_rows", "gauge", self.running_rows, "Rows in the running batch."),
             ):
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]

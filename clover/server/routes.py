@@ -27,6 +27,7 @@ from .structured import Infilled, format_plan, infill_format_task, infill_tool_c
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+INLINE_BODY_BYTES = 4096  # request bodies up to this size are encoded on the event loop (Routes.encode_off_loop)
 
 
 @dataclass
@@ -43,6 +44,19 @@ class Delta:
 @dataclass
 class Finished:
     index: int
+
+
+async def next_event(queue: asyncio.Queue):
+    """The queue's next item, None after POLL_S without one; an item already there is taken at once
+    (no timer, no task)."""
+    try:
+        return queue.get_nowait()
+    except asyncio.QueueEmpty:
+        pass
+    try:
+        return await asyncio.wait_for(queue.get(), POLL_S)
+    except (asyncio.TimeoutError, TimeoutError):
+        return None
 
 
 class CleanStream(StreamingResponse):
@@ -81,6 +95,15 @@ class Routes:
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.encoder, partial(fn, *args))
+
+    async def encode_off_loop(self, request: Request, fn, *args):
+        """`fn(*args)` (prompt checks and encoding) in the encoder thread, or here on the event loop
+        for a request body of at most INLINE_BODY_BYTES: encoding that is shorter than two hand-offs
+        between threads."""
+        size = request.headers.get("content-length", "")
+        if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
+            return fn(*args)
+        return await self.off_loop(fn, *args)
 
     # ---- small endpoints ----------------------------------------------------------------------------
     async def health(self):
@@ -187,10 +210,7 @@ class Routes:
         goes away cancels its jobs (looked for every POLL_S, also while events keep coming)."""
         scheduler, checked = self.scheduler, time.monotonic()
         while not all(c.done for c in choices):
-            try:
-                item = await asyncio.wait_for(ticket.queue.get(), POLL_S)
-            except (asyncio.TimeoutError, TimeoutError):
-                item = None
+            item = await next_event(ticket.queue)
             if item is None or time.monotonic() - checked >= POLL_S:
                 checked = time.monotonic()
                 if await request.is_disconnected():
@@ -318,8 +338,8 @@ class Routes:
 
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req)
-        await self.off_loop(self.check_text, req)  # walks every string of the body: off the loop too
-        ids = await self.off_loop(self.encode_completion, req)
+        await self.encode_off_loop(request, self.check_text, req)  # walks every string of the body: off the loop too
+        ids = await self.encode_off_loop(request, self.encode_completion, req)
         return await self.respond(request, req, ids, req.max_tokens, chat=False, think=False)
 
     def chat_text(self, messages: list[dict], tools, kwargs: dict) -> str:
@@ -336,12 +356,14 @@ class Routes:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenize(text, "messages", add_special_tokens=False)
 
-    async def encode_chat(self, messages: list[dict], plan: ToolPlan | None, kwargs: dict) -> list[int]:
-        """The chat prompt's token ids. A prompt that fills the context only with the tools' definitions
-        rendered into it (a huge enum) is blamed on `tools`, not on `messages`."""
-        text = await self.off_loop(self.chat_text, messages, plan.tools if plan else None, kwargs)
+    async def encode_chat(self, messages: list[dict], plan: ToolPlan | None, kwargs: dict, run=None) -> list[int]:
+        """The chat prompt's token ids (templating and encoding by `run`, default `off_loop`). A prompt
+        that fills the context only with the tools' definitions rendered into it (a huge enum) is blamed
+        on `tools`, not on `messages`."""
+        run = run or self.off_loop
+        text = await run(self.chat_text, messages, plan.tools if plan else None, kwargs)
         try:
-            ids = await self.off_loop(self.encode_text, text)
+            ids = await run(self.encode_text, text)
             if plan is not None and len(ids) >= self.ctx:
                 self.budget(ids, None)  # raises: the context is full
             return ids
@@ -360,10 +382,11 @@ class Routes:
                            "tools (a long enum?)", param="tools", code="context_length_exceeded") from None
 
     async def chat_completions(self, req: ChatRequest, request: Request):
-        model, tokenizer, off_loop, budget = self.model, self.tokenizer, self.off_loop, self.budget
+        model, tokenizer, budget = self.model, self.tokenizer, self.budget
+        run = partial(self.encode_off_loop, request)
         arrived = time.perf_counter()
         self.check_model(req)
-        await off_loop(self.check_text, req)  # walks every string of the body: off the loop too
+        await run(self.check_text, req)  # walks every string of the body: off the loop too (unless small)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         if not getattr(tokenizer, "chat_template", None):
@@ -379,7 +402,7 @@ class Routes:
         think = bool(kwargs.get("enable_thinking", False)) and not infill and not (plan and plan.forced)
         kwargs["enable_thinking"] = think
         messages = [m.for_template() for m in req.messages]
-        ids = await self.encode_chat(messages, plan, kwargs)
+        ids = await self.encode_chat(messages, plan, kwargs, run)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if infill:
             key = self.check_common(req)

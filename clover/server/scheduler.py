@@ -24,7 +24,9 @@
   on-disk caches (`compile.warm.Background`), and with nothing to decode the loop loads one the child
   has finished (a cache hit) at a time, after IDLE_BEFORE_COMPILE_S without work, so no request waits on a compile, only (when it arrives
   during one) on a load.
-* Results cross to the asyncio side with `loop.call_soon_threadsafe` on the ticket's queue.
+* Results cross to the asyncio side on the tickets' queues: the posts of one loop turn go together,
+  one `loop.call_soon_threadsafe` per turn (`held_posts`), so the event loop's thread takes the GIL
+  once per step instead of once per row.
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
   a batched `step()` that raises does not say which row caused it. Rows that joined since the
@@ -42,6 +44,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -97,16 +100,51 @@ class Cancelled(Exception):
 
 
 class Ticket:
-    """One HTTP request's mailbox: the scheduler thread posts, the request's coroutine reads."""
+    """One HTTP request's mailbox: the scheduler thread posts, the request's coroutine reads. Inside
+    `held_posts` a post waits for the end of that block, where every held post goes out together."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
 
     def post(self, item: Event) -> None:
+        held = getattr(_held, "posts", None)
+        if held is not None:
+            held.append((self, item))
+        else:
+            deliver([(self, item)])
+
+
+_held = threading.local()  # `posts`: the posts held by this thread's open `held_posts` block
+
+
+@contextmanager
+def held_posts():
+    """Posts made in the block reach their requests at its end, one wake-up of each event loop for
+    all of them (a scheduler turn: one hand-off to the event loop's thread per step, not one per
+    row), in the order they were made."""
+    _held.posts = []
+    try:
+        yield
+    finally:
+        posts, _held.posts = _held.posts, None
+        deliver(posts)
+
+
+def deliver(posts: list[tuple[Ticket, Event]]) -> None:
+    """Posts to their tickets' queues: one `call_soon_threadsafe` per event loop."""
+    by_loop: dict = {}
+    for ticket, item in posts:
+        by_loop.setdefault(ticket.loop, []).append((ticket.queue, item))
+    for loop, items in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # the loop is gone (server shutting down)
             pass
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 @dataclass(eq=False)
@@ -220,7 +258,7 @@ class Scheduler:
                 cancels, self.to_cancel = self.to_cancel, []
                 admit = self._take(sum(isinstance(j, RowJob) and j.state == "running" for j, _ in cancels))
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), held_posts():
                     for item, reason in cancels:
                         self._cancel(item, reason)
                     self._admit(admit)
@@ -354,6 +392,7 @@ class Scheduler:
             traceback.print_exc()
             self._isolate(place, e)
             return
+        self.metrics.count_runner(engine.runner)
         for seq in stepped:
             job = self.jobs.get(id(seq))
             if job is not None:

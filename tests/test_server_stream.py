@@ -1,0 +1,155 @@
+"""The server's streaming hand-off pieces, without a model: the scheduler's posts held for one
+turn and delivered with one wake-up of the event loop, a request's next event, the compiled
+runner's forward counts in /metrics, and small prompts encoded on the event loop."""
+
+import asyncio
+import threading
+
+from clover.server import routes
+from clover.server.metrics import Metrics
+from clover.server.scheduler import Ticket, held_posts
+
+
+class RecordingLoop:
+    """Stands in for an event loop: records call_soon_threadsafe calls and runs them when asked."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call_soon_threadsafe(self, fn, *args):
+        self.calls.append((fn, args))
+
+    def run(self):
+        calls, self.calls = self.calls, []
+        for fn, args in calls:
+            fn(*args)
+
+
+def _ticket(loop):
+    t = Ticket.__new__(Ticket)  # no running loop needed: a plain queue stands in
+    t.loop, t.queue = loop, asyncio.Queue()
+    return t
+
+
+def _drain(q):
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def test_posts_in_a_turn_reach_each_loop_at_once_in_order():
+    a, b = RecordingLoop(), RecordingLoop()
+    t1, t2, t3 = _ticket(a), _ticket(a), _ticket(b)
+    with held_posts():
+        t1.post("x1")
+        t2.post("y1")
+        t1.post("x2")
+        t3.post("z1")
+        assert not a.calls and not b.calls  # nothing leaves before the turn ends
+    assert len(a.calls) == 1 and len(b.calls) == 1  # one wake-up per event loop
+    a.run()
+    b.run()
+    assert _drain(t1.queue) == ["x1", "x2"] and _drain(t2.queue) == ["y1"] and _drain(t3.queue) == ["z1"]
+    t1.post("x3")  # outside a turn: at once
+    assert len(a.calls) == 1
+    a.run()
+    assert _drain(t1.queue) == ["x3"]
+
+
+def test_held_posts_go_out_even_when_the_turn_raises():
+    loop = RecordingLoop()
+    t = _ticket(loop)
+    try:
+        with held_posts():
+            t.post("before")
+            raise RuntimeError("step failed")
+    except RuntimeError:
+        pass
+    loop.run()
+    assert _drain(t.queue) == ["before"]
+    t.post("after")  # the block is closed: no post is held any more
+    loop.run()
+    assert _drain(t.queue) == ["after"]
+
+
+def test_posts_are_held_only_in_the_thread_of_the_turn():
+    loop = RecordingLoop()
+    t = _ticket(loop)
+    with held_posts():
+        th = threading.Thread(target=t.post, args=("other thread",))
+        th.start()
+        th.join()
+        assert len(loop.calls) == 1  # another thread's post is not held by this turn
+        t.post("mine")
+        assert len(loop.calls) == 1
+    assert len(loop.calls) == 2
+
+
+def test_a_gone_loop_drops_the_posts_quietly():
+    class Closed:
+        def call_soon_threadsafe(self, *a):
+            raise RuntimeError("Event loop is closed")
+
+    with held_posts():
+        _ticket(Closed()).post("lost")
+
+
+def test_next_event_takes_a_waiting_item_at_once_and_times_out_to_none(monkeypatch):
+    monkeypatch.setattr(routes, "POLL_S", 0.01)
+
+    async def go():
+        q = asyncio.Queue()
+        q.put_nowait("a")
+        q.put_nowait("b")
+        got = [await routes.next_event(q), await routes.next_event(q), await routes.next_event(q)]
+        asyncio.get_running_loop().call_later(0.001, q.put_nowait, "c")
+        got.append(await routes.next_event(q) or await routes.next_event(q))
+        return got
+
+    assert asyncio.run(go()) == ["a", "b", None, "c"]
+
+
+class FakeRunner:
+    def __init__(self):
+        self.compiled_calls = self.eager_calls = 0
+
+
+def test_metrics_count_a_compiled_runners_forwards_once():
+    m = Metrics()
+    r1, r2 = FakeRunner(), FakeRunner()
+    r1.compiled_calls, r1.eager_calls = 5, 2
+    m.count_runner(r1)
+    m.count_runner(r1)  # nothing new since: counted once
+    r1.compiled_calls += 3
+    m.count_runner(r1)
+    r2.eager_calls = 4
+    m.count_runner(r2)
+    m.count_runner(object())  # an eager runner: not counted
+    assert (m.graph_forwards, m.eager_forwards) == (8, 6)
+    text = m.render()
+    assert "clover_graph_forwards_total 8" in text and "clover_eager_forwards_total 6" in text
+
+
+class FakeRequest:
+    def __init__(self, size):
+        self.headers = {} if size is None else {"content-length": str(size)}
+
+
+def test_small_bodies_encode_on_the_loop_large_ones_in_the_encoder_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    r = routes.Routes.__new__(routes.Routes)
+    r.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-encode")
+    where = lambda: threading.current_thread().name  # noqa: E731
+
+    async def go():
+        return [await r.encode_off_loop(FakeRequest(n), where) for n in (10, routes.INLINE_BODY_BYTES,
+                                                                          routes.INLINE_BODY_BYTES + 1, None)]
+
+    try:
+        small, edge, large, unknown = asyncio.run(go())
+    finally:
+        r.encoder.shutdown()
+    assert small == edge == threading.current_thread().name
+    assert large.startswith("clover-encode") and unknown.startswith("clover-encode")
