@@ -153,11 +153,9 @@ class DecodeConfig:
     def check(self, model) -> "DecodeConfig":
         """The checks that need the model (its largest block; a mode that means nothing on its layout,
         engine/layout.py); returns self."""
-        from .engine.layout import Layout
-        from .engine.model_api import seam_of
-
         check_block_size(self.block_size, model)
-        Layout.of(seam_of(model), self.mode)
+        check_mode_layout(self.mode, bool(getattr(model, "shift", True)),
+                          getattr(model, "block_align", "relative") == "absolute")
         return self
 
     def engine_key(self) -> "DecodeConfig":
@@ -181,3 +179,17 @@ def decode_config(model, tokenizer, config: DecodeConfig | None = None, /, **set
     if config is None and getattr(model, "decode_defaults", None):  # a family's published block size, threshold
         config = DecodeConfig(**model.decode_defaults)
     return DecodeConfig.from_settings(config, **settings, eos_token_ids=eos_ids(model, tokenizer))
+
+
+def check_mode_layout(mode: str, shift: bool, absolute: bool) -> None:
+    """ValueError (one line) for a mode that means nothing on a model's layout: `shift` (position i
+    predicts token i+1) and `absolute` (blocks at absolute positions)."""
+    if mode in ("ar", "self_spec") and not shift:
+        raise ValueError(f"mode {mode} needs a model whose position i predicts token i+1; this one predicts each "
+                         "masked position itself (no shift): use a diffusion mode (low_confidence)")
+    if mode == "self_spec" and absolute:
+        raise ValueError("mode self_spec drafts blocks that start anywhere; this model's blocks sit at absolute "
+                         "positions (a draft would be cut by a block boundary): use ar or a diffusion mode")
+    if mode == "editing" and (shift or not absolute):
+        raise ValueError("mode editing needs a model that predicts each masked position itself in blocks at "
+                         "absolute positions (LLaDA2.1, SDAR); this one does not: use low_confidence")

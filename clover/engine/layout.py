@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..settings import check_mode_layout
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -33,16 +35,7 @@ class Layout:
     @classmethod
     def of(cls, seam, mode: str = "low_confidence") -> "Layout":
         """The layout of `mode` on this model; ValueError (one line) for a mode that means nothing on it."""
-        absolute = seam.block_align == "absolute"
-        if mode in ("ar", "self_spec") and not seam.shift:
-            raise ValueError(f"mode {mode} needs a model whose position i predicts token i+1; this one predicts each "
-                             "masked position itself (no shift): use a diffusion mode (low_confidence)")
-        if mode == "self_spec" and absolute:
-            raise ValueError("mode self_spec drafts blocks that start anywhere; this model's blocks sit at absolute "
-                             "positions (a draft would be cut by a block boundary): use ar or a diffusion mode")
-        if mode == "editing" and (seam.shift or not absolute):
-            raise ValueError("mode editing needs a model that predicts each masked position itself in blocks at "
-                             "absolute positions (LLaDA2.1, SDAR); this one does not: use low_confidence")
+        check_mode_layout(mode, seam.shift, seam.block_align == "absolute")
         if mode in ("ar", "self_spec"):
             return cls(seam.shift)
         return cls(seam.shift, seam.block_align == "absolute", seam.sub_block if seam.shift else 0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..compile import Fused, state_of
-from ..compile.shapes import CAPACITY_BUCKET, STEADY_MAX, bucket, bucket_width, dense, is_steady, pad_rows, shape_key
+from ..compile.shapes import CAPACITY_BUCKET, STEADY_MAX, attention_span, bucket, bucket_width, dense, is_steady, pad_rows, shape_key
 
 RUNNERS = ("eager", "compiled")
 
@@ -98,8 +98,8 @@ class CompiledRunner(EagerRunner):
         clean_block_size, block = self.model.check_stream(ids, cache, block_size, draft_len, clean_block_size, static=True)
         rows = ids.shape[0]
         run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
-        span_of = getattr(self.model, "attention_span", None)  # a model whose graphs read only the slots in use
-        span = span_of(run_cache, run_ids.shape[1]) if span_of is not None else 0
+        span = attention_span(run_cache.max_len() + run_ids.shape[1], run_cache.capacity) \
+            if getattr(self.model, "span_limited", False) else 0  # graphs reading only the slots in use
         key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_block_size, block, span)
         logits, replayed = self.state.call(key, run_ids, run_pad, run_cache, replay=self.replay, defer=self.defer)
         if logits is None:

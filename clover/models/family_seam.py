@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from ..compile.shapes import attention_span
 
 
 class FamilySeam(nn.Module):
@@ -61,11 +60,7 @@ class FamilySeam(nn.Module):
         modeling_family.static_block_step)."""
         return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
 
-    @staticmethod
-    def attention_span(cache, length: int) -> int:
-        """The cache slots a compiled step of `length` columns reads (compile.attention_span): the
-        rows' committed tokens and the step's own columns, in power-of-two buckets."""
-        return attention_span(cache.max_len() + length, cache.capacity)
+    span_limited = True  # its compiled steps read only the cache slots in use (compile.attention_span)
 
     @staticmethod
     def commit_lens(cache, num_clean: int, pad_mask=None) -> None:
