@@ -325,6 +325,37 @@ def test_what_a_vllm_client_sends(served, capsys):
     assert "self_spec" in err and len(err.splitlines()) == 1
 
 
+def test_tokenize_and_detokenize(served):
+    """vLLM's /tokenize counts what the generation endpoints feed the model (chat messages with tools,
+    a completions prompt); /detokenize gives the text back; mistakes are 400s naming the field."""
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
+
+    c, _ = served
+    root = str(c.base_url).removesuffix("/").removesuffix("/v1")
+
+    def post(path, body):
+        req = Request(root + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    for tools in (None, [WEATHER]):
+        got = c.chat.completions.create(model="fam", messages=ASK, max_tokens=2, tools=tools)
+        status, out = post("/tokenize", {"messages": ASK, "tools": tools})
+        assert status == 200 and out["count"] == len(out["tokens"]) == got.usage.prompt_tokens
+    got = c.completions.create(model="fam", prompt="Hello there", max_tokens=2)
+    status, out = post("/tokenize", {"model": "fam", "prompt": "Hello there"})
+    assert out["count"] == got.usage.prompt_tokens and out["max_model_len"] == c.models.list().data[0].max_model_len
+    assert post("/detokenize", {"tokens": out["tokens"]}) == (200, {"prompt": "Hello there"})
+    assert post("/tokenize", {"prompt": "x", "messages": ASK})[1]["error"]["param"] == "messages"
+    assert post("/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+    status, out = post("/detokenize", {"tokens": [10**7]})
+    assert status == 400 and out["error"]["param"] == "tokens"
+
+
 def test_cli_generate_json_schema(tmp_path):
     from test_families_engine import _clover
 

@@ -202,6 +202,27 @@ class ChatRequest(_Common):
         return ToolPlan(self.tools, functions, choice, self.parallel_tool_calls)
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): the token ids of `prompt` (as /v1/completions encodes it) or of `messages`
+    with `tools` and `chat_template_kwargs` (as /v1/chat/completions renders them)."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: Any = None
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as each endpoint)
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): the text of token ids."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class DecideQuestion(BaseModel):
     """One question of POST /v1/decide: {"question", "options"} or {"question", "type", "max_tokens"}."""
     model_config = ConfigDict(extra="forbid", strict=True)

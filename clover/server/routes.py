@@ -19,8 +19,8 @@ from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import Task
 from ..settings import MODES, DecodeConfig
 from .choice import Choice
-from .protocol import (APIError, ChatRequest, CompletionRequest, DecideRequest, ToolPlan, bad_text, not_honoured, now,
-                       usage)
+from .protocol import (APIError, ChatRequest, CompletionRequest, DecideRequest, DetokenizeRequest, TokenizeRequest,
+                       ToolPlan, bad_text, not_honoured, now, usage)
 from .scheduler import Cancelled, Live, QueueFull, RowJob, Ticket
 from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
 from .structured import Infilled, format_plan, infill_format_task, infill_tool_call_task
@@ -92,6 +92,8 @@ class Routes:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/decide")(self.decide)
+        app.post("/tokenize")(self.tokenize_route)
+        app.post("/detokenize")(self.detokenize)
 
     async def off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.encoder, partial(fn, *args))
@@ -465,6 +467,34 @@ class Routes:
             yield from reply.end(use)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    # ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------
+    async def tokenize_route(self, req: TokenizeRequest):
+        """{"count", "max_model_len", "tokens"} of a prompt or chat messages, encoded as the generation
+        endpoints encode them (a prompt longer than the context is counted, not refused)."""
+        self.check_model(req)
+        await self.off_loop(self.check_text, req)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt" if req.prompt is None else "messages")
+        text, special = req.prompt, req.add_special_tokens is not False
+        if req.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise APIError(400, "this model's tokenizer has no chat template: tokenize a prompt", param="messages")
+            tools = ChatRequest(messages=req.messages, tools=req.tools).tool_plan() if req.tools else None
+            kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "tools"}
+            kwargs["enable_thinking"] = bool(kwargs.get("enable_thinking", False))
+            text = await self.off_loop(self.chat_text, [m.for_template() for m in req.messages],
+                                       tools.tools if tools else None, kwargs)
+            special = bool(req.add_special_tokens)
+        ids = await self.off_loop(lambda: self.tokenizer(text, add_special_tokens=special).input_ids)
+        return {"count": len(ids), "max_model_len": self.ctx, "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest):
+        self.check_model(req)
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": await self.off_loop(self.tokenizer.decode, req.tokens)}
 
     # ---- joint decision mode (docs/decide.md) ------------------------------------------------------------
     async def decide(self, req: DecideRequest, request: Request):
