@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 MODES = ("low_confidence", "topk", "entropy", "margin", "self_spec", "ar", "editing")
+DRAFTS = ("diffusion", "lookup")  # self_spec's drafts: the model's diffusion step, or looked up in the context
 POLICIES = ("low_confidence", "topk", "entropy", "margin")  # the diffusion fill policies (engine/policies.py)
 RUNNERS = ("eager", "compiled")  # how the model is called (engine/runner.py; a test checks they agree)
 INFILL_THRESHOLD = 0.9  # slots (decide, structured output, forced tool calls) commit above this confidence
@@ -90,6 +91,9 @@ class DecodeConfig:
     # above edit_threshold is replaced; after a block's last mask up to max_post_steps forwards only edit
     edit_threshold: float = 0.5
     max_post_steps: int = 16
+    # self_spec's drafts: "diffusion" (one diffusion step of the model) or "lookup" (the continuation of
+    # the context's latest repeated n-gram, engine/lookup.py; an AR step where there is none)
+    draft: str = "diffusion"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,6 +143,8 @@ class DecodeConfig:
         self.sampling.validate()
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r} (known: {', '.join(RUNNERS)})")
+        if self.draft not in DRAFTS:
+            raise ValueError(f"unknown draft {self.draft!r} (known: {', '.join(DRAFTS)})")
         if self.mode == "self_spec" and not self.sampling.greedy:
             raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
         if self.mode in ("low_confidence", "editing"):

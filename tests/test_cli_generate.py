@@ -135,6 +135,32 @@ def test_bench_decode_tasks_workload(model_dir, capsys, tmp_path):
     assert rows["ar"]["tpf"] == 1.0 and rows["transformers generate"]["tokens"] == rows["ar"]["tokens"]
 
 
+def test_bench_decode_long_workload(model_dir, capsys, tmp_path):
+    out_json = tmp_path / "long.json"
+    code, out, err = cli(capsys, "bench", "decode", "--model", model_dir, "--workload", "long", "--prompts", "3",
+                         "--prompt-tokens", "9", "--max-new-tokens", "7", "--repeats", "2", "--thread-counts", "1,2",
+                         "--runner", "eager", "--json", str(out_json))
+    assert code == 0, err
+    got = json.loads(out_json.read_text())
+    assert got["workload"] == "long" and got["thread_counts"] == [1, 2] and "held-out play passages" in out
+    rows = {(r["threads"], r["setting"]): r for r in got["results"]}
+    assert {t for t, _ in rows} == {1, 2} and len(rows) == 2 * len({s for _, s in rows})
+    for (t, name), r in rows.items():
+        ar = rows[(t, "ar")]
+        assert r["tokens"] == 3 * 7 and r["low"] <= r["tokens_per_second"] <= r["high"]
+        assert r["vs_ar"] == pytest.approx(r["tokens_per_second"] / ar["tokens_per_second"])
+        assert r["tpf_for_1_3x"] == pytest.approx(1.3 * r["ms_per_forward"] / ar["ms_per_forward"])
+    assert rows[(1, "ar")]["tpf"] == 1.0 and rows[(1, "ar")]["identical_to_ar"]
+
+
+@pytest.mark.parametrize("flags,message", [(["--thread-counts", "0"], "--thread-counts"),
+                                           (["--thread-counts", "a,b"], "--thread-counts"),
+                                           (["--prompts", "0"], "--prompts")])
+def test_bench_decode_long_refuses_bad_flags(model_dir, capsys, flags, message):
+    code, out, err = cli(capsys, "bench", "decode", "--model", model_dir, "--workload", "long", *flags)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
 def test_bench_decode_tasks_needs_a_trained_model(capsys):
     code, out, err = cli(capsys, "bench", "decode", "--preset", "clover-tiny", "--workload", "tasks")
     assert code != 0 and "needs a trained model" in err

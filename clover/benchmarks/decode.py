@@ -39,6 +39,21 @@ def workload(args):
     return model, [(ids, args.max_new_tokens)], (), f"{name}, random weights", True
 
 
+def long_run(args) -> int:
+    """`--workload long` (benchmarks/decode_long.py): the default model or --model only."""
+    from ..api import DEFAULT_MODEL, load
+    from . import decode_long
+
+    if args.preset or not (args.model or (DEFAULT_MODEL / "config.json").is_file()):
+        raise UserError("--workload long needs a trained model (--model or the shipped default model), not a preset")
+    if args.prompts < 1:
+        raise UserError("--prompts must be >= 1")
+    counts = decode_long.thread_counts(args.thread_counts)
+    set_threads(counts[0])
+    model, tokenizer = load(args.model, args.device)
+    return decode_long.run(args, model, tokenizer)
+
+
 def run(args) -> int:
     import torch
     from tqdm import tqdm
@@ -49,6 +64,8 @@ def run(args) -> int:
     for flag in ("prompt_tokens", "max_new_tokens", "repeats", "per_task"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.workload == "long":
+        return long_run(args)
     set_threads(args.threads)
     model, jobs, eos, described, random_weights = workload(args)
     configs = {

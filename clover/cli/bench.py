@@ -53,12 +53,17 @@ def add_decode_flags(p) -> None:
     src = p.add_mutually_exclusive_group()
     add_model_args(p, threads=False, model_group=src)
     src.add_argument("--preset", help="a random-weight preset instead (default when no default model exists)")
-    p.add_argument("--workload", choices=("story", "tasks"), default="story",
+    p.add_argument("--workload", choices=("story", "tasks", "long"), default="story",
                    help="story: one free-text prompt, EOS ignored, exactly --max-new-tokens per run; tasks: the "
                         "held-out synthetic task prompts the default model is evaluated on (--per-task of each task), "
-                        "decoded one by one until EOS or the task's answer budget")
-    p.add_argument("--prompt-tokens", type=int, default=64, help="story: prompt length")
-    add_decode_args(p, "max_new_tokens", "block_size", "runner", help=dict(max_new_tokens="story: tokens per run"))
+                        "decoded one by one until EOS or the task's answer budget; long: --prompts held-out play "
+                        "passages, exactly --max-new-tokens each (EOS ignored; use 256 or more), ar / self_spec / "
+                        "low_confidence at every --thread-counts, interleaved")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="story, long: prompt length")
+    p.add_argument("--prompts", type=int, default=8, metavar="N", help="long: prompts (default 8)")
+    p.add_argument("--thread-counts", default="1,2", metavar="LIST",
+                   help="long: thread counts, interleaved in one run (default 1,2)")
+    add_decode_args(p, "max_new_tokens", "block_size", "runner", help=dict(max_new_tokens="story, long: tokens per run"))
     p.add_argument("--per-task", type=int, default=2, metavar="N", help="tasks: prompts per synthetic task (default 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")

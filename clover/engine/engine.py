@@ -24,7 +24,7 @@ from .batch import Prefill, RowBatch
 from .editing import EditingMode
 from .layout import Layout
 from .model_api import seam_of
-from .modes import ARMode, DiffusionMode, Mode, SelfSpecMode, TokenHook
+from .modes import ARMode, DiffusionMode, LookupSpecMode, Mode, SelfSpecMode, TokenHook
 from .policies import SCORES
 from .runner import make_runner
 from .sampling import make_generator
@@ -38,7 +38,7 @@ def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = Non
     if cfg.mode in SCORES:
         mode = DiffusionMode(cfg, mask_id, device, generator)
     elif cfg.mode == "self_spec":
-        mode = SelfSpecMode(cfg, mask_id, device, generator)
+        mode = (LookupSpecMode if cfg.draft == "lookup" else SelfSpecMode)(cfg, mask_id, device, generator)
     elif cfg.mode == "ar":
         mode = ARMode(cfg, mask_id, device, generator, hook)
     elif cfg.mode == "editing":

@@ -19,7 +19,8 @@ batch runs the forward (`RowBatch.run`: Engine.step, or the server's scheduler b
   drafts a block in one diffusion step, verifies it causally with the cache recording, keeps the
   agreeing prefix plus the AR correction and rolls the cache back to it. Lossless w.r.t. `ar`
   greedy. After a round that accepted whole blocks, the next draft rides along in the verify
-  forward (one forward per round).
+  forward (one forward per round). `LookupSpecMode` (`self_spec` with `draft="lookup"`) drafts
+  from the row's own context instead (engine/lookup.py): one forward per round, no draft forward.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
 from .layout import Layout
+from .lookup import NgramIndex
 from .policies import make_policy
 from .sampling import banned_ids, sample
 from .sequence import Sequence
@@ -200,6 +202,55 @@ class SelfSpecMode(Mode):
         st.ready_draft = next_draft if fuse and st.whole_last_round else None
         batch.window = torch.full_like(window, self.mask_id)
         batch.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
+        return events
+
+
+class LookupSpecMode(SelfSpecMode):
+    """self_spec with drafts looked up in each row's own context (engine/lookup.py, `draft="lookup"`):
+    a round is one verify forward of [last token, draft[:-1]] (no draft forward), or a plain AR step
+    when no row's context has a suffix seen before (and while a prompt's last chunk waits to commit). Rows without a draft in a verifying batch get
+    their last token repeated (rejected or not, they keep what `ar` makes)."""
+
+    def __init__(self, cfg, mask_id: int, device, generator):
+        super().__init__(cfg, mask_id, device, generator)
+        self.index: list[NgramIndex] = []
+
+    def join(self, seqs: list[Sequence], first: bool) -> None:
+        super().join(seqs, first)
+        new = [NgramIndex(s.prompt_ids) for s in seqs]
+        self.index = new if first else self.index + new
+
+    def select(self, idx: torch.Tensor) -> None:
+        super().select(idx)
+        self.index = [self.index[i] for i in idx.tolist()]
+
+    def plan(self, batch: RowBatch) -> Forward:
+        B, window = self.block_size, batch.window
+        drafts = []
+        for seq, ix in zip(batch.seqs, self.index):
+            ix.extend(seq.token_ids[ix.generated:])
+            drafts.append(ix.draft(B))
+        # a prompt's last chunk still to commit (rows joined) rides with an AR step: a verify's rollback
+        # counts only the columns it verifies
+        if batch.pending is not None or all(d is None for d in drafts):
+            self.state.draft = None
+            return Forward(window[:, :1], 0, 1)  # an AR step
+        rows = [d if d is not None else [ix.ctx[-1]] * B for d, ix in zip(drafts, self.index)]
+        draft = self.state.draft = torch.tensor(rows, dtype=torch.long, device=self.device)
+        batch.cache.start_recording()
+        return Forward(torch.cat([window[:, :1], draft[:, :-1]], dim=1), 0, B)
+
+    def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        draft, self.state.draft = self.state.draft, None
+        if draft is not None:
+            return self._verified(batch, draft, False, self.tokens(logits))
+        tokens = self.tokens(logits[:, -1])
+        events = []
+        for seq, t in zip(batch.seqs, tokens.tolist()):
+            seq.append([t], [0], self.eos)
+            events.append((seq, [t]))
+        batch.window = torch.full_like(batch.window, self.mask_id)
+        batch.window[:, 0] = tokens
         return events
 
 
