@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from ..models.cache_clover import CloverCache, rolled_states
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
 from .layout import Layout
@@ -146,6 +147,7 @@ class SelfSpecMode(Mode):
         super().__init__(cfg, mask_id, device, generator)
         self.width = cfg.block_size
         self.state = SpecState()
+        self._rolled = None  # `rolled_states` as the runner calls it, made when first used
 
     def join(self, seqs: list[Sequence], first: bool) -> None:
         self.state.ready_draft = self.state.draft = None  # a draft made before covers the old rows only
@@ -197,12 +199,23 @@ class SelfSpecMode(Mode):
             events.append((seq, out))
             keep.append(len(out))
         keep_t = torch.tensor(keep, device=self.device)
-        batch.cache.rollback(keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
+        self._rollback(batch, keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
         st.whole_last_round = all(k == B for k, s in zip(keep, batch.seqs) if not s.finished)
         st.ready_draft = next_draft if fuse and st.whole_last_round else None
         batch.window = torch.full_like(window, self.mask_id)
         batch.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
         return events
+
+
+    def _rollback(self, batch: RowBatch, keep: torch.Tensor) -> None:
+        """The cache back to `keep` tokens of the verified segment a row; a Clover cache's GDN states
+        re-advanced by `rolled_states` as the runner calls it (compiled: one graph)."""
+        if not isinstance(batch.cache, CloverCache):
+            batch.cache.rollback(keep)
+            return
+        if self._rolled is None:
+            self._rolled = batch.runner.fuse(rolled_states, ("rolled_states",))
+        batch.cache.rollback(keep, states=self._rolled)
 
 
 class LookupSpecMode(SelfSpecMode):

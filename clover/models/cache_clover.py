@@ -117,28 +117,44 @@ class CloverCache(RowCache):
         """Keep the records of the first `rows` rows (a forward ran with spare rows: `pad_rows`)."""
         self.recorded = {i: rec.rows(rows) for i, rec in self.recorded.items()}
 
-    def rollback(self, keep: torch.Tensor) -> None:
+    def rollback(self, keep: torch.Tensor, states=None) -> None:
         """After a recorded forward that committed n tokens per row, keep only the first `keep[b]`.
         The recorded segment may be left-padded (a batch's shorter rows; a compiled runner's bucket,
-        compile.bucket): `keep` counts real tokens, after each row's padding."""
+        compile.bucket): `keep` counts real tokens, after each row's padding. `states`: how
+        `rolled_states` is called (a runner's `fuse` of it; default: as it is)."""
         if not self.recording:
             raise RuntimeError("rollback() needs a forward recorded after start_recording()")
         keep = keep.to(self.device)
         self.lens = self._record_lens + keep
-        kernel = self.config.linear_conv_kernel_dim
-        if self.recorded:  # every GDN layer recorded the same columns and padding: one mask and one index for all
-            first = next(iter(self.recorded.values()))
-            k, g, pad = first.k, first.g, first.pad
+        if self.recorded:  # every GDN layer recorded the same columns and padding
+            records = list(self.recorded.values())
+            pad = records[0].pad
             npad = pad.sum(1) if pad is not None else torch.zeros_like(keep)
-            cols = torch.arange(k.shape[1], device=self.device)[None, :]
-            live = ((cols >= npad[:, None]) & (cols < (npad + keep)[:, None])).to(g.dtype)[..., None]
-            # the last K-1 inputs of [conv state ; kept tokens], the tokens found after their row's padding
-            at = keep[:, None] + torch.arange(kernel - 1, device=self.device)[None, :]
-            idx = torch.where(at >= kernel - 1, at + npad[:, None], at)
-        for i, (conv_before, state_before, stream, q, k, v, g, beta, _) in self.recorded.items():
-            _, state = fused_recurrent_gated_delta_rule(q, k, v, g * live, beta * live, 1.0, state_before)
-            self.state[i].copy_(state)  # in place, as the forward writes them
-            full = torch.cat([cast(conv_before, stream.dtype), stream], dim=-1)  # [B, C, K-1+n]
-            self.conv[i].copy_(full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1)))
+            flat = [t for r in records for t in r[:8]]
+            out = (states or rolled_states)(keep, npad, *flat)
+            for i, state, conv in zip(self.recorded, out[0::2], out[1::2]):
+                self.state[i].copy_(state)  # in place, as the forward writes them
+                self.conv[i].copy_(conv)
         self.recording = False
         self.recorded = {}
+
+
+def rolled_states(keep: torch.Tensor, npad: torch.Tensor, *records: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each recorded GDN layer's (recurrent state, conv state) after only the first `keep[b]` real
+    tokens of its recorded segment (after `npad[b]` columns of left padding); `records`: eight
+    tensors a layer (GdnRecord's fields but the padding). Pure, rows first: a compiled runner makes
+    it one graph (`runner.fuse`)."""
+    conv_before, _, _, _, k, _, g, _ = records[:8]
+    kernel = conv_before.shape[2] + 1
+    cols = torch.arange(k.shape[1], device=k.device)[None, :]
+    live = ((cols >= npad[:, None]) & (cols < (npad + keep)[:, None])).to(g.dtype)[..., None]
+    # the last K-1 inputs of [conv state ; kept tokens], the tokens found after their row's padding
+    at = keep[:, None] + torch.arange(kernel - 1, device=k.device)[None, :]
+    idx = torch.where(at >= kernel - 1, at + npad[:, None], at)
+    out = []
+    for j in range(0, len(records), 8):
+        conv_before, state_before, stream, q, k, v, g, beta = records[j:j + 8]
+        _, state = fused_recurrent_gated_delta_rule(q, k, v, g * live, beta * live, 1.0, state_before)
+        full = torch.cat([cast(conv_before, stream.dtype), stream], dim=-1)  # [B, C, K-1+n]
+        out += [state, full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1))]
+    return tuple(out)
