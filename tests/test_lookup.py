@@ -91,3 +91,37 @@ def test_lookup_rows_joining_between_steps_equal_alone(looping_model):
 def test_unknown_draft_is_refused():
     with pytest.raises(ValueError, match="unknown draft"):
         DecodeConfig(mode="self_spec", draft="guess")
+
+
+def random_records(g, rows=3, n=5, layers=2, channels=6, kernel=4, heads=2, dk=3, dv=4):
+    """Random GdnRecord fields (but the padding) of `layers` layers, flat, as rolled_states takes them."""
+    flat = []
+    for _ in range(layers):
+        flat += [torch.randn(rows, channels, kernel - 1, generator=g), torch.randn(rows, heads, dk, dv, generator=g),
+                 torch.randn(rows, channels, n, generator=g), torch.randn(rows, n, heads, dk, generator=g),
+                 torch.randn(rows, n, heads, dk, generator=g), torch.randn(rows, n, heads, dv, generator=g),
+                 -torch.rand(rows, n, heads, generator=g), torch.rand(rows, n, heads, generator=g)]
+    return flat
+
+
+def test_rolled_states_equal_the_naive_rule_on_the_kept_tokens():
+    """cache_clover.rolled_states (self_spec's rollback): each row's states after its first keep[b]
+    real tokens, behind npad[b] columns of padding, equal the naive rule run on those tokens alone
+    and the conv state's last K-1 inputs of [conv state ; kept tokens]."""
+    from clover.models.cache_clover import rolled_states
+    from clover.ops.gated_delta_rule import naive_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    n = 5
+    flat = random_records(g, n=n)
+    npad, keep = torch.tensor([0, 2, 1]), torch.tensor([5, 1, 3])
+    out = rolled_states(keep, npad, *flat)
+    for layer in range(2):
+        conv_before, state_before, stream, q, k, v, gate, beta = flat[8 * layer: 8 * layer + 8]
+        for b in range(3):
+            cols = slice(int(npad[b]), int(npad[b] + keep[b]))
+            _, state = naive_gated_delta_rule(q[b:b + 1, cols], k[b:b + 1, cols], v[b:b + 1, cols],
+                                              gate[b:b + 1, cols], beta[b:b + 1, cols], 1.0, state_before[b:b + 1])
+            torch.testing.assert_close(out[2 * layer][b], state[0], rtol=1e-5, atol=1e-5)
+            inputs = torch.cat([conv_before[b], stream[b, :, cols]], dim=-1)
+            assert torch.equal(out[2 * layer + 1][b], inputs[:, -3:])

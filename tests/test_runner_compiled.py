@@ -25,12 +25,13 @@ def model():  # two layers (one GDN, one attention): half the compile time of cl
     return tiny_model(99, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 
-def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, replay=True, block=4, defer=False):
+def decode(model, runner, mode, prompts, late=(), budgets=(10, 6), late_budget=5, replay=True, block=4, defer=False,
+           draft="diffusion"):
     """Logits of every runner call and the sequences; `late` prompts join after the first step and
     rows with smaller budgets leave early."""
     with runner_calls(runner) as logits:
         engine = Engine(model, DecodeConfig(mode=mode, block_size=block, threshold=0.5, max_new_tokens=max(budgets),
-                                            prefill_chunk=4, runner=runner), defer_compile=defer)
+                                            prefill_chunk=4, runner=runner, draft=draft), defer_compile=defer)
         if not replay:
             engine.runner.replay = False  # the RowBatch holds this runner object
         seqs = engine.add(prompts, list(budgets))
@@ -212,6 +213,41 @@ def test_compiled_self_spec_of_an_odd_block_equals_eager_and_ar(model):
     _, got, _ = decode(model, "compiled", "self_spec", prompts, block=3)
     _, ar, _ = decode(model, "eager", "ar", prompts, block=1)
     assert [s.token_ids for s in got] == [s.token_ids for s in ar]
+
+
+def test_fused_rollback_states_equal_eager():
+    """self_spec's rollback as a compiled runner calls it (`Fused(rolled_states)`, one graph; 3 rows
+    run as a bucket of 4) gives the eager function's states within float rounding, the conv states
+    exactly, on random records with left padding and odd keeps."""
+    from clover.models.cache_clover import rolled_states
+    from test_lookup import random_records
+
+    state = CompileState()
+    fused = Fused(rolled_states, ("test-rolled",), state)
+    g = torch.Generator().manual_seed(1)
+    for npad, keep in (([0, 2, 1], [5, 1, 3]), ([1, 0, 0], [2, 5, 4])):
+        flat = random_records(g)
+        args = (torch.tensor(keep), torch.tensor(npad), *flat)
+        got, ref = fused(*args), rolled_states(*args)
+        assert len(got) == len(ref) == 4
+        for i, (a, b) in enumerate(zip(got, ref)):
+            if i % 2:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert state.fused_compiles == 1
+
+
+@full_only
+@pytest.mark.timeout(2400)
+def test_compiled_lookup_self_spec_equals_eager_and_ar(model):
+    """self_spec with context-lookup drafts on the compiled runner: verifies of a bucketed width,
+    AR steps where nothing repeats, the rollback's graph; the tokens are ar's."""
+    prompts = [[5, 9, 2, 5, 9, 2, 5, 9, 2], [8, 3, 30, 8, 3]]
+    _, ref, _ = decode(model, "eager", "self_spec", prompts, block=3, draft="lookup")
+    _, got, _ = decode(model, "compiled", "self_spec", prompts, block=3, draft="lookup")
+    _, ar, _ = decode(model, "eager", "ar", prompts, block=1)
+    assert [s.token_ids for s in got] == [s.token_ids for s in ar] == [s.token_ids for s in ref]
 
 
 def test_new_shapes_run_eagerly_once_the_recompile_limit_is_hit(model):
