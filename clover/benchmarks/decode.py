@@ -10,6 +10,9 @@ from ..errors import UserError
 from .report import markdown_table, set_threads, write_json
 
 
+LONG_TOKENS = 256  # --workload long's tokens per prompt: outputs long enough that prefill does not dominate
+
+
 def workload(args):
     """(model, [(prompt ids, max new tokens)], eos ids, description, random?) for `bench decode`."""
     import torch
@@ -61,6 +64,10 @@ def run(args) -> int:
     from ..engine import DecodeConfig, Engine
     from ..utils.timing import time_alternately
 
+    if getattr(args, "max_new_tokens", None) is None:
+        from ..settings import DEFAULTS
+
+        args.max_new_tokens = LONG_TOKENS if args.workload == "long" else DEFAULTS.max_new_tokens
     for flag in ("prompt_tokens", "max_new_tokens", "repeats", "per_task"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1")

@@ -40,15 +40,13 @@ def long_prompts(tokenizer, prompts: int, prompt_tokens: int) -> list[list[int]]
 
 
 def settings():
-    """The decoders compared: ar, self_spec (lossless: its diffusion draft at blocks 4 and 8, and the
-    lookup draft at blocks 4 and 8) and low_confidence at block 8 / 0.95 (the most accurate parallel setting, BENCHMARKS
+    """The decoders compared: ar, self_spec at block 8 (lossless: its diffusion draft, and the lookup
+    draft) and low_confidence at block 8 / 0.95 (the most accurate parallel setting, BENCHMARKS
     `pareto`)."""
     from ..engine import DecodeConfig
 
     return {"ar": DecodeConfig(mode="ar", block_size=1),
-            "self_spec 4": DecodeConfig(mode="self_spec", block_size=4),
             "self_spec 8": DecodeConfig(mode="self_spec", block_size=8),
-            "self_spec lookup 4": DecodeConfig(mode="self_spec", block_size=4, draft="lookup"),
             "self_spec lookup 8": DecodeConfig(mode="self_spec", block_size=8, draft="lookup"),
             "low_confidence 8 / 0.95": DecodeConfig(block_size=8, threshold=0.95)}
 

@@ -63,7 +63,7 @@ def add_decode_flags(p) -> None:
     p.add_argument("--prompts", type=int, default=8, metavar="N", help="long: prompts (default 8)")
     p.add_argument("--thread-counts", default="1,2", metavar="LIST",
                    help="long: thread counts, interleaved in one run (default 1,2)")
-    add_decode_args(p, "max_new_tokens", "block_size", "runner", help=dict(max_new_tokens="story, long: tokens per run"))
+    add_decode_args(p, "max_new_tokens", "block_size", "runner", help=dict(max_new_tokens="story, long: tokens per run (default: story 128, long 256)"))
     p.add_argument("--per-task", type=int, default=2, metavar="N", help="tasks: prompts per synthetic task (default 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
@@ -146,7 +146,7 @@ def add_structured_flags(p) -> None:
 
 
 # the shared decoding flags (clover/cli/options.py) each benchmark reads, DecodeConfig's defaults when not given
-DECODE_FLAGS = {"decode": ("block_size", "max_new_tokens", "runner"), "decide": ("block_size",),
+DECODE_FLAGS = {"decode": ("block_size", "runner"),  # max_new_tokens: by workload (benchmarks/decode.py) "decide": ("block_size",),
                 "agent": ("threshold", "block_size", "max_new_tokens"), "structured": ("block_size",)}
 
 BENCHMARKS = {
