@@ -157,3 +157,6 @@ def test_family_decide_route_and_cli(tmp_path):
     assert run.returncode == 0, run.stderr
     api = decide(model, tok, MATERIAL, MIXED)  # the family's published block size and threshold
     assert [a["answer"] for a in json.loads(run.stdout)["answers"]] == [a.answer for a in api.answers]
+    run = _clover("decide", "--model", str(tmp_path / "m"), "--material", str(tmp_path / "material.txt"),
+                  "--questions", str(tmp_path / "q.jsonl"), "--block-size", "1")
+    assert run.returncode == 2 and "--block-size" in run.stderr and len(run.stderr.strip().splitlines()) == 1

@@ -62,6 +62,9 @@ def run(args) -> int:
             check_threshold(args.threshold)
     except ValueError as e:
         raise UserError(f"--{e}") from None
+    if args.block_size is not None and args.block_size < 2:  # its top is the model's largest block, known once loaded
+        raise UserError(f"--block-size must be >= 2 (an answer window holds a scaffold token and a slot), got "
+                        f"{args.block_size}")
     model, tokenizer = load(args.model, args.device)
     result = decide(model, tokenizer, material, questions, mode=args.mode, threshold=args.threshold,
                     block_size=args.block_size, split=args.split)
