@@ -199,3 +199,12 @@ def check_mode_layout(mode: str, shift: bool, absolute: bool) -> None:
     if mode == "editing" and (shift or not absolute):
         raise ValueError("mode editing needs a model that predicts each masked position itself in blocks at "
                          "absolute positions (LLaDA2.1, SDAR); this one does not: use low_confidence")
+
+
+def infill_settings(model, threshold: float | None, block_size: int | None) -> tuple:
+    """The threshold and block size a structured reply or a joint decision commits slots at: the
+    given ones, else INFILL_THRESHOLD and 32 on a Clover model; a public family (blocks at absolute
+    positions) keeps None for what is not given, meaning its published ones."""
+    if getattr(model, "block_align", "relative") == "absolute":
+        return threshold, block_size
+    return INFILL_THRESHOLD if threshold is None else threshold, block_size or 32

@@ -108,9 +108,17 @@ def test_one_infill_default_and_one_block_size_check():
     from clover.structured import generate_json
     from clover.structured.generate import infill_json
 
-    for fn in (decide, generate_json, infill_json):
-        assert inspect.signature(fn).parameters["threshold"].default == INFILL_THRESHOLD
-    assert build_parser().parse_args(["decide", "--material", "m", "--questions", "q"]).threshold == INFILL_THRESHOLD
+    from types import SimpleNamespace
+
+    from clover.settings import infill_settings
+
+    assert inspect.signature(infill_json).parameters["threshold"].default == INFILL_THRESHOLD
+    for fn in (decide, generate_json):  # None: infill_settings picks (a public family: its published one)
+        assert inspect.signature(fn).parameters["threshold"].default is None
+    clover_model, family = SimpleNamespace(), SimpleNamespace(block_align="absolute")
+    assert infill_settings(clover_model, None, None) == (INFILL_THRESHOLD, 32)
+    assert infill_settings(clover_model, 0.5, 8) == (0.5, 8) and infill_settings(family, None, None) == (None, None)
+    assert build_parser().parse_args(["decide", "--material", "m", "--questions", "q"]).threshold is None  # decide's
     assert Settings().infill_threshold == INFILL_THRESHOLD and Settings(threshold=0.5).infill_threshold == 0.5
     assert Settings(threshold=0.5).decode.threshold == 0.5
     root = Path(clover.__file__).parent

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold
+from ..settings import check_block_size, check_threshold, infill_settings
 from ..engine.family_grammar import absolute_blocks
 from ..engine.family_infill import infill_blocks_task
 from ..engine.infill import Row, Slot, TextRule, denoise_task, pieces, token_ids
@@ -201,8 +201,7 @@ def decide_task(model, tokenizer, material: str, questions, mode: str = "joint",
                 block_size: int | None = None, split: bool = False):
     start = time.perf_counter()
     family = absolute_blocks(model)
-    if not family:
-        threshold, block_size = INFILL_THRESHOLD if threshold is None else threshold, block_size or 32
+    threshold, block_size = infill_settings(model, threshold, block_size)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
     if not isinstance(material, str) or not material.strip():

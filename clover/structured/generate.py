@@ -22,7 +22,7 @@ from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends
                              token_ids, vocab_mask)
 from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import drive
-from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold, decode_config
+from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold, decode_config, infill_settings
 from . import schema as sk
 from .grammar import grammar_json
 from .normalize import normalize
@@ -44,8 +44,7 @@ def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, th
     and `block_size` default to INFILL_THRESHOLD and 32, for a public family to its published ones."""
     from ..chat import encode
 
-    if not absolute_blocks(model):
-        threshold, block_size = INFILL_THRESHOLD if threshold is None else threshold, block_size or 32
+    threshold, block_size = infill_settings(model, threshold, block_size)
 
     start = time.perf_counter()
     if method not in ("auto", "free", "grammar"):
