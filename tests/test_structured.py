@@ -791,3 +791,26 @@ def test_a_schema_that_expands_without_end_is_refused_quickly(monkeypatch):
     monkeypatch.setattr(norm, "MAX_NODES", 200)
     with pytest.raises(norm.TooLarge, match="more than 200 subschemas"):
         decodable(norm.normalize(wide | {"required": []}))  # another schema: not the cached one
+
+
+def test_json_object_numbers_never_overflow_to_infinity(tiny):
+    """json_object's numbers are bounded in its grammar (a model that wants digits and exponents
+    cannot write `8888E88888`, which Python reads as inf and no encoder writes back as JSON), and
+    the grammar path's parse refuses a number that overflows whatever the grammar let through."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from clover.structured.grammar import decodable, finite_loads
+
+    grammar = xgr.Grammar.from_json_schema(json.dumps(decodable({"type": "json_object"})))
+    assert accepts(grammar, '{"a": 12, "b": -3.25}')
+    assert not accepts(grammar, '{"a": 8888E88888}') and not accepts(grammar, '{"a": 1' + "0" * 400 + "}")
+    model, tok = tiny
+    out = _biased_grammar(model, tok, {"type": "json_object"}, lambda t: t and all(c in "0123456789eE+-." for c in t),
+                          200)
+    assert out.complete and out.valid, (out.text, out.error)
+    assert all(math.isfinite(v) for v in out.value.values() if isinstance(v, float)), out.text
+    assert json.loads(json.dumps(out.value, allow_nan=False)) == out.value
+    with pytest.raises(ValueError, match="overflows to infinity"):
+        finite_loads('{"a": 8888E88888}')
+    assert finite_loads('{"a": 1.5e3, "b": 7}') == {"a": 1500.0, "b": 7}

@@ -15,6 +15,7 @@ final check, or refused beforehand (`Refused`, a 400 in the server).
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -28,9 +29,12 @@ from .normalize import STRING_CAP, Refused, bounded_work, for_decoding, unroll
 from .result import BudgetTooSmall, JsonResult, is_json_object, repair, validate
 from .smallest import smallest_text
 
-# OpenAI's json_object (any object), bounded for decoding
+# OpenAI's json_object (any object), bounded for decoding; numbers within +-NUMBER_BOUND, so none is
+# written with an exponent that overflows a float to inf (`8888E88888`)
+NUMBER_BOUND = 1e15
 JSON_OBJECT = {"type": "object", "maxProperties": 4, "propertyNames": {"maxLength": 16},
-               "additionalProperties": {"type": ["string", "integer", "number", "boolean", "null"], "maxLength": 24}}
+               "additionalProperties": {"type": ["string", "integer", "number", "boolean", "null"], "maxLength": 24,
+                                        "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND}}
 TRIES = 4  # decodings of one request when the final check rejects a document
 
 
@@ -282,6 +286,19 @@ def _smallest_result(tokenizer, schema, prefix, suffix, max_new_tokens, out: Jso
                       note=f"the smallest valid document: the model's last try was {why}")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} overflows to infinity")
+    return value
+
+
+def finite_loads(text: str):
+    """json.loads, where a number that a float reads as infinity (`8888E88888`) is a ValueError: no
+    JSON encoder writes it back (json.dumps gives `Infinity`, which is not JSON)."""
+    return json.loads(text, parse_float=_finite)
+
+
 def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, grammar):
     """One try of `grammar_json` under a compiled grammar, alone."""
     return drive(_decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator,
@@ -322,8 +339,8 @@ def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_t
                           f"max_tokens ({max_new_tokens}) ran out before the JSON was complete",
                           head + tokens, complete=False)
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
+        value = finite_loads(text)
+    except ValueError as e:  # json.JSONDecodeError too
         return JsonResult(text, None, False, "grammar", forwards, time.perf_counter() - start, None,
                           f"not JSON: {e}", head + tokens + tail)
     repaired, fixed = repair(schema, value, text)
