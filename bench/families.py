@@ -56,6 +56,16 @@ FAMILIES = {
 }
 
 
+def family_config(name: str, hidden: int) -> dict:
+    """config.json of a family's bench folder at `hidden` (256: the default table): heads of 64, half
+    as many K/V heads, an MLP 3x wide, experts' half as wide as the hidden size."""
+    cfg = {**COMMON, **FAMILIES[name][0], "hidden_size": hidden, "intermediate_size": 3 * hidden,
+           "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 128}
+    if "moe_intermediate_size" in cfg:
+        cfg["moe_intermediate_size"] = hidden // 2
+    return cfg
+
+
 def write_folder(folder: Path, cfg: dict, peak: float, seed: int = 0) -> None:
     """Random weights under the published tensor names (a fan-in scaled normal; norms near 1), the
     head scaled by `peak`, and config.json."""
@@ -127,11 +137,12 @@ class Family:
         from clover.models.family_seam import FamilySeam
         from clover.models.reference_generate import TransformersBlockLM
 
-        extra, hf_cls = FAMILIES[name]
-        cfg = {**COMMON, **extra}
+        hf_cls = FAMILIES[name][1]
+        cfg = family_config(name, args.hidden)
         write_folder(root / name, cfg, args.peak)
         self.name, self.loaded = name, load_family(root / name, dtype=torch.float32, with_tokenizer=False)
         self.seam = FamilySeam(self.loaded)
+        self.weight_mb = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters()) / 2**20
         self.loop_model = TransformersBlockLM(transformers_model(root / name, cfg, hf_cls)) if hf_cls \
             else self.loaded.model
         self.loop_over = f"transformers {hf_cls}" if hf_cls else "Clover's LLaDA2 model (no transformers class)"
@@ -207,20 +218,33 @@ def refused(fams: list[Family]) -> str:
     return f" Compiled runner: {'; '.join(why)}." if why else ""
 
 
+def weights(fams: list[Family]) -> str:
+    sizes = sorted(f.weight_mb for f in fams)
+    return f"{sizes[0]:.0f}" if sizes[-1] - sizes[0] < 0.5 else f"{sizes[0]:.0f}-{sizes[-1]:.0f}"
+
+
+def wide_note(fams: list[Family]) -> str:
+    return (f" Why this width: at hidden 256 a step's weights (a few MiB) stay in the CPU's caches and its "
+            f"linears run at their compute peak from one row on, so 8 rows cost about 8 rows' compute; here "
+            f"they ({weights(fams)} MiB) are read from memory every step, once for all the batch's rows.")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per request (to whole blocks, as the loops)")
     p.add_argument("--peak", type=float, default=15.0, help="head scale: how confident the random model is")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (a multiple of 128; the other dims follow it)")
     p.add_argument("--no-compiled", dest="compiled", action="store_false", help="eager only (no compiling)")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
     args = p.parse_args(argv)
     names = [n for n in args.families.split(",") if n]
     unknown = [n for n in names if n not in FAMILIES]
-    if unknown or args.rounds < 1 or args.threads < 1:
+    if unknown or args.rounds < 1 or args.threads < 1 or args.hidden < 128 or args.hidden % 128:
         print(f"bench/families.py: unknown families {unknown} (known: {', '.join(FAMILIES)})" if unknown
-              else "bench/families.py: --rounds and --threads must be >= 1", file=sys.stderr)
+              else "bench/families.py: --rounds and --threads must be >= 1, --hidden a multiple of 128",
+              file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
@@ -228,14 +252,16 @@ def main(argv=None) -> int:
         fams = [Family(n, Path(tmp), args) for n in names]
         rows = [row(f, measure(f, args.rounds)) for f in fams]
     load = f"{load:.1f}-{os.getloadavg()[0]:.1f}"
-    print(f"Public families, random weights of the published layout (hidden 256, 4 layers, 4 heads / 2 KV, "
-          f"vocab {VOCAB}; MoE: 16 experts, top 4), fp32, greedy, {PROMPT_LEN}-token prompts, "
+    h = args.hidden
+    print(f"Public families, random weights of the published layout (hidden {h}, 4 layers, {h // 64} heads / "
+          f"{h // 128} KV, vocab {VOCAB}; MoE: 16 experts, top 4; weights {weights(fams)} MiB fp32), "
+          f"greedy, {PROMPT_LEN}-token prompts, "
           f"{args.new_tokens} new tokens per request (to whole blocks), head x{args.peak}; cpu, {args.threads} "
           f"thread(s), load average {load} (a shared machine); median of {args.rounds} interleaved rounds. "
           "x: ratio of medians [range of per-round ratios]. batch 8: aggregate tokens/s of 8 requests decoded "
           "together, against one request alone on the same runner. Targets: compiled >= 5x the published loop "
           "at batch 1; batch 8 >= 3x batch 1. Same tokens: Clover's batch-1 tokens (eager and compiled) equal the "
-          "loop's. docs/families.md." + refused(fams))
+          "loop's. docs/families.md." + refused(fams) + (wide_note(fams) if h > 256 else ""))
     print()
     print("| family | published loop over | block / threshold | loop tok/s | loop TPF | eager b1 tok/s (vs loop) "
           "| eager TPF | compiled b1 tok/s (vs loop) | eager b8 tok/s (vs b1) | compiled b8 tok/s (vs b1) "

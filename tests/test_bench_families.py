@@ -28,3 +28,14 @@ def test_bad_arguments_are_one_line(capsys):
     assert families.main(["--families", "gpt2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "gpt2" in err and "\n" not in err
+
+
+def test_the_default_width_is_the_published_small_config_and_a_bad_width_is_one_line(capsys):
+    cfg = families.family_config("sdar-moe", 256)
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["moe_intermediate_size"]) == (256, 768, 4, 2, 128)
+    wide = families.family_config("fast-dllm-v2", 1024)
+    assert (wide["num_attention_heads"], wide["num_key_value_heads"], wide["intermediate_size"]) == (16, 8, 3072)
+    assert families.main(["--hidden", "300"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--hidden" in err and "\n" not in err
