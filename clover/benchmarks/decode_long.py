@@ -83,27 +83,28 @@ def run(args, model, tokenizer) -> int:
                 if r:
                     runs[key].append(result)
     bar.close()
-    rows, results = summarize(runs, configs, outputs)
+    results = summarize(runs, configs, outputs)
     print(f"Decode speed on long outputs: default model, {len(jobs)} prompts of {args.prompt_tokens} tokens "
           f"(held-out play passages), {args.max_new_tokens} new tokens each (EOS ignored), one prompt at a time, "
-          f"greedy, {args.runner} runner, {model.device} {str(model.dtype).removeprefix('torch.')}, threads "
-          f"{', '.join(map(str, counts))}; median of {args.repeats} rounds, every setting and thread count "
-          "interleaved in each round (after one warm-up round). Spread: the lowest and highest round.\n")
-    print(markdown_table(["threads", "setting", "= ar", "tokens", "forwards", "TPF", "ms / forward", "tokens/s",
-                          "spread", "vs ar", "vs ar spread", "TPF for 1.3x ar", "tokens/s at ar's step"], rows))
-    print("\n= ar: every output byte-identical to ar's. vs ar: ratio of the medians (same threads); its spread: "
-          "the lowest and highest ratio of one round's figures. TPF for 1.3x ar: the tokens per forward the "
-          "setting needs, at its measured time per forward, for 1.3x ar's tokens/s. tokens/s at ar's step: "
-          "the floor a setting's forwards would give if each cost one ar step (ar's measured ms / forward).")
+          f"greedy, {args.runner} runner, {model.device} {str(model.dtype).removeprefix('torch.')}; median of "
+          f"{args.repeats} rounds, every setting at every thread count interleaved in each round (after one "
+          "warm-up round); in brackets the lowest and highest round.\n")
+    print(markdown_table(["setting", "= ar", "tokens", "forwards", "TPF"] + [
+        f"{col} ({t}t)" for t in counts for col in ("ms / forward", "tokens/s", "vs ar", "TPF for 1.3x ar",
+                                                    "tokens/s at ar's step")], table(results, counts)))
+    print("\n= ar: every output byte-identical to ar's. (Nt): at N threads. vs ar: ratio of the medians (same "
+          "threads), in brackets the lowest and highest ratio of one round's figures. TPF for 1.3x ar: the tokens "
+          "per forward the setting needs, at its measured time per forward, for 1.3x ar's tokens/s. tokens/s at "
+          "ar's step: the floor a setting's forwards would give if each cost one ar step (ar's ms / forward).")
     write_json(args, dict(workload="long", prompts=len(jobs), prompt_tokens=args.prompt_tokens,
                           max_new_tokens=args.max_new_tokens, runner=args.runner, thread_counts=counts,
                           rounds=args.repeats, results=results))
     return 0
 
 
-def summarize(runs: dict, configs: dict, outputs: dict) -> tuple[list, list]:
-    """Table rows and JSON records of every (threads, setting) from its rounds' (s, tokens, forwards)."""
-    rows, results = [], []
+def summarize(runs: dict, configs: dict, outputs: dict) -> list[dict]:
+    """The JSON record of every (threads, setting) from its rounds' (s, tokens, forwards)."""
+    results = []
     for (threads, name), rounds in runs.items():
         ar = runs[(threads, "ar")]
         _, tokens, forwards = rounds[-1]
@@ -112,17 +113,29 @@ def summarize(runs: dict, configs: dict, outputs: dict) -> tuple[list, list]:
         rate, ar_rate = statistics.median(rates), statistics.median(an / a for a, an, _ in ar)
         ms = 1e3 * statistics.median(s for s, _, _ in rounds) / forwards
         ar_ms = 1e3 * statistics.median(a for a, _, _ in ar) / ar[-1][2]
-        r = dict(threads=threads, setting=name, mode=configs[name].mode, block_size=configs[name].block_size,
-                 identical_to_ar=outputs[name] == outputs["ar"], tokens=tokens, forwards=forwards,
-                 tpf=tokens / forwards, ms_per_forward=ms, tokens_per_second=rate, low=min(rates), high=max(rates),
-                 vs_ar=rate / ar_rate, vs_ar_low=min(ratios), vs_ar_high=max(ratios),
-                 tpf_for_1_3x=1.3 * ms / ar_ms, at_ar_step=tokens / (forwards * ar_ms / 1e3))
-        results.append(r)
-        rows.append([threads, name, "yes" if r["identical_to_ar"] else "no", tokens, forwards, f"{r['tpf']:.2f}",
-                     f"{ms:.2f}", f"{rate:.0f}", f"{r['low']:.0f}-{r['high']:.0f}", f"{r['vs_ar']:.2f}x",
-                     f"{r['vs_ar_low']:.2f}-{r['vs_ar_high']:.2f}", "-" if name == "ar" else f"{r['tpf_for_1_3x']:.2f}",
-                     f"{r['at_ar_step']:.0f}"])
-    return rows, results
+        results.append(dict(threads=threads, setting=name, mode=configs[name].mode, block_size=configs[name].block_size,
+                            draft=configs[name].draft, identical_to_ar=outputs[name] == outputs["ar"], tokens=tokens,
+                            forwards=forwards, tpf=tokens / forwards, ms_per_forward=ms, tokens_per_second=rate,
+                            low=min(rates), high=max(rates), vs_ar=rate / ar_rate, vs_ar_low=min(ratios),
+                            vs_ar_high=max(ratios), tpf_for_1_3x=1.3 * ms / ar_ms,
+                            at_ar_step=tokens / (forwards * ar_ms / 1e3)))
+    return results
+
+
+def table(results: list[dict], counts: list[int]) -> list[list]:
+    """One row a setting, its figures at each thread count side by side."""
+    by = {(r["threads"], r["setting"]): r for r in results}
+    rows = []
+    for name in dict.fromkeys(r["setting"] for r in results):
+        first = by[(counts[0], name)]
+        row = [name, "yes" if first["identical_to_ar"] else "no", first["tokens"], first["forwards"], f"{first['tpf']:.2f}"]
+        for t in counts:
+            r = by[(t, name)]
+            row += [f"{r['ms_per_forward']:.2f}", f"{r['tokens_per_second']:.0f} ({r['low']:.0f}-{r['high']:.0f})",
+                    f"{r['vs_ar']:.2f}x ({r['vs_ar_low']:.2f}-{r['vs_ar_high']:.2f})",
+                    "-" if name == "ar" else f"{r['tpf_for_1_3x']:.2f}", f"{r['at_ar_step']:.0f}"]
+        rows.append(row)
+    return rows
 
 
 def thread_counts(text: str) -> list[int]:
