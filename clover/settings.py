@@ -144,7 +144,7 @@ class DecodeConfig:
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r} (known: {', '.join(RUNNERS)})")
         if self.draft not in DRAFTS:
-            raise ValueError(f"unknown draft {self.draft!r} (known: {', '.join(DRAFTS)})")
+            raise ValueError(f"draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
         if self.mode == "self_spec" and not self.sampling.greedy:
             raise ValueError("self_spec is greedy only (it reproduces ar greedy output): use temperature 0")
         if self.mode in ("low_confidence", "editing"):

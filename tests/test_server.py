@@ -112,6 +112,14 @@ def test_async_client_thinking_and_clover_fields(server, loaded):
     assert other.choices[0].text == ref8.text
 
 
+def test_lookup_drafts_reach_the_engine_and_reply_as_ar(server, loaded):
+    body = {"prompt": "abab abab abab", "max_tokens": 40, "ignore_eos": True}
+    status, _, text = raw(server, "POST", "/v1/completions", {**body, "mode": "self_spec", "draft": "lookup"})
+    model, tokenizer = loaded
+    ar = clover.generate(model, tokenizer, body["prompt"], max_new_tokens=40, mode="ar", ignore_eos=True)
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == ar.text
+
+
 PROMPTS = [f"{w} {i}" for i, w in enumerate(("apple", "Bob", "cat", "dog", "eel", "fig", "gnu", "hat") * 4)]
 
 
@@ -211,6 +219,7 @@ BAD = [
     ("block_size too big", "/v1/completions", {"prompt": "a", "block_size": 4096}, 400, "block_size"),
     ("unknown mode", "/v1/completions", {"prompt": "a", "mode": "telepathy"}, 400, "mode"),
     ("self_spec sampling", "/v1/completions", {"prompt": "a", "mode": "self_spec", "temperature": 0.5}, 400, None),
+    ("unknown draft", "/v1/completions", {"prompt": "a", "mode": "self_spec", "draft": "oracle"}, 400, "draft"),
     ("logprobs", "/v1/completions", {"prompt": "a", "logprobs": 3}, 400, "logprobs"),
     ("n too big", "/v1/completions", {"prompt": "a", "n": 1000}, 400, "n"),
     ("unknown route", "/v1/embeddings", {"input": "a"}, 404, None),

@@ -10,7 +10,7 @@ import os
 import sys
 
 from ..settings import SEED_MAX, SEED_MIN  # light (no torch); one home for the bounds the server checks too
-from ..settings import RUNNERS
+from ..settings import DRAFTS, RUNNERS
 
 
 def seed_type(text: str) -> int:
@@ -92,6 +92,9 @@ _DECODE_FLAGS = {  # DecodeConfig setting -> (flag, argparse keywords); defaults
     "threshold": ("--threshold", dict(type=float, metavar="T",
                                       help="low_confidence: fill every masked position with confidence > T")),
     "mode": ("--mode", dict(metavar="MODE", help=MODE_HELP)),
+    "draft": ("--draft", dict(choices=DRAFTS, help=(
+        "self_spec's drafts: diffusion (a diffusion step of the model, default) or lookup (what followed the "
+        "context's latest repeat of its last words); either way the output is ar's"))),
     "steps": ("--steps", dict(type=int, metavar="S", help="topk/entropy/margin: steps per block (default B/4)")),
     "edit_threshold": ("--edit-threshold", dict(type=float, metavar="E", help=(
         "editing (LLaDA2.1): replace a decoded token whose prediction differs with probability > E (default 0.5; "

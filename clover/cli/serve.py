@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="rows waiting for a slot before requests get 503 (default 256)")
-    add_decode_args(p, "block_size", "threshold", "mode", "edit_threshold", "max_post_steps", "runner", help=dict(  # per-request defaults (a request may override)
+    add_decode_args(p, "block_size", "threshold", "mode", "draft", "edit_threshold", "max_post_steps", "runner", help=dict(  # per-request defaults (a request may override)
         block_size="default block size (default: the model's; auto: the one `clover tune` stored)",
         threshold="default low_confidence threshold",
         runner="eager (default) or compiled: every request's forwards (structured output and tool-call slot jobs "

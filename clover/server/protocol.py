@@ -97,6 +97,7 @@ class _Common(BaseModel):
     threshold: float | None = Field(None, ge=0.0, le=1.0)
     mode: str | None = None
     steps: int | None = Field(None, ge=1)
+    draft: str | None = None  # self_spec's drafts (settings.DRAFTS)
     edit_threshold: float | None = Field(None, ge=0.0, le=1.0)  # mode editing (LLaDA2.1)
     max_post_steps: int | None = Field(None, ge=0)
     ignore_eos: bool = False

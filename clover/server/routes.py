@@ -155,13 +155,13 @@ class Routes:
         try:
             cfg = DecodeConfig.from_settings(
                 self.settings.decode, mode=mode, block_size=req.block_size or None, threshold=req.threshold,
-                steps=req.steps, edit_threshold=req.edit_threshold, max_post_steps=req.max_post_steps,
+                steps=req.steps, draft=req.draft, edit_threshold=req.edit_threshold, max_post_steps=req.max_post_steps,
                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 seed=req.seed if req.temperature > 0 else None, ignore_eos=req.ignore_eos, suppress=suppress)
             self.scheduler.config(cfg)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split()[0] if str(e).split()[0] in
-                           ("block_size", "threshold", "steps", "edit_threshold", "max_post_steps", "temperature",
+                           ("block_size", "threshold", "steps", "draft", "edit_threshold", "max_post_steps", "temperature",
                             "top_p", "top_k", "mode") else None)
         return cfg.engine_key()
 
