@@ -22,11 +22,12 @@ from .choice import Choice
 from .protocol import (APIError, ChatRequest, CompletionRequest, DecideRequest, DetokenizeRequest, TokenizeRequest,
                        ToolPlan, bad_text, not_honoured, now, usage)
 from .scheduler import Cancelled, Live, QueueFull, RowJob, Ticket
-from .shapes import SSE_HEADERS, Reply, sse, tool_call_deltas
-from .structured import Infilled, format_plan, infill_format_task, infill_tool_call_task
+from .shapes import DONE, SSE_HEADERS, Reply, sse, tool_call_deltas
+from .structured import Infilled, Progress, Sent, format_plan, infill_format_task, infill_tool_call_task
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
+STREAM_S = 0.02  # how often a structured stream reads what its reply has committed so far
 INLINE_BODY_BYTES = 4096  # request bodies up to this size are encoded on the event loop (Routes.encode_off_loop)
 
 
@@ -384,7 +385,7 @@ class Routes:
                            "tools (a long enum?)", param="tools", code="context_length_exceeded") from None
 
     async def chat_completions(self, req: ChatRequest, request: Request):
-        model, tokenizer, budget = self.model, self.tokenizer, self.budget
+        tokenizer = self.tokenizer
         run = partial(self.encode_off_loop, request)
         arrived = time.perf_counter()
         self.check_model(req)
@@ -407,66 +408,147 @@ class Routes:
         ids = await self.encode_chat(messages, plan, kwargs, run)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if infill:
-            key = self.check_common(req)
-            room = budget(ids, max_tokens)
-            threshold = self.infill_threshold(req)
-            steps = (infill_tool_call_task(model, tokenizer, ids, plan, threshold, key.block_size, room,
-                                           self.settings.max_tool_calls)
-                     if fmt is None else infill_format_task(model, tokenizer, ids, fmt, threshold, key.block_size,
-                                                            room))
-            done = await self.structured(request, steps)
-            self.metrics.structured_done(len(ids) * req.n, done.completion_tokens * req.n,
-                                         done.info.get("forward_passes", 0), req.n, time.perf_counter() - arrived)
-            return self.respond_infilled(req, len(ids), done)
+            return await self.structured_reply(request, req, ids, plan if fmt is None else fmt, max_tokens, arrived)
         return await self.respond(request, req, [ids], max_tokens, chat=True, think=think, tools=plan)
 
-    async def structured(self, request: Request, steps):
-        """A task (engine/slots.py): planned up to its first job off the event loop, its jobs run by the
-        scheduler (batched with other requests'); ValueError -> 400. A client that goes away cancels
-        it at once (the reply is not sent). The public families (blocks at absolute positions) decode
-        under the grammar in their own block layout (engine/family_grammar.py)."""
+    @staticmethod
+    def check_structured(req, tools: bool) -> None:
+        """What a structured reply cannot honour, as a 400 naming the field: n > 1 samples (its decoding
+        is greedy, the n choices would be the same) and stop strings in forced tool calls (they would
+        cut the arguments to invalid JSON). Stop strings cut a response_format reply, as vLLM's."""
+        if req.n > 1 and req.temperature > 0:
+            raise APIError(400, "structured replies (response_format, forced tool calls) are decoded greedily: n > 1 "
+                           "with temperature > 0 would give n identical choices, not n samples; ask for n: 1 "
+                           "(or temperature: 0 for identical copies)", param="n", code="invalid_value")
+        if tools and req.stop_list():
+            raise APIError(400, "stop strings are not applied to forced tool calls (they would cut the arguments to "
+                           "invalid JSON): leave stop out", param="stop", code="invalid_value")
+
+    async def structured_reply(self, request: Request, req, ids: list[int], plan, max_tokens, arrived: float):
+        """A response_format reply (`plan` a FormatPlan) or forced tool calls (a ToolPlan), whole or streamed."""
+        model, tokenizer = self.model, self.tokenizer
+        key = self.check_common(req)
+        self.check_structured(req, isinstance(plan, ToolPlan))
+        room, threshold = self.budget(ids, max_tokens), self.infill_threshold(req)
+        progress = Progress() if req.stream else None
+        steps = (infill_tool_call_task(model, tokenizer, ids, plan, threshold, key.block_size, room,
+                                       self.settings.max_tool_calls, progress) if isinstance(plan, ToolPlan)
+                 else infill_format_task(model, tokenizer, ids, plan, threshold, key.block_size, room, progress))
+
+        def finished(done: Infilled) -> None:
+            self.metrics.structured_done(len(ids) * req.n, done.completion_tokens * req.n,
+                                         done.info.get("forward_passes", 0), req.n, time.perf_counter() - arrived)
+
+        task = await self.start_task(steps)
+        if req.stream:
+            return await self.stream_structured(request, req, len(ids), task, progress, finished)
+        async for _ in self.ticks(request, task, POLL_S):
+            pass
+        done = (await self.outcome(task)).stopped(req.stop_list())
+        finished(done)
+        return self.respond_infilled(req, len(ids), done)
+
+    async def start_task(self, steps) -> Task:
+        """A task (engine/slots.py) planned up to its first job off the event loop, its jobs then run by
+        the scheduler (batched with other requests'). The public families (blocks at absolute positions)
+        decode under the grammar in their own block layout (engine/family_grammar.py)."""
         task = Task(steps)
         await self.off_loop(task.resume)
         if task.job is not None:
             self.scheduler.submit([task])
-        future = asyncio.wrap_future(task.future)
+        return task
+
+    async def ticks(self, request: Request, task: Task, every: float):
+        """Yields every `every` seconds until the task ends; a client that goes away (looked for every
+        POLL_S) cancels it at once and ends the ticks."""
+        future, checked = asyncio.wrap_future(task.future), time.monotonic()
         while True:
-            done, _ = await asyncio.wait({future}, timeout=POLL_S)
+            done, _ = await asyncio.wait({future}, timeout=every)
             if done:
-                break
-            if await request.is_disconnected():
-                self.scheduler.cancel([task])
-                break
+                return
+            if every >= POLL_S or time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    self.cancel_task(task)
+                    return
+            yield
+
+    def cancel_task(self, task: Task) -> None:
+        if not task.future.done():
+            self.scheduler.cancel([task])
+
+    @staticmethod
+    async def outcome(task: Task):
+        """The task's reply; ValueError -> 400, cancelled (its client gone) -> 499."""
         try:
-            return await future
+            return await asyncio.wrap_future(task.future)
         except Cancelled as e:  # nobody reads this any more
             raise APIError(499, str(e), "server_error", code="cancelled")
         except ValueError as e:
             raise APIError(400, str(e))
 
+    async def structured(self, request: Request, steps):
+        """A task's reply (decisions): ValueError -> 400; a client that goes away cancels it at once."""
+        task = await self.start_task(steps)
+        async for _ in self.ticks(request, task, POLL_S):
+            pass
+        return await self.outcome(task)
+
     def respond_infilled(self, req, n_prompt: int, done: Infilled):
-        """An infilled reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
-        reply = Reply(self.settings.model_id, True, bool(req.stream_options and req.stream_options.include_usage))
-        finish = done.finish
+        """A whole structured reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
+        reply = Reply(self.settings.model_id, True)
         message = {"role": "assistant", "content": done.content}
         if done.tool_calls:
             message["tool_calls"] = done.tool_calls
         use = usage(n_prompt * req.n, done.completion_tokens * req.n)
-        if not req.stream:
-            choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": finish} for i in range(req.n)]
-            return JSONResponse(reply.whole(choices, use, {"structured": [done.info] * req.n}))
+        choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": done.finish}
+                   for i in range(req.n)]
+        return JSONResponse(reply.whole(choices, use, {"structured": [done.info] * req.n}))
 
-        def events():
-            for i in range(req.n):
-                yield reply.chunk(i, {"role": "assistant", "content": ""})
-                if done.content is not None:
-                    yield reply.chunk(i, {"content": done.content})
-                for delta in tool_call_deltas(done.tool_calls):
+    async def stream_structured(self, request: Request, req, n_prompt: int, task: Task, progress: Progress,
+                                finished):
+        """A structured reply streamed as it decodes (`structured_events`). Until its first text the
+        response has not started: a request that fails before it is refused with its status."""
+        async for _ in self.ticks(request, task, STREAM_S):
+            if any(call_id or text for call_id, _, text in progress.read()):
+                break
+        if task.future.done():
+            await self.outcome(task)  # raises the task's error as the response
+        reply = Reply(self.settings.model_id, True, bool(req.stream_options and req.stream_options.include_usage))
+        events = self.structured_events(request, req, reply, n_prompt, task, progress, finished)
+        return CleanStream(events, on_close=lambda: self.cancel_task(task), media_type="text/event-stream",
+                           headers=SSE_HEADERS)
+
+    async def structured_events(self, request: Request, req, reply: Reply, n_prompt: int, task: Task,
+                                progress: Progress, finished):
+        """The role chunk, the text (or each call's head, then its arguments) as the task commits it,
+        the finish chunk (with the verdict), usage when asked for, [DONE]. Every choice of n the same."""
+        sent, n = Sent(req.stop_list()), range(req.n)
+        for i in n:
+            yield reply.chunk(i, {"role": "assistant", "content": ""})
+        async for _ in self.ticks(request, task, STREAM_S):
+            for delta in sent.deltas(progress.read()):
+                for i in n:
                     yield reply.chunk(i, delta)
-                yield reply.chunk(i, {}, finish=finish, clover={"structured": done.info})
-            yield from reply.end(use)
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            done = (await self.outcome(task)).stopped(req.stop_list())
+        except APIError as e:
+            yield sse(e.body())
+            yield DONE
+            return
+        for delta in sent.deltas(done.view(), final=True):
+            for i in n:
+                yield reply.chunk(i, delta)
+        if sent.broken:  # a retry under the schema replaced text already sent
+            yield sse(APIError(500, "the structured reply was decoded again after part of it was streamed and no "
+                               "longer extends what was sent: request it without stream", "server_error").body())
+            yield DONE
+            return
+        finished(done)
+        for i in n:
+            yield reply.chunk(i, {}, finish=done.finish, clover={"structured": done.info})
+        for line in reply.end(usage(n_prompt * req.n, done.completion_tokens * req.n)):
+            yield line
 
     # ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------
     async def tokenize_route(self, req: TokenizeRequest):

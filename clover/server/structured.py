@@ -15,7 +15,8 @@ smallest valid document is returned; a complete document the final check rejects
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 from ..structured import (BudgetTooSmall, JsonResult, Refused, Skeleton, Unsupported, check_budget, check_grammar,
                           is_json_object, normalize, skeleton, smallest_document)
@@ -78,6 +79,81 @@ def format_plan(response_format) -> FormatPlan | None:
     return _plan(schema, SCHEMA_PARAM, "response_format.json_schema.schema")
 
 
+class Progress:
+    """A structured reply's text so far, for its stream: the content, or each tool call (id, name)
+    and its arguments. The task (on the scheduler's thread) opens a part and hands each attempt's
+    reader to `watch`; the stream (on the event loop) calls `read`. What one attempt read may be
+    replaced by a later one (a retry, the grammar path after the infill): `Sent` notices."""
+
+    def __init__(self):
+        self.parts: list[list] = []  # [call id | None, name | None, reader]
+
+    def open(self, call_id: str | None = None, name: str | None = None):
+        """A new part (the content, or a call once its name is chosen); returns its `watch`."""
+        part = [call_id, name, str]
+        self.parts.append(part)
+        return partial(part.__setitem__, 2)
+
+    def read(self) -> list[tuple]:
+        """(call id, name, text so far) of each part, a half UTF-8 character held back."""
+        out = []
+        for call_id, name, reader in list(self.parts):
+            try:
+                text = reader()
+            except Exception:  # noqa: BLE001 - read while the scheduler's thread changes it: next time
+                return out
+            out.append((call_id, name, text.rstrip("\ufffd")))
+        return out
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str | None:
+    """The text before its first stop string, None when it has none."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(hits)] if hits else None
+
+
+class Sent:
+    """What a structured stream has sent: the content, or each call's id, name and arguments; `deltas`
+    are the stream deltas from there to a newer view of the reply (content cut at a stop string,
+    and while running the last characters that could start one held back). `broken` once a view does
+    not extend what was sent (a later attempt replaced the text): then nothing more is sent."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.hold = stops, max((len(s) for s in stops), default=1) - 1
+        self.content, self.calls, self.broken = "", [], False
+
+    def deltas(self, view: list[tuple], final: bool = False) -> list[dict]:
+        out = []
+        for k, (call_id, name, text) in enumerate(view):
+            if self.broken:
+                break
+            out += self._content(text, final) if call_id is None else self._call(k, call_id, name, text)
+        if final and len(view) < len(self.calls):
+            self.broken = True
+        return out
+
+    def _content(self, text: str, final: bool) -> list[dict]:
+        cut = cut_at_stop(text, self.stops)
+        text = cut if cut is not None else text if final or not self.hold else text[: max(len(text) - self.hold, 0)]
+        if not text.startswith(self.content):
+            self.broken = True
+            return []
+        new, self.content = text[len(self.content):], text
+        return [{"content": new}] if new else []
+
+    def _call(self, k: int, call_id: str, name: str, text: str) -> list[dict]:
+        out = []
+        if k == len(self.calls):
+            self.calls.append([call_id, name, ""])
+            out.append({"tool_calls": [{"index": k, "id": call_id, "type": "function",
+                                        "function": {"name": name, "arguments": ""}}]})
+        if self.calls[k][:2] != [call_id, name] or not text.startswith(self.calls[k][2]):
+            self.broken = True
+            return out
+        new, self.calls[k][2] = text[len(self.calls[k][2]):], text
+        return out + ([{"tool_calls": [{"index": k, "function": {"arguments": new}}]}] if new else [])
+
+
 @dataclass
 class Infilled:
     """A structured reply: the content or the tool calls, its tokens, finish_reason and the verdict."""
@@ -87,6 +163,21 @@ class Infilled:
     info: dict
     finish: str = "stop"
     extra_forwards: int = field(default=0, repr=False)
+
+    def view(self) -> list[tuple]:
+        """The reply as `Progress.read` gives it."""
+        if self.content is not None:
+            return [(None, None, self.content)]
+        return [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in self.tool_calls]
+
+    def stopped(self, stops: list[str]) -> Infilled:
+        """The reply with its content cut before its first stop string, as vLLM cuts guided output
+        (finish_reason "stop"; the verdict says the returned text was cut)."""
+        cut = cut_at_stop(self.content, stops) if self.content is not None else None
+        if cut is None:
+            return self
+        info = self.info | {"valid": False, "note": "cut before a stop string: the text is not the whole document"}
+        return replace(self, content=cut, info=info, finish="stop")
 
 
 class Cut(ValueError):
@@ -101,12 +192,12 @@ def budget_error(e: ValueError) -> APIError:
 
 
 def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
-         suffix="", param=SCHEMA_PARAM) -> JsonResult:
+         suffix="", param=SCHEMA_PARAM, watch=None) -> JsonResult:
     """The JSON of a plan within max_tokens: refused first (BudgetTooSmall) when even the schema's
     smallest valid document cannot fit; then infilled, or decoded under its grammar (also when the
     infill layout does not fit the context after this prompt, and when the infilled document came out
     longer than max_tokens: the grammar path's caps ladder fits the budget, and its smallest document
-    stands in when no try does)."""
+    stands in when no try does). `watch`: a stream's `Progress.watch`, handed each attempt's text."""
     check_budget(tokenizer, plan.schema, max_tokens, prefix, suffix)
     infilled = None
     if plan.skeleton is None:  # compiled now, while the task is planned off the scheduler's thread
@@ -114,7 +205,8 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
     else:
         try:
             infilled = yield from infill_json_task(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix,
-                                                   suffix=suffix, threshold=threshold, block_size=block_size)
+                                                   suffix=suffix, threshold=threshold, block_size=block_size,
+                                                   watch=watch and partial(_fitting, watch, max_tokens))
         except Unsupported:
             pass
         else:
@@ -129,7 +221,8 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
                 return _instead(tokenizer, plan, infilled, prefix, suffix, max_tokens)
     try:
         r = yield from grammar_json_task(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
-                                         max_new_tokens=max_tokens, threshold=threshold, block_size=block_size)
+                                         max_new_tokens=max_tokens, threshold=threshold, block_size=block_size,
+                                         watch=watch)
     except Refused as e:  # e.g. no level's grammar compiled within the time budget
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
     if infilled is not None:  # the infill's forwards were spent too
@@ -137,6 +230,13 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
         r.fallback_reason = (f"the infilled document ({len(infilled.token_ids)} tokens) was longer than "
                              f"max_tokens ({max_tokens})")
     return r
+
+
+def _fitting(watch, max_tokens: int, reader, most: int) -> None:
+    """An infill attempt is streamed only when its longest document fits max_tokens: a longer one may
+    come out too long and be replaced by the grammar path's."""
+    if most <= max_tokens:
+        watch(reader)
 
 
 def _check_grammar(model, tokenizer, plan: FormatPlan, param: str) -> None:
@@ -178,9 +278,10 @@ def infill_format(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, thr
 
 
 def infill_format_task(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
-                       block_size: int, max_tokens: int = 1 << 30):
+                       block_size: int, max_tokens: int = 1 << 30, progress: Progress | None = None):
+    watch = progress.open() if progress is not None else None
     try:
-        r = yield from _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens)
+        r = yield from _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens, watch=watch)
         text, finish, info = _verdict(r, max_tokens)
     except (BudgetTooSmall, Cut) as e:
         raise budget_error(e) from None
@@ -230,9 +331,10 @@ def another_call(model, tokenizer, context: list[int], threshold: float, block_s
 
 
 def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan], lead: str, threshold: float,
-              block_size: int, room: int):
+              block_size: int, room: int, opened=None):
     """One call after `context` (`lead` before its frame: the newline between calls): the function (an
-    options slot over the callable names when there are several), then its own arguments schema.
+    options slot over the callable names when there are several), then its own arguments schema
+    (`opened(name)`, when given, is told the name once chosen and returns the arguments' watch).
     (name, result, arguments text, finish_reason, verdict)."""
     forwards = 0
     if len(plans) > 1:
@@ -249,7 +351,7 @@ def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan]
         name = next(iter(plans))
     head = lead + CALL_HEAD + json.dumps(name) + ', "arguments": '
     r = yield from _run(model, tokenizer, context, plans[name], threshold, block_size, room, prefix=head,
-                        suffix=CALL_END, param="tools")
+                        suffix=CALL_END, param="tools", watch=opened(name) if opened is not None else None)
     text, finish, info = _verdict(r, room, forwards)
     return name, r, text, finish, info
 
@@ -313,19 +415,21 @@ class _Calls:
 
 
 def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, threshold: float,
-                          block_size: int, max_tokens: int = 1 << 30, max_calls: int = MAX_TOOL_CALLS):
+                          block_size: int, max_tokens: int = 1 << 30, max_calls: int = MAX_TOOL_CALLS,
+                          progress: Progress | None = None):
     plans = _callable(model, tokenizer, tools)
     cap = max_calls if tools.parallel and tools.choice == "required" else 1
     ctx = model.config.max_position_embeddings
     out = _Calls(list(prompt_ids))
     while True:
-        room, n = min(max_tokens - out.used, ctx - len(out.context)), len(out.calls) + 1
+        room, n, call_id = min(max_tokens - out.used, ctx - len(out.context)), len(out.calls) + 1, new_call_id()
         if out.calls and room < 1:
             out.finish, out.note = "length", f"call {n} left out: max_tokens ({max_tokens}) or the context ran out"
             break
         try:
-            name, r, text, done, info = yield from _one_call(model, tokenizer, out.context, plans,
-                                                             "\n" if out.calls else "", threshold, block_size, room)
+            name, r, text, done, info = yield from _one_call(
+                model, tokenizer, out.context, plans, "\n" if out.calls else "", threshold, block_size, room,
+                partial(progress.open, call_id) if progress is not None else None)
         except (Unsupported, ValueError) as e:  # a later call the context or max_tokens cannot hold
             if not out.calls:
                 raise budget_error(e) if isinstance(e, (BudgetTooSmall, Cut)) else e
@@ -335,7 +439,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
             out.finish, out.note = "length", (f"call {n} left out: the {room} tokens left of max_tokens "
                                               f"({max_tokens}) ran out before it was complete")
             break
-        out.calls.append({"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": text}})
+        out.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": text}})
         out.infos.append({"name": name} | info)
         out.used += min(len(r.token_ids), room)
         out.context += r.token_ids
@@ -351,5 +455,5 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
     return out.reply()
 
 
-__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "another_call", "format_plan", "infill_format", "infill_format_task",
+__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "Progress", "Sent", "another_call", "format_plan", "infill_format", "infill_format_task",
            "infill_tool_call", "infill_tool_call_task", "is_json_object"]

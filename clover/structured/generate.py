@@ -17,6 +17,7 @@ import re
 import time
 from dataclasses import replace
 from decimal import ROUND_HALF_EVEN, Decimal
+from functools import partial
 
 from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends_after, in_context, pieces,
                              token_ids, vocab_mask)
@@ -86,7 +87,11 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
 
 
 def infill_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
-                     threshold: float = INFILL_THRESHOLD, block_size: int = 32, max_string_tokens: int = 16):
+                     threshold: float = INFILL_THRESHOLD, block_size: int = 32, max_string_tokens: int = 16,
+                     watch=None):
+    """`infill_json` as a task; `watch`, when given, is handed a function that reads the document's
+    text so far (`_settled`: up to its first open slot, for a stream) and the most tokens the
+    document can take (the layout's)."""
     start = time.perf_counter()
     skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(normalize(schema))
     if absolute_blocks(model):  # slots are laid out as Clover's windows: a family takes the grammar path
@@ -105,6 +110,8 @@ def infill_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: st
     if need > model.config.max_position_embeddings:
         raise sk.Unsupported(f"the layout needs {need} tokens with the prompt, more than the model's context "
                              f"({model.config.max_position_embeddings})")
+    if watch is not None:
+        watch(partial(_settled, parts, slots, prefix, suffix), need - len(prompt_ids) - 1)
     yield from denoise_task(model, [row], threshold)
     full = _render(parts, slots)
     text = full[len(prefix): len(full) - len(suffix)]
@@ -227,13 +234,16 @@ def _number(text: str, p: sk.Number) -> str:
     return p.sep + format(value.normalize(), "f")
 
 
-def _render(parts: list, slots: dict[int, Slot]) -> str:
-    """The document: scaffold and slot texts of every part no stopped gate dropped."""
-    gone = frozenset().union(*(s.drops() for s in slots.values()))
+def _render(parts: list, slots: dict[int, Slot], settled: bool = False) -> str:
+    """The document: scaffold and slot texts of every part no stopped gate dropped (`settled`: only
+    up to the first slot not committed yet, the text no later commit changes)."""
+    gone = frozenset().union(*(s.drops() for s in list(slots.values())))
     out = []
     for i, p in enumerate(parts):
         if p.groups & gone:
             continue
+        if settled and not isinstance(p, sk.Text) and slots[i].tokens is None:
+            break
         if isinstance(p, sk.Text):
             out.append(p.text)
         elif isinstance(p, sk.Gate):
@@ -241,6 +251,15 @@ def _render(parts: list, slots: dict[int, Slot]) -> str:
         else:
             out.append(slots[i].value)
     return "".join(out)
+
+
+def _settled(parts: list, slots: dict[int, Slot], prefix: str, suffix: str) -> str:
+    """The document's text that no later commit changes, without the prefix (and the suffix once
+    every slot is committed)."""
+    text = _render(parts, slots, settled=True)[len(prefix):]
+    if suffix and not any(s.open for s in list(slots.values())):
+        text = text[: len(text) - len(suffix)]
+    return text
 
 
 def _free(model, tokenizer, prompt, schema, reason, chat, threshold, block_size, max_new_tokens, start):

@@ -231,7 +231,9 @@ def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = 
 
 def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                       max_new_tokens: int = 256, tries: int = TRIES, threshold: float | None = None,
-                      block_size: int | None = None):
+                      block_size: int | None = None, watch=None):
+    """`grammar_json` as a task; `watch`, when given, is handed a function that reads the text a try
+    has decoded so far (for a stream) as the try starts: the first try, when max_tokens cannot cut it."""
     start = time.perf_counter()
     check_budget(tokenizer, schema, max_new_tokens, prefix, suffix)
     level = start_level(schema, max_new_tokens)
@@ -247,7 +249,9 @@ def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: s
             continue
         generator = None if rejected == 0 else torch.Generator().manual_seed(rejected)
         out = yield from _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens,
-                                      generator, grammar, (threshold, block_size))
+                                      generator, grammar, (threshold, block_size),
+                                      watch if rejected == 0 and _uncut(schema, level, prefix, suffix, max_new_tokens)
+                                      else None)
         forwards += out.forward_passes
         if out.valid:
             break
@@ -263,6 +267,12 @@ def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: s
         out = _smallest_result(tokenizer, schema, prefix, suffix, max_new_tokens, out)
     out.forward_passes, out.seconds = forwards, time.perf_counter() - start
     return out
+
+
+def _uncut(schema, level: int, prefix: str, suffix: str, max_new_tokens: int) -> bool:
+    """Whether max_tokens can never cut a document of this LADDER level: its largest size in characters
+    (a token is at least one) and the frame's fit."""
+    return size(decodable(schema, LADDER[level])) + len(prefix) + len(suffix) <= max_new_tokens
 
 
 def _level_grammar(model, tokenizer, schema, level: int, deadline: float):
@@ -306,7 +316,7 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
 
 
 def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, grammar,
-                 blocks=(None, None)):
+                 blocks=(None, None), watch=None):
     import xgrammar as xgr
 
     start = time.perf_counter()
@@ -324,8 +334,16 @@ def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_t
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
         logits[:, banned.to(logits.device)] = float("-inf")
 
+    seen: list[int] = []  # the tokens accepted so far, read by `watch`'s function
+
     def accept(t: int) -> bool:
-        return matcher.accept_token(t) and not matcher.is_terminated()
+        ok = matcher.accept_token(t) and not matcher.is_terminated()
+        if ok and watch is not None:
+            seen.append(t)
+        return ok
+
+    if watch is not None:
+        watch(lambda: tokenizer.decode(seen[:], skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     tail = token_ids(tokenizer, suffix) if suffix else []
     budget = max_new_tokens - len(head) - len(tail)  # the fixed prefix and suffix count against max_tokens too
