@@ -2,6 +2,8 @@
 
     python bench/serve_peer.py [--sizes default,large] [--clients 1,4,16,32] [--requests 2]
                                [--max-tokens 64] [--rounds 3] [--threads N] [--servers NAME,...]
+                               [--large-rounds 1] [--large-requests 1] [--large-max-tokens N]
+                               [--large-servers NAME,...] [--llama-server PATH] [--settle-timeout S]
                                [--mode ar] [--block-size 8] [--threshold 0.9]
     python bench/serve_peer.py --dry-run      # the plan (models, servers, command lines); runs nothing
     python bench/serve_peer.py --smoke        # clover eager fp32 only, default dims, 1 and 2 clients, 8 tokens
@@ -17,11 +19,15 @@ batches up to that many rows (`--max-batch`).
 
 Each client is a closed loop (the official async `openai` client, streaming, /v1/completions): a
 held-out task prompt, exactly --max-tokens generated (`ignore_eos`, honoured by both servers),
-greedy. Per level, each server runs once untimed (a compiled clover server then compiles the
-shapes it met, `clover_graphs_deferred` 0), then --rounds timed rounds, servers interleaved within
-a round. Tables: median aggregate tokens/s and its min - max over rounds, time to first token p50,
+greedy. Per level, each server runs once untimed (a compiled clover server then loads the graphs of
+the shapes it met, `clover_graphs_deferred` 0, its compiling child at normal priority:
+CLOVER_COMPILE_NICE=0), then --rounds timed rounds, servers interleaved within a round. The large
+size has its own rounds, requests, reply length and servers (default: the matching pairs, clover
+compiled). Tables: median aggregate tokens/s and its min - max over rounds, time to first token p50,
 latency p50 / p99 (all requests of the median round), the ratio of medians against llama-server at
-the matching precision (fp32 vs f32, int4 vs q4_0), and the load average during the level.
+the matching precision (fp32 vs f32, int4 vs q4_0), what a clover round's forwards took (their
+share of the wall, the mean forward, the eager ones of a compiled server: `/metrics`), and the load
+average during the level. A missed point is listed with both servers' figures and that share.
 """
 
 from __future__ import annotations

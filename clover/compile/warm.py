@@ -6,9 +6,9 @@ compile thread beside the scheduler slows its eager steps at every op; and traci
 module calls process-wide, which breaks a forward running in another thread. A child forked after
 the model is loaded shares its weights (copy on write), runs at the lowest CPU priority (unless
 $CLOVER_COMPILE_NICE says otherwise: a benchmark waiting for its graphs on a busy machine) on one
-thread, compiles each shape (and fused-function layout) it is sent, the same graph the server would make (`CompileState.compile_shape`, `Fused.compile`), and reports it. The server's own
-compile of it is then a cache hit: a trace and the cached graph's load, no inductor lowering or
-C++ compile.
+thread, compiles each shape (and fused-function layout) it is sent, the same graph the server would
+make (`CompileState.compile_shape`, `Fused.compile`), and reports it. The server's own compile of it
+is then a cache hit: a trace and the cached graph's load, no inductor lowering or C++ compile.
 
 Where the caches live: `cache_dir` (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor), so
 they outlive a reboot's /tmp and a restarted server loads its graphs instead of compiling them.
