@@ -292,8 +292,13 @@ def ready(s: Server, timeout: float) -> None:
     `clover_graphs_deferred` 0: the graphs are in use); one that does not within `timeout` s is
     noted (its timed rounds then run some steps eagerly, which the table counts)."""
     t0 = time.perf_counter()
-    settle(s.url, timeout)
-    left = metric(s.url, "clover_graphs_deferred")
+    try:
+        settle(s.url, timeout)
+        left = metric(s.url, "clover_graphs_deferred")
+    except OSError as e:  # the server went away: it leaves the comparison, the others go on
+        s.error = f"waiting for its graphs: {type(e).__name__}: {e}"
+        print(f"bench/serve_peer.py: {s.name} failed {s.error}", file=sys.stderr)
+        return
     if left:
         s.unready = f"{left:.0f} shapes still without a graph after {timeout:.0f} s"
         print(f"bench/serve_peer.py: {s.name}: {s.unready}", file=sys.stderr)

@@ -122,3 +122,15 @@ def test_a_missed_point_names_both_figures_and_what_clover_forwards_took(capsys)
     llama.runs[1][0]["tps"] = 400.0
     llama.runs[1][0]["p99"] = 0.25
     assert peer.print_row("default", 1, clover, [clover, llama], plan) == []  # faster, p99 within 1.5x
+
+
+def test_a_server_gone_while_its_graphs_are_awaited_leaves_the_comparison(monkeypatch):
+    s = peer.Server("clover", "compiled", "fp32", url="http://127.0.0.1:9")
+
+    def reset(*a):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(peer, "settle", reset)
+    peer.ready(s, 1.0)  # no exception: the run goes on with the other servers
+    assert s.error.startswith("waiting for its graphs: ConnectionResetError")
+    assert peer.attempt(s, 4, ["p"], 1, 8) is None
