@@ -182,14 +182,14 @@ class SyncedCache(CloverCache):
         return self
 
     def _sync(name):  # noqa: N805 - a decorator factory in the class body
-        def method(self, *args):
+        def method(self, *args, **local):  # `local`: how rank 0 computes it (rollback's states), not sent
             base = getattr(CloverCache, name)
             driver = getattr(self, "_driver", None)
             if driver is None or driver.inside:  # inside a forward: every rank does it already
-                return base(self, *args)
+                return base(self, *args, **local)
             with driver.lock:
                 driver.send(("call", self._cid, name, [a._cid if isinstance(a, SyncedCache) else a for a in args]))
-                return base(self, *args)
+                return base(self, *args, **local)
 
         method.__name__ = name
         return method
