@@ -129,3 +129,16 @@ def test_sent_deltas_extend_or_break_never_rewrite():
     assert progress.read() == [(None, None, "")]
     watch(lambda: "ab\ufffd")
     assert progress.read() == [(None, None, "ab")]
+
+
+def test_a_format_keeps_the_grammar_path_from_streaming_mid_try():
+    """A string `format` is checked after a try (the grammar lets any string through), so such a try
+    may be rejected and redone: it is not streamed while it decodes."""
+    from clover.structured.grammar import _uncut
+
+    plain = {"type": "object", "properties": {"to": {"type": "string", "maxLength": 8}}, "required": ["to"],
+             "additionalProperties": False}
+    email = {**plain, "properties": {"to": {"type": "string", "maxLength": 8, "format": "email"}}}
+    named = {**plain, "properties": {"format": {"type": "string", "maxLength": 8}}, "required": ["format"]}
+    assert _uncut(plain, 0, "", "", 4096) and _uncut(named, 0, "", "", 4096)
+    assert not _uncut(email, 0, "", "", 4096)

@@ -270,9 +270,18 @@ def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: s
 
 
 def _uncut(schema, level: int, prefix: str, suffix: str, max_new_tokens: int) -> bool:
-    """Whether max_tokens can never cut a document of this LADDER level: its largest size in characters
-    (a token is at least one) and the frame's fit."""
+    """Whether a try of this LADDER level can be streamed as it decodes: max_tokens can never cut it (its
+    largest size in characters, a token being at least one, and the frame fit) and the final check has
+    nothing to reject that the grammar lets through (a string `format`: its checker runs after the try)."""
+    if _has_format(schema):
+        return False
     return size(decodable(schema, LADDER[level])) + len(prefix) + len(suffix) <= max_new_tokens
+
+
+def _has_format(node) -> bool:
+    if isinstance(node, dict):
+        return isinstance(node.get("format"), str) or any(_has_format(v) for v in node.values())
+    return isinstance(node, list) and any(_has_format(v) for v in node)
 
 
 def _level_grammar(model, tokenizer, schema, level: int, deadline: float):
