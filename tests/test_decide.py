@@ -48,15 +48,8 @@ def test_constrained_slots_never_leave_their_options(tiny, mode):
             rng = random.Random(seed)
             qs = rng.sample(MIXED, len(MIXED))
             d = decide(model, tok, MATERIAL, qs, mode=mode, threshold=rng.choice([0.0, 0.5, 1.0]))
-            assert len(d.answers) == len(qs)
-            for q, a in zip(qs, d.answers):
-                if "options" in q:
-                    assert a.answer in q["options"]
-                elif q["type"] == "boolean":
-                    assert isinstance(a.answer, bool)
-                else:
-                    assert isinstance(a.answer, int) and 0 <= a.answer < 100
-                assert 0.0 <= a.confidence <= 1.0
+            assert_answers_fit(qs, d.answers)
+            assert all(0.0 <= a.confidence <= 1.0 for a in d.answers)
     finally:
         handle.remove()
 
@@ -322,3 +315,17 @@ def test_batched_rows_equal_rows_alone(tiny):
         decide(model, tok, MATERIAL, ten[8:], block_size=16).answers
     assert [a.answer for a in split.answers] == [a.answer for a in groups]
     assert [a.confidence for a in split.answers] == pytest.approx([a.confidence for a in groups], abs=1e-4)
+
+
+def assert_answers_fit(questions, answers) -> None:
+    """Every answer is one its question allows: an option, a boolean, an integer in [0, 100), a string."""
+    assert len(answers) == len(questions)
+    for q, a in zip(questions, answers):
+        if "options" in q:
+            assert a.answer in q["options"]
+        elif q["type"] == "boolean":
+            assert isinstance(a.answer, bool)
+        elif q["type"] == "integer":
+            assert isinstance(a.answer, int) and 0 <= a.answer < 100
+        else:
+            assert isinstance(a.answer, str)
