@@ -30,6 +30,7 @@ EXPECTED = {
     'clover generate --prompt "What is 47+385?" --json': RUN,
     'clover generate --prompt "What is 47+385?" --mode ar': RUN,
     'clover generate --prompt "What is 47+385?" --mode self_spec': RUN,
+    'clover generate --prompt "ROMEO:" --mode self_spec --draft lookup': RUN,
     'clover generate --prompt "What is 47+385?" --chat --think --show': RUN,
     "clover chat": ("elsewhere", "interactive; tests/test_chat.py"),
     "clover serve": ("elsewhere", "a server; tests/test_server*.py"),
