@@ -160,8 +160,7 @@ class DecodeConfig:
         """The checks that need the model (its largest block; a mode that means nothing on its layout,
         engine/layout.py); returns self."""
         check_block_size(self.block_size, model)
-        check_mode_layout(self.mode, bool(getattr(model, "shift", True)),
-                          getattr(model, "block_align", "relative") == "absolute")
+        check_mode_layout(self.mode, bool(getattr(model, "shift", True)), absolute_blocks(model))
         return self
 
     def engine_key(self) -> "DecodeConfig":
@@ -205,6 +204,12 @@ def infill_settings(model, threshold: float | None, block_size: int | None) -> t
     """The threshold and block size a structured reply or a joint decision commits slots at: the
     given ones, else INFILL_THRESHOLD and 32 on a Clover model; a public family (blocks at absolute
     positions) keeps None for what is not given, meaning its published ones."""
-    if getattr(model, "block_align", "relative") == "absolute":
+    if absolute_blocks(model):
         return threshold, block_size
     return INFILL_THRESHOLD if threshold is None else threshold, block_size or 32
+
+
+def absolute_blocks(model) -> bool:
+    """Do the model's blocks sit at absolute positions (the public families) rather than right after
+    the prompt (Clover)? Then structured output decodes in the family's own layout (engine/family_grammar.py)."""
+    return getattr(model, "block_align", "relative") == "absolute"

@@ -28,8 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from ..settings import check_block_size, check_threshold, infill_settings
-from ..engine.family_grammar import absolute_blocks
+from ..settings import absolute_blocks, check_block_size, check_threshold, infill_settings
 from ..engine.family_infill import infill_blocks_task
 from ..engine.infill import Row, Slot, TextRule, denoise_task, pieces, token_ids
 from ..engine.slots import drive

@@ -34,12 +34,6 @@ from .sequence import sequences
 from .slots import SlotJob
 
 
-def absolute_blocks(model) -> bool:
-    """Do the model's blocks sit at absolute positions (the public families) rather than right after
-    the prompt (Clover)? Then structured output decodes here, in the family's own layout."""
-    return getattr(model, "block_align", "relative") == "absolute"
-
-
 def family_defaults(model) -> tuple[int, float]:
     """(block size, threshold) the family publishes (its folder's), else the engine's defaults."""
     d = getattr(model, "decode_defaults", {}) or {}

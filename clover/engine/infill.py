@@ -35,11 +35,11 @@ from typing import Callable
 
 import torch
 
-from ..settings import DEFAULTS, check_block_size
+from ..settings import DEFAULTS, absolute_blocks, check_block_size
 from .batch import RowBatch
 from .constraint import Constraint
 from .engine import DecodeConfig, Engine
-from .family_grammar import absolute_blocks, decode_blocks_task
+from .family_grammar import decode_blocks_task
 from .runner import make_runner
 from .sequence import sequences
 from .slots import Forward, SlotJob, drive

@@ -15,9 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..chat import call_frame_ids
-from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import Task
-from ..settings import MODES, DecodeConfig
+from ..settings import MODES, DecodeConfig, absolute_blocks
 from .choice import Choice
 from .protocol import (APIError, ChatRequest, CompletionRequest, DecideRequest, DetokenizeRequest, TokenizeRequest,
                        ToolPlan, bad_text, not_honoured, now, usage)

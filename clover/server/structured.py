@@ -23,9 +23,9 @@ from ..structured import (BudgetTooSmall, JsonResult, Refused, Skeleton, Unsuppo
 from ..structured.generate import infill_json_task
 from ..structured.grammar import grammar_json_task
 from ..structured import check as check_schema
-from ..settings import eos_ids
+from ..settings import absolute_blocks, eos_ids
 from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, TURN_ENDS, new_call_id
-from ..engine.family_grammar import absolute_blocks, choose_token_task
+from ..engine.family_grammar import choose_token_task
 from ..engine.infill import Row, Slot, denoise_task, pieces
 from ..engine.slots import drive
 from .protocol import APIError, ToolPlan, forced_name

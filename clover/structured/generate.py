@@ -21,9 +21,8 @@ from functools import partial
 
 from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends_after, in_context, pieces,
                              token_ids, vocab_mask)
-from ..engine.family_grammar import absolute_blocks
 from ..engine.slots import drive
-from ..settings import INFILL_THRESHOLD, check_block_size, check_threshold, decode_config, infill_settings
+from ..settings import INFILL_THRESHOLD, absolute_blocks, check_block_size, check_threshold, decode_config, infill_settings
 from . import schema as sk
 from .grammar import grammar_json
 from .normalize import normalize
