@@ -89,6 +89,14 @@ class Mode:
     def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events | None:
         raise NotImplementedError
 
+    def _append_each(self, batch: RowBatch, tokens: torch.Tensor) -> Events:
+        """One AR step's token appended to each row."""
+        events = []
+        for seq, t in zip(batch.seqs, tokens.tolist()):
+            seq.append([t], [0], self.eos)
+            events.append((seq, [t]))
+        return events
+
 
 class TokenHook(Protocol):
     """What constrains `ar` (a grammar, engine/infill.Constraint): the next token of a row from its
@@ -112,11 +120,7 @@ class ARMode(Mode):
             return self._hooked(batch, logits[:, -1].float())
         tokens = self.tokens(logits[:, -1])
         batch.window = tokens[:, None]
-        events = []
-        for seq, t in zip(batch.seqs, tokens.tolist()):
-            seq.append([t], [0], self.eos)
-            events.append((seq, [t]))
-        return events
+        return self._append_each(batch, tokens)
 
 
     def _hooked(self, batch: RowBatch, logits: torch.Tensor) -> Events:
@@ -258,10 +262,7 @@ class LookupSpecMode(SelfSpecMode):
         if draft is not None:
             return self._verified(batch, draft, False, self.tokens(logits))
         tokens = self.tokens(logits[:, -1])
-        events = []
-        for seq, t in zip(batch.seqs, tokens.tolist()):
-            seq.append([t], [0], self.eos)
-            events.append((seq, [t]))
+        events = self._append_each(batch, tokens)
         batch.window = torch.full_like(batch.window, self.mask_id)
         batch.window[:, 0] = tokens
         return events
