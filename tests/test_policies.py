@@ -143,9 +143,10 @@ class ScriptedModel:
         return SimpleNamespace(logits=logits if logits_index is None else logits[:, logits_index])
 
 
-def run_scripted(script, max_new_tokens=4, threshold=0.95):
+def run_scripted(script, max_new_tokens=4, threshold=0.95, sampling=SamplingParams(), mode="low_confidence"):
     model = ScriptedModel(script)
-    cfg = DecodeConfig(block_size=len(script[0]), threshold=threshold, max_new_tokens=max_new_tokens, eos_token_ids=(EOS,))
+    cfg = DecodeConfig(mode=mode, block_size=len(script[0]), threshold=threshold, max_new_tokens=max_new_tokens,
+                       eos_token_ids=(EOS,), sampling=sampling)
     return Engine(model, cfg).generate([[1, 2, 3]])[0], model.calls
 
 
@@ -167,6 +168,26 @@ def test_threshold_one_fills_one_token_per_step_most_confident_first():
     seq, calls = run_scripted([[(4, 0.3), (5, 0.2), (6, 0.1), (7, 0.4)]], max_new_tokens=4, threshold=1.0)
     assert seq.token_ids == [4, 5, 6, 7] and calls == 4
     assert [step for _, step in seq.trajectory] == [1, 2, 3, 0]
+
+
+def test_top_k_1_and_a_tiny_top_p_decode_what_greedy_decodes_in_the_same_steps():
+    """The policies judge confidence on the model's distribution, not on the truncated one the token is
+    drawn from (one-hot at top_k=1: every position would pass the threshold at once)."""
+    script = [[(4, 0.3), (5, 0.2), (6, 0.1), (7, 0.4)], [(4, 0.6), (5, 0.97), (6, 0.5), (7, 0.4)]]
+    assert run_scripted(script, max_new_tokens=8)[1] > 2  # greedy low_confidence: more than a step per block
+    for mode in ("low_confidence", "margin"):
+        greedy = run_scripted(script, max_new_tokens=8, mode=mode)
+        for sampling in (SamplingParams(temperature=1.0, top_k=1, seed=0), SamplingParams(temperature=0.7, top_p=1e-6, seed=1)):
+            seq, calls = run_scripted(script, max_new_tokens=8, sampling=sampling, mode=mode)
+            assert (seq.token_ids, seq.trajectory, calls) == (greedy[0].token_ids, greedy[0].trajectory, greedy[1])
+
+
+def test_sampled_scores_are_the_models_distribution():
+    logits = torch.randn(3, 5, V)
+    _, want = sample(logits, SamplingParams(), MASK)
+    for params in (SamplingParams(temperature=0.5, top_k=2, seed=0), SamplingParams(temperature=2.0, top_p=0.3, seed=0)):
+        tokens, probs = sample(logits, params, MASK, torch.Generator().manual_seed(0))
+        assert torch.equal(probs, want) and (want.gather(-1, tokens[..., None]) > 0).all()
 
 
 def test_an_end_tail_confident_beyond_the_end_costs_no_forwards(monkeypatch):

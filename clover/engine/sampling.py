@@ -1,7 +1,11 @@
 """Token choice for one forward's logits: greedy (temperature 0) or temperature / top-k / top-p sampling.
 
-Returns the chosen tokens and the probability distribution they were drawn from, because the fill
-policies score positions by that distribution (probability, entropy, margin).
+Returns the chosen tokens and the model's own distribution (softmax of the logits, the banned ids at 0),
+because the fill policies score positions by it (probability, entropy, margin). The confidence is judged
+before temperature, top-k and top-p reshape the draw, as LLaDA's published generate does:
+a truncated distribution is one-hot at top_k=1 (every position would look certain and the threshold rule
+would fill a whole block in one step), and a cold one grows just as sure. So top_k=1 (or top_p near 0)
+decodes exactly what greedy decodes, in the same steps, and temperature -> 0 tends to greedy.
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ def banned_ids(params: SamplingParams, mask_token_id: int, device) -> torch.Tens
 
 def sample(logits: torch.Tensor, params: SamplingParams, mask_token_id: int,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [..., V] -> (tokens [...], probs [..., V] fp32). The mask token and `params.suppress` are
-    never chosen (probability 0); greedy ties go to the lowest token id (torch.argmax returns the first maximum)."""
+    """logits [..., V] -> (tokens [...], probs [..., V] fp32): the tokens drawn with `params`, and the
+    model's distribution the policies score them by (module docstring). The mask token and
+    `params.suppress` are never chosen (probability 0); greedy ties go to the lowest token id
+    (torch.argmax returns the first maximum)."""
     logits = logits.to(torch.float32, copy=True)
     logits[..., mask_token_id] = float("-inf")
     if params.suppress:
         logits[..., list(params.suppress)] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
     if params.greedy:
-        probs = torch.softmax(logits, dim=-1)
         return probs.argmax(-1), probs
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
@@ -45,6 +51,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, mask_token_id: int,
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    tokens = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+    draw = torch.softmax(logits, dim=-1)
+    tokens = torch.multinomial(draw.reshape(-1, draw.shape[-1]), 1, generator=generator).view(draw.shape[:-1])
     return tokens, probs
