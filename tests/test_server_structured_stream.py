@@ -88,10 +88,16 @@ def test_forced_tool_calls_stream_as_openai_does(served):
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
 
 
-def test_n_samples_and_stop_in_forced_calls_are_refused_naming_the_field(served):
-    with pytest.raises(openai.BadRequestError) as e:
-        served.chat.completions.create(model="tiny", messages=ASK, response_format=PERSON, n=2, temperature=0.8)
-    assert e.value.body["param"] == "n" and "greedily" in e.value.body["message"]
+def test_sampling_and_stop_in_forced_calls_are_refused_naming_the_field(served):
+    """A structured reply is decoded greedily: a sampled one (any n) is a 400 naming temperature, never
+    the greedy answer passed off as a sample."""
+    asks = [dict(response_format=PERSON, n=2), dict(response_format=PERSON), dict(response_format={"type": "json_object"}),
+            dict(messages=TOOL_ASK, tools=[WEATHER], tool_choice="required"),
+            dict(messages=TOOL_ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})]
+    for ask in asks:
+        with pytest.raises(openai.BadRequestError) as e:
+            served.chat.completions.create(model="tiny", **{"messages": ASK, **ask}, temperature=0.8, seed=1)
+        assert e.value.body["param"] == "temperature" and "greedily" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         served.chat.completions.create(model="tiny", messages=TOOL_ASK, tools=[WEATHER], tool_choice="required",
                                        stop=["}"])

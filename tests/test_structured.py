@@ -336,6 +336,13 @@ def test_cli_json_schema(tiny, tmp_path, capsys):
         assert main(args + [str(path)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+    # decoded greedily: a sampling temperature is refused, not silently ignored (the Python API has no
+    # sampling parameters at all)
+    assert main(args + [str(schema), "--temperature", "0.8"]) == 2
+    err = capsys.readouterr().err
+    assert "--temperature" in err and "greedily" in err and err.count("\n") == 1
+    with pytest.raises(TypeError):
+        generate_json(model, tok, PROMPT, SCHEMAS["flat"], temperature=0.8)
 
 
 def test_default_tokenizer_scaffold_tokenizes_as_the_whole_text():

@@ -106,7 +106,8 @@ def run_schema(args) -> int:
     model_folder(args.model)
     cfg = decode_config(args)
     for flag, given in (("--show", args.show), ("--trajectory-out", args.trajectory_out), ("--think", args.think),
-                        ("--mode", cfg.mode != "low_confidence")):
+                        ("--mode", cfg.mode != "low_confidence"),
+                        ("--temperature (structured output is decoded greedily)", cfg.sampling.temperature > 0)):
         if given:
             raise UserError(f"{flag} does not apply to --json-schema")
     model, tokenizer = load_model(args, len(prompts))  # the torch back end (--backend checked by run)

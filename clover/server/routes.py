@@ -412,13 +412,14 @@ class Routes:
 
     @staticmethod
     def check_structured(req, tools: bool) -> None:
-        """What a structured reply cannot honour, as a 400 naming the field: n > 1 samples (its decoding
-        is greedy, the n choices would be the same) and stop strings in forced tool calls (they would
-        cut the arguments to invalid JSON). Stop strings cut a response_format reply, as vLLM's."""
-        if req.n > 1 and req.temperature > 0:
-            raise APIError(400, "structured replies (response_format, forced tool calls) are decoded greedily: n > 1 "
-                           "with temperature > 0 would give n identical choices, not n samples; ask for n: 1 "
-                           "(or temperature: 0 for identical copies)", param="n", code="invalid_value")
+        """What a structured reply cannot honour, as a 400 naming the field: sampling (temperature > 0: its
+        decoding is greedy, a sampled answer would silently be the greedy one) and stop strings in forced
+        tool calls (they would cut the arguments to invalid JSON). Stop strings cut a response_format reply,
+        as vLLM's."""
+        if req.temperature > 0:
+            raise APIError(400, "structured replies (response_format, forced tool calls) are decoded greedily: "
+                           "temperature > 0 is not honoured; leave temperature out or set it to 0 (with n > 1 "
+                           "for identical copies)", param="temperature", code="invalid_value")
         if tools and req.stop_list():
             raise APIError(400, "stop strings are not applied to forced tool calls (they would cut the arguments to "
                            "invalid JSON): leave stop out", param="stop", code="invalid_value")
