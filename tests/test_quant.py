@@ -19,7 +19,7 @@ from clover.quant import Int4Experts, Int4Linear, dequantize, pack_int4, quantiz
 from clover.convert.quantize import quantize_checkpoint
 from clover.models.modeling_clover import CloverExperts
 from clover.quant.gptq import Hessian, gptq_quantize, output_error
-from clover.quant.int4 import cpu_kernel_available
+from clover.quant.int4 import clover_kernel_available, cpu_kernel_available
 from clover.quant.modules import DEFAULT_NOT_QUANTIZED, Int4Weight, quantized_targets
 
 G = 32  # clover-tiny's smallest input dimension is 32
@@ -72,17 +72,19 @@ def test_rtn_error_is_within_a_step():
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="torch has no CPU int4pack kernel")
 @pytest.mark.parametrize("rows", [1, 5, 32])
-@pytest.mark.parametrize("n", [64, 200])  # 200: not a multiple of 16, padded for the CPU kernel
-def test_int4_linear_equals_dequantised_reference(rows, n):
+@pytest.mark.parametrize("n", [64, 200])  # 200: not a multiple of 16, padded for the CPU kernels
+@pytest.mark.parametrize("kernel", ["auto", "aten"])
+def test_int4_linear_equals_dequantised_reference(rows, n, kernel):
     k = 128
     layer = Int4Linear.from_float(torch.randn(n, k) * 0.05, G, bias=torch.randn(n))
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     ref = F.linear(x.float(), dequantize(layer.qweight, layer.scales, layer.qzeros), layer.bias.float())
     layer.set_kernel("reference")
     torch.testing.assert_close(layer(x).float(), ref, atol=0.02, rtol=0.02)
-    layer.set_kernel("auto")
+    layer.set_kernel(kernel)
     y = layer(x)
-    assert layer._packed is not None and layer._packed[0].kind == "cpu"  # the int4pack kernel ran
+    want = "cpu" if kernel == "aten" or not clover_kernel_available() else "clover"
+    assert layer._packed is not None and layer._packed[0].kind == want  # that kernel ran
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     torch.testing.assert_close(y.float(), ref, atol=0.02, rtol=0.02)
     torch.testing.assert_close(layer(x.float()), ref, atol=0.02, rtol=0.02)  # fp32 in -> fp32 out

@@ -9,8 +9,13 @@ quantised in groups of `g` consecutive input columns:
 * `qzeros`  uint8 [..., N, K/g]: integer zero points in 0..15;
 * dequantised weight: W[n, k] = (q[n, k] - qzeros[n, k // g]) * scales[n, k // g].
 
-Kernels (`int4_matmul`), all computing x @ W^T:
-* CPU: torch's `_weight_int4pack_mm_for_cpu` on bf16 activations. Its weight layout is produced by
+Kernels (`kernel_kind`), all computing x @ W^T:
+* CPU ("clover"): `clover_cpu::int4_linear` (ops/linear/int4_linear.py) where the clover CPU kernels
+  are built with vector tiles: fp32 activations, weights dequantised exactly in registers, so it
+  computes F.linear on `dequantize(...)` up to summation order. Its layout (`int4_linear.pack`) is
+  built at load time and never stored.
+* CPU ("cpu": elsewhere, or under `Int4Weight.set_kernel("aten")`): torch's
+  `_weight_int4pack_mm_for_cpu` on bf16 activations. Its weight layout is produced by
   `_convert_weight_to_int4pack_for_cpu` (ISA-specific, so it is built at load time and never
   stored); it wants N % 16 == 0 (rows are zero-padded to that) and `scales_and_zeros` [K/g, N, 2]
   in tinygemm's form W = (q - 8) * scale + zero, i.e. zero = (8 - qzero) * scale.
@@ -138,6 +143,10 @@ class PackedInt4:
     def build(cls, qweight, scales, qzeros, kind: str) -> "PackedInt4":
         n, k = qweight.shape[0], qweight.shape[1] * 2
         g = k // scales.shape[-1]
+        if kind == "clover":
+            from ..ops.linear import int4_linear
+
+            return cls("clover", *int4_linear.pack(qweight, scales, qzeros), n, k, g)
         if kind == "cpu":
             rows = -(-n // CPU_N_MULTIPLE) * CPU_N_MULTIPLE
             q = unpack_int4(qweight).to(torch.int32)
@@ -154,7 +163,10 @@ class PackedInt4:
         raise ValueError(f"no int4 kernel of kind {kind!r}")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] (any float dtype) -> [..., N] in x's dtype, computed with bf16 activations."""
+        """x [..., K] (any float dtype) -> [..., N] in x's dtype, computed in fp32 ("clover") or with
+        bf16 activations (torch's kernels)."""
+        if self.kind == "clover":
+            return packed_matmul(x, self.weight, self.sz, self.group_size, self.n, self.kind)
         threads = torch.get_num_threads()
         if self.kind == "cpu" and threads > 1 and x.numel() * self.n < CPU_SERIAL_WORK:
             # small products: the kernel's parallel_for costs more than it saves, and on a core
@@ -169,6 +181,10 @@ class PackedInt4:
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Recover the stored format exactly (for saving after the stored copy was released): the
         kernel itself multiplies an identity by the weight with scale 1 and zero 8, giving q."""
+        if self.kind == "clover":
+            from ..ops.linear import int4_linear
+
+            return int4_linear.unpack(self.weight, self.sz, self.n)
         if self.kind != "cpu":
             raise RuntimeError("only the CPU layout releases the stored copy")
         groups = self.sz.shape[0]
@@ -182,8 +198,10 @@ class PackedInt4:
 
 def packed_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
                   kind: str = "cpu") -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., n] in x's dtype for W in a kernel's layout (`PackedInt4`), with bf16
-    activations; traceable (a compiled graph calls it on the layout held as buffers)."""
+    """x [..., K] @ W^T -> [..., n] in x's dtype for W in a kernel's layout (`PackedInt4`), with fp32
+    ("clover") or bf16 activations; traceable (a compiled graph calls it on the layout held as buffers)."""
+    if kind == "clover":
+        return torch.ops.clover_cpu.int4_linear(x, weight, sz, group_size, n)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.dtype != torch.bfloat16:
@@ -197,8 +215,18 @@ def packed_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, group
     return y.reshape(*shape[:-1], n).to(x.dtype)
 
 
-def kernel_kind(device: torch.device) -> str:
-    """The kernel `int4_matmul` uses on this device: 'cpu', 'cuda' or 'reference'."""
+def clover_kernel_available() -> bool:
+    """`clover_cpu::int4_linear` built with vector tiles for this CPU (builds the kernels if needed)."""
+    from ..ops.linear import int4_linear
+
+    return int4_linear.available()
+
+
+def kernel_kind(device: torch.device, prefer_aten: bool = False) -> str:
+    """The kernel an int4 matmul uses on this device: 'clover', 'cpu' (torch's CPU kernel; also where
+    `prefer_aten`), 'cuda' or 'reference'."""
+    if device.type == "cpu" and not prefer_aten and clover_kernel_available():
+        return "clover"
     if device.type == "cpu" and cpu_kernel_available():
         return "cpu"
     if device.type == "cuda" and hasattr(torch.ops.aten, "_weight_int4pack_mm"):

@@ -37,7 +37,7 @@ class Int4Weight(nn.Module):
         self.register_buffer("qweight", torch.zeros(*shape, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(*shape, groups, dtype=torch.bfloat16, device=device))
         self.register_buffer("qzeros", torch.full((*shape, groups), 8, dtype=torch.uint8, device=device))
-        self.kernel = "auto"  # or "reference": dequantise then matmul
+        self.kernel = "auto"  # or "aten" (torch's CPU kernel), "reference" (dequantise then matmul)
         self._packed: list[PackedInt4] | None = None
         self._released = False
         self._register_state_dict_hook(Int4Weight._stored_state)
@@ -53,7 +53,7 @@ class Int4Weight(nn.Module):
         return self.qweight.flatten(0, -3)[index], self.scales.flatten(0, -3)[index], self.qzeros.flatten(0, -3)[index]
 
     def _build(self) -> list[PackedInt4] | None:
-        kind = kernel_kind(self.qweight.device)
+        kind = kernel_kind(self.qweight.device, prefer_aten=self.kernel == "aten")
         if kind == "reference":
             return None
         count = math.prod(self.lead)
@@ -64,7 +64,7 @@ class Int4Weight(nn.Module):
             warnings.warn(f"int4 {kind} kernel unavailable for {tuple(self.qweight.shape)}: {e}; using the reference")
             self.kernel = "reference"
             return None
-        if kind == "cpu":  # the kernel layout now holds everything: drop the stored copy
+        if kind in ("cpu", "clover"):  # the kernel layout now holds everything: drop the stored copy
             empty = lambda t: torch.empty(0, dtype=t.dtype, device=t.device)  # noqa: E731
             self.qweight, self.scales, self.qzeros = empty(self.qweight), empty(self.scales), empty(self.qzeros)
             self._released = True
@@ -74,7 +74,7 @@ class Int4Weight(nn.Module):
         """Before a compiled runner traces the model: the kernel layout built now and held as buffers
         (`packed_weight_i`, `packed_sz_i`; not saved), so a graph reads them as its inputs and a
         Replay binds them by name."""
-        if self.kernel != "auto":
+        if self.kernel == "reference":
             return
         if self._packed is None:
             self._packed = self._build()
@@ -85,7 +85,7 @@ class Int4Weight(nn.Module):
     def graph_layout(self) -> tuple[list, list] | None:
         """(weights, scales-and-zeros) of the kernel layout per matrix while a graph is traced on it
         (`prepare_for_graphs`), else None."""
-        if not (torch.compiler.is_compiling() and self.kernel == "auto" and "packed_weight_0" in self._buffers):
+        if not (torch.compiler.is_compiling() and self.kernel != "reference" and "packed_weight_0" in self._buffers):
             return None
         count = math.prod(self.lead)
         return ([self._buffers[f"packed_weight_{i}"] for i in range(count)],
@@ -97,7 +97,7 @@ class Int4Weight(nn.Module):
         if graph is not None:
             return packed_matmul(x, graph[0][index], graph[1][index], self.group_size, self.out_features,
                                  self._packed[index].kind)
-        if self.kernel == "auto":
+        if self.kernel != "reference":
             if self._packed is None:
                 self._packed = self._build()
             if self._packed is not None:
@@ -106,8 +106,10 @@ class Int4Weight(nn.Module):
         return reference_matmul(x, *self._matrix(index))
 
     def set_kernel(self, kernel: str) -> None:
-        if kernel not in ("auto", "reference"):
-            raise ValueError(f"unknown int4 kernel {kernel!r} (auto, reference)")
+        if kernel not in ("auto", "aten", "reference"):
+            raise ValueError(f"unknown int4 kernel {kernel!r} (auto, aten, reference)")
+        if kernel != self.kernel:
+            self._restore()  # the next matmul builds the new kernel's layout
         self.kernel = kernel
 
     # -- the stored format stays the module's public state ---------------------------------------
@@ -204,28 +206,29 @@ class Int4Experts(nn.Module):
 
     def forward(self, x, top_idx, top_w):
         gate_up, down = self.gate_up_proj.graph_layout(), self.down_proj.graph_layout()
-        if gate_up is not None and down is not None and self.gate_up_proj._packed[0].kind == "cpu":
-            return int4_experts_op(x, top_idx, top_w, *gate_up, *down, self.gate_up_proj.group_size, self.inter)
+        kind = self.gate_up_proj._packed[0].kind if gate_up is not None and down is not None else None
+        if kind in ("cpu", "clover"):
+            return int4_experts_op(x, top_idx, top_w, *gate_up, *down, self.gate_up_proj.group_size, self.inter, kind)
         return segmented_experts(x, top_idx, top_w, self.num_experts, self._expert)
 
 
 @torch.library.custom_op("clover::int4_experts", mutates_args=())
 def int4_experts_op(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: list[torch.Tensor],
                     gate_up_sz: list[torch.Tensor], down: list[torch.Tensor], down_sz: list[torch.Tensor],
-                    group_size: int, inter: int) -> torch.Tensor:
+                    group_size: int, inter: int, kind: str) -> torch.Tensor:
     """`Int4Experts` on the CPU kernel layout as one opaque op for torch.compile (its routing is
     data-dependent): the same sort, grouping and kernel calls as the eager module, so the same
     outputs. Inference only."""
 
     def expert(e, xs):
-        gate, up = packed_matmul(xs, gate_up[e], gate_up_sz[e], group_size, 2 * inter).split(inter, dim=-1)
-        return packed_matmul(F.silu(gate) * up, down[e], down_sz[e], group_size, x.shape[-1])
+        gate, up = packed_matmul(xs, gate_up[e], gate_up_sz[e], group_size, 2 * inter, kind).split(inter, dim=-1)
+        return packed_matmul(F.silu(gate) * up, down[e], down_sz[e], group_size, x.shape[-1], kind)
 
     return segmented_experts(x, top_idx, top_w, len(gate_up), expert)
 
 
 @int4_experts_op.register_fake
-def _int4_experts_fake(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter):
+def _int4_experts_fake(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter, kind):
     return torch.empty_like(x)
 
 
@@ -289,7 +292,7 @@ def pack_int4_weights(model: nn.Module) -> None:
     """Every int4 layer's kernel layout built now, which its first matmul would otherwise do (in a
     server: inside the first request)."""
     for m in model.modules():
-        if isinstance(m, Int4Weight) and m.kernel == "auto" and m._packed is None:
+        if isinstance(m, Int4Weight) and m.kernel != "reference" and m._packed is None:
             m._packed = m._build()
 
 
@@ -313,7 +316,8 @@ def quantize_rtn_in_place(model: nn.Module, group_size: int, not_quantized=DEFAU
 
 
 def set_int4_kernel(model: nn.Module, kernel: str) -> None:
-    """'auto' (device kernels) or 'reference' (dequantise then matmul) for every int4 layer."""
+    """'auto' (the device's best kernel), 'aten' (torch's kernels) or 'reference' (dequantise then
+    matmul) for every int4 layer."""
     for m in model.modules():
         if isinstance(m, Int4Weight):
             m.set_kernel(kernel)

@@ -31,8 +31,8 @@ optimizer step), so it never serves a stale weight; it costs one copy of each we
 weight made under `torch.inference_mode` has no version counter: it runs unpacked (at::linear).
 Eager forwards never call it; compiled CPU graphs do where `ops.linear.graph_linear_kernel` says so.
 
-The same extension holds ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below) and
-ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled by torch.utils.cpp_extension
+The same extension holds int4.cpp (`clover_cpu::int4_linear`, see int4_linear.py),
+ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below) and ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled by torch.utils.cpp_extension
 (`-O3 -march=native`, cached under torch's extensions dir, rebuilt when the source changes): by
 `make install`, by `clover serve` before it serves and `clover generate` before it decodes (`prepare`,
 which says so when it compiles), else on the first `available()`. Where that fails (no compiler) or the CPU is not x86-64, `available()` is
@@ -53,7 +53,8 @@ import torch
 _SOURCE = Path(__file__).with_name("tiled.cpp")
 # the other CPU ops built into the same extension (one compile, one library): see each file's header
 _MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",
-                 Path(__file__).parent.parent / "greedy_pick" / "greedy_pick.cpp")
+                 Path(__file__).parent.parent / "greedy_pick" / "greedy_pick.cpp",
+                 Path(__file__).with_name("int4.cpp"))
 _state: dict = {"bf16_x": os.environ.get("CLOVER_LINEAR_DTYPE", "float32") == "bfloat16"}
 LINEAR_DTYPES = ("float32", "bfloat16")  # CLOVER_LINEAR_DTYPE / --linear-dtype
 
@@ -124,6 +125,10 @@ def _load() -> bool:
     @torch.library.register_fake("clover_cpu::experts")
     def _(x, top_idx, top_w, gate_up, down):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("clover_cpu::int4_linear")
+    def _(x, packed, sz, group_size, n):
+        return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("clover_cpu::unit_lower_solve")
     def _(system, rhs):

@@ -1,0 +1,232 @@
+// int4 y = x @ W^T for the few rows of a decode step (quant/int4.py's group-wise asymmetric format),
+// fp32 activations. See int4_linear.py.
+//
+// Layout (built once from the stored format by int4_linear.pack, never stored):
+// * `panels` uint8 [P, K/2, 16]: panels of 16 output columns; byte [p, i, j] holds W's codes
+//   q[16 p + j, 2 i] (low nibble) and q[16 p + j, 2 i + 1] (high nibble); columns past N are code 0.
+// * `sz` fp32 [P, G, 2, 16]: per group of g input columns and output column, the scale s and -z * s
+//   (z the integer zero point); columns past N are 0, so they compute 0.
+//
+// Each k's 16 weights are dequantised in registers as fma(q, s, -z s) = (q - z) * s: exact in fp32
+// ((q - z) is an integer of at most 4 bits, s a bf16), so the weight is the reference's dequantised
+// weight bit for bit, and every output is one fp32 FMA chain over k in order, whatever the tile shape
+// or the rows a call holds: the numbers of the fp32 reference F.linear up to summation order.
+// Tiles of R rows x P panels keep R*P accumulators; the dequantised panel vectors are shared by the
+// tile's rows. AVX-512 (16 lanes), AVX2 + FMA (a panel as two 8-lane halves), else plain C++.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <string>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+
+#if defined(__AVX512F__)
+// R rows x P panels over k in [0, K): panel p's bytes at w + p * (K/2) * 16, its (s, -zs) at sz + p * G * 32.
+template <int R, int P>
+__attribute__((noinline)) void tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w,
+                                    const float* __restrict sz, int64_t K, int64_t g, float* y, int64_t ldy,
+                                    int64_t n0, int64_t N) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const int64_t G = K / g, half = K / 2 * kPanel;
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 s[P], z[P];
+    for (int p = 0; p < P; ++p) {
+      s[p] = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel);
+      z[p] = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel + kPanel);
+    }
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 2) {
+      __m512 we[P], wo[P];
+      for (int p = 0; p < P; ++p) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * half + k / 2 * kPanel)));
+        we[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s[p], z[p]);
+        wo[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[p], z[p]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xe = _mm512_set1_ps(x[r * ldx + k]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xe, we[p], acc[r][p]);
+        const __m512 xo = _mm512_set1_ps(x[r * ldx + k + 1]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xo, wo[p], acc[r][p]);
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * kPanel;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
+  }
+}
+constexpr int kMaxRows = 8;  // 8 x 2 accumulators + 2 x 4 dequantised / scale vectors of the 32 registers
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same tile on 8-lane halves: R x P x 2 accumulators (R * P * 2 <= 8 of the 16 registers).
+template <int R, int P>
+__attribute__((noinline)) void tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w,
+                                    const float* __restrict sz, int64_t K, int64_t g, float* y, int64_t ldy,
+                                    int64_t n0, int64_t N) {
+  __m256 acc[R][P][2];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
+  const int64_t G = K / g, half = K / 2 * kPanel;
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    for (int h = 0; h < 2; ++h) {  // each half in turn: both at once would spill
+      __m256 s[P], z[P];
+      for (int p = 0; p < P; ++p) {
+        s[p] = _mm256_loadu_ps(sz + (p * G + gi) * 2 * kPanel + 8 * h);
+        z[p] = _mm256_loadu_ps(sz + (p * G + gi) * 2 * kPanel + kPanel + 8 * h);
+      }
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 2) {
+        for (int p = 0; p < P; ++p) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + p * half + k / 2 * kPanel + 8 * h)));
+          const __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), s[p], z[p]);
+          const __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s[p], z[p]);
+          for (int r = 0; r < R; ++r) {
+            acc[r][p][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + k), we, acc[r][p][h]);
+            acc[r][p][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + k + 1), wo, acc[r][p][h]);
+          }
+        }
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + p * kPanel + 8 * h;
+      if (n >= N) return;
+      const int64_t left = N - n;
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * ldy + n, m, acc[r][p][h]);
+    }
+}
+constexpr int kMaxRows = 4;
+#else
+template <int R, int P>
+void tile(const float* x, int64_t ldx, const uint8_t* w, const float* sz, int64_t K, int64_t g, float* y,
+          int64_t ldy, int64_t n0, int64_t N) {
+  float acc[R][P][kPanel] = {};
+  const int64_t G = K / g, half = K / 2 * kPanel;
+  for (int64_t k = 0; k < K; ++k)
+    for (int p = 0; p < P; ++p) {
+      const float* s = sz + (p * G + k / g) * 2 * kPanel;
+      for (int j = 0; j < kPanel; ++j) {
+        const uint8_t b = w[p * half + k / 2 * kPanel + j];
+        const float wv = std::fma(static_cast<float>(k & 1 ? b >> 4 : b & 0x0F), s[j], s[kPanel + j]);
+        for (int r = 0; r < R; ++r) acc[r][p][j] = std::fma(x[r * ldx + k], wv, acc[r][p][j]);
+      }
+    }
+  for (int p = 0; p < P; ++p)
+    for (int j = 0; j < kPanel; ++j) {
+      const int64_t n = n0 + p * kPanel + j;
+      if (n >= N) break;
+      for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r][p][j];
+    }
+}
+constexpr int kMaxRows = 4;
+#endif
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Rows [0, M) in tiles of up to kMaxRows, shared evenly (6 rows as 3 + 3, not 4 + 2), called as
+// fn(Int<R>, m).
+template <typename Fn>
+inline void row_tiles(int64_t M, Fn&& fn) {
+  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t r = (M - m + tiles - t - 1) / (tiles - t);
+    switch (r) {
+      case 1: fn(Int<1>{}, m); break;
+      case 2: fn(Int<2>{}, m); break;
+      case 3: fn(Int<3>{}, m); break;
+#if defined(__AVX512F__)
+      case 4: fn(Int<4>{}, m); break;
+      case 5: fn(Int<5>{}, m); break;
+      case 6: fn(Int<6>{}, m); break;
+      case 7: fn(Int<7>{}, m); break;
+      default: fn(Int<8>{}, m); break;
+#else
+      default: fn(Int<4>{}, m); break;
+#endif
+    }
+    m += r;
+  }
+}
+
+// Panels [p0, p1) for every row: one row takes 4 panels a tile (4 independent FMA chains), more
+// rows 2 (AVX-512) or 1 (AVX2, plain); the panel group stays in L1 while every row tile passes it.
+void panels(const float* x, int64_t M, int64_t K, int64_t g, const uint8_t* w, const float* sz, float* y,
+            int64_t N, int64_t p0, int64_t p1) {
+  const int64_t half = K / 2 * kPanel, zs = K / g * 2 * kPanel;
+  const auto over = [&](auto np, auto&& rows) {
+    constexpr int kP = decltype(np)::value;
+    int64_t p = p0;
+    for (; p + kP <= p1; p += kP) rows(np, p);
+    for (; p < p1; ++p) rows(Int<1>{}, p);
+  };
+  const auto run = [&](auto np, int64_t p) {
+    constexpr int kP = decltype(np)::value;
+    row_tiles(M, [&](auto r, int64_t m) {
+      tile<decltype(r)::value, kP>(x + m * K, K, w + p * half, sz + p * zs, K, g, y + m * N, N, p * kPanel, N);
+    });
+  };
+  if (M == 1) return over(Int<4>{}, run);
+#if defined(__AVX512F__)
+  over(Int<2>{}, run);
+#else
+  over(Int<1>{}, run);
+#endif
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
+                       int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kPanel,
+              "clover_cpu::int4_linear: packed must be uint8 [ceil(n / 16), K / 2, 16]");
+  const int64_t K = x.size(-1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K && P * kPanel >= n, "clover_cpu::int4_linear: x has ", K,
+              " features, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0,
+              "clover_cpu::int4_linear: the group size must be even and divide K");
+  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.dim() == 4 && sz.size(0) == P && sz.size(1) == K / group_size &&
+                  sz.size(2) == 2 && sz.size(3) == kPanel,
+              "clover_cpu::int4_linear: sz must be fp32 [ceil(n / 16), K / group_size, 2, 16]");
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? (x.is_contiguous() ? x : x.contiguous()) : x.to(at::kFloat).contiguous();
+  const at::Tensor w = packed.contiguous(), s = sz.contiguous();
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) M *= x.size(d);
+  c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  auto y = at::empty(sizes, xf.options());
+  if (M > 0 && n > 0) {
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const float* sp = s.data_ptr<float>();
+    const int64_t np = (n + kPanel - 1) / kPanel, groups = (np + 1) / 2;  // panel pairs: a thread's unit
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      panels(xp, M, K, group_size, wp, sp, yp, n, 2 * g0, std::min<int64_t>(2 * g1, np));
+    });
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor sz, int group_size, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+}
