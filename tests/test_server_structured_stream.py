@@ -148,3 +148,33 @@ def test_a_format_keeps_the_grammar_path_from_streaming_mid_try():
     named = {**plain, "properties": {"format": {"type": "string", "maxLength": 8}}, "required": ["format"]}
     assert _uncut(plain, 0, "", "", 4096) and _uncut(named, 0, "", "", 4096)
     assert not _uncut(email, 0, "", "", 4096)
+
+
+def test_only_schemas_the_check_cannot_reject_stream_a_try_before_it_is_accepted():
+    from clover.structured.grammar import exact
+
+    plain = {"type": "object", "properties": {"to": {"type": "string", "maxLength": 8}, "format": {"enum": ["a"]}},
+             "required": ["to"], "additionalProperties": False}
+    assert exact(plain) and exact({"type": "json_object"}) and exact({"anyOf": [{"type": "integer"}, plain]})
+    for inner in ({"format": "email"}, {"pattern": "^a"}, {"multipleOf": 7}, {"oneOf": [{"type": "string"}]}):
+        assert not exact({**plain, "properties": {"to": {"type": "string", **inner}}})
+    assert not exact({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})  # repaired
+    assert not exact({"type": "array", "prefixItems": [{"type": "string", "pattern": "b"}]})
+
+
+FIVES = {"type": "json_schema", "json_schema": {"name": "fives", "schema": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 10**6, "multipleOf": 5}},
+    "required": ["n"], "additionalProperties": False}}}
+
+
+def test_a_retried_structured_try_is_not_streamed_before_it_is_accepted(served):
+    """multipleOf over a wide range: the grammar lets any integer through, and the final check rejects the
+    model's tries (not a multiple of 5: redone, sampled; the smallest document stands in at the end). The
+    stream holds each try back, never ends in an error, and sends what the whole reply holds."""
+    kw = dict(messages=ASK, response_format=FIVES, max_tokens=40)
+    whole = served.chat.completions.create(model="tiny", **kw)
+    text = whole.choices[0].message.content
+    assert json.loads(text)["n"] % 5 == 0 and whole.choices[0].finish_reason == "stop"
+    chunks, _, _ = _stream(served, **kw)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == text and chunks[-1].choices[0].finish_reason == "stop"

@@ -21,7 +21,7 @@ from functools import partial
 from ..structured import (BudgetTooSmall, JsonResult, Refused, Skeleton, Unsupported, check_budget, check_grammar,
                           is_json_object, normalize, skeleton, smallest_document)
 from ..structured.generate import infill_json_task
-from ..structured.grammar import grammar_json_task
+from ..structured.grammar import exact, grammar_json_task
 from ..structured import check as check_schema
 from ..settings import absolute_blocks, eos_ids
 from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, TURN_ENDS, new_call_id
@@ -206,7 +206,8 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
         try:
             infilled = yield from infill_json_task(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix,
                                                    suffix=suffix, threshold=threshold, block_size=block_size,
-                                                   watch=watch and partial(_fitting, watch, max_tokens))
+                                                   watch=partial(_fitting, watch, max_tokens)
+                                                   if watch and exact(plan.schema) else None)
         except Unsupported:
             pass
         else:
@@ -233,8 +234,8 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
 
 
 def _fitting(watch, max_tokens: int, reader, most: int) -> None:
-    """An infill attempt is streamed only when its longest document fits max_tokens: a longer one may
-    come out too long and be replaced by the grammar path's."""
+    """An infill attempt (of an `exact` schema) is streamed only when its longest document fits max_tokens:
+    a longer one may come out too long and be replaced by the grammar path's."""
     if most <= max_tokens:
         watch(reader)
 

@@ -271,17 +271,36 @@ def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: s
 
 def _uncut(schema, level: int, prefix: str, suffix: str, max_new_tokens: int) -> bool:
     """Whether a try of this LADDER level can be streamed as it decodes: max_tokens can never cut it (its
-    largest size in characters, a token being at least one, and the frame fit) and the final check has
-    nothing to reject that the grammar lets through (a string `format`: its checker runs after the try)."""
-    if _has_format(schema):
+    largest size in characters, a token being at least one, and the frame fit) and nothing after the try
+    can reject or rewrite it (`exact`)."""
+    if not exact(schema):
         return False
     return size(decodable(schema, LADDER[level])) + len(prefix) + len(suffix) <= max_new_tokens
 
 
-def _has_format(node) -> bool:
-    if isinstance(node, dict):
-        return isinstance(node.get("format"), str) or any(_has_format(v) for v in node.values())
-    return isinstance(node, list) and any(_has_format(v) for v in node)
+# keywords whose constraint the grammar (and the infill layout) meets exactly: a document decoded under
+# them always passes the final check unchanged. Any other (a string `format` or `pattern`, `multipleOf`,
+# `uniqueItems`'s repair, a `oneOf` the grammar reads as anyOf, ...) may make the check reject a try or
+# `repair` rewrite it, and a redone try cannot extend text a stream already sent.
+EXACT = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+         "enum", "const", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+         "anyOf", "$ref", "$defs"}
+_SUBSCHEMA_MAPS, _SUBSCHEMA_LISTS, _SUBSCHEMA = ("properties", "$defs"), ("prefixItems", "anyOf"), (
+    "additionalProperties", "items")
+
+
+def exact(schema) -> bool:
+    """Whether every document the grammar path (or the infiller) can give for this normalised schema
+    passes the final check as it was decoded: only then may a stream send a try's text before it is
+    accepted (`EXACT`)."""
+    if is_json_object(schema) or isinstance(schema, bool):
+        return True
+    if not isinstance(schema, dict) or set(schema) - EXACT:
+        return False
+    subs = [schema.get(k) for k in _SUBSCHEMA if k in schema]
+    subs += [v for k in _SUBSCHEMA_MAPS for v in (schema.get(k) or {}).values()]
+    subs += [v for k in _SUBSCHEMA_LISTS for v in (schema.get(k) or [])]
+    return all(exact(v) for v in subs)
 
 
 def _level_grammar(model, tokenizer, schema, level: int, deadline: float):
