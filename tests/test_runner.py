@@ -194,3 +194,34 @@ def test_replay_checks_the_captured_shapes_and_strides():
     torch.testing.assert_close(replay(x, None, None), x * m.weight)
     m.weight = torch.nn.Parameter(torch.randn(3, 1))  # ...unless laid out otherwise: the Replay retires
     assert not replay.current() and replay(x, None, None) is None
+
+
+def test_replay_of_a_recorded_forward_stores_its_records():
+    """A recorded forward's graph returns the records its layers stored on the cache beside the
+    logits: the Replay stores them again (fresh tensors of this call, None fields kept); a record
+    tensor that is not a graph output, or a graph output that is neither, means no Replay."""
+    from types import SimpleNamespace
+
+    from clover.compile import Replay
+    from clover.models.cache_clover import GdnRecord
+
+    m = torch.nn.Linear(3, 1, bias=False)
+
+    def fn(x, w):  # logits, then one record's eight tensors (the pad field None)
+        return (x * w, *(x + i for i in range(8)))
+
+    x = torch.randn(2, 3)
+    outputs = fn(x, m.weight)
+    cache = SimpleNamespace(recording=True, recorded={0: GdnRecord(*outputs[1:], None)}, tensors=lambda: {})
+    record = {"fn": fn, "inputs": [x, m.weight], "outputs": outputs}
+    replay = Replay.build(dict(record), m, outputs[0], x, None, cache)
+    assert replay is not None and replay.records
+    cache.recorded = {}
+    y = torch.randn(2, 3)
+    torch.testing.assert_close(replay(y, None, cache), y * m.weight)
+    rec = cache.recorded[0]
+    assert rec.pad is None and all(torch.equal(t, y + i) for i, t in enumerate(rec[:8]))
+    cache.recorded = {0: GdnRecord(*outputs[1:8], torch.zeros(1), None)}  # one record tensor made outside the graph
+    assert Replay.build(dict(record), m, outputs[0], x, None, cache) is None
+    cache.recorded = {}  # an output nothing accounts for: a side effect the Replay would skip
+    assert Replay.build(dict(record), m, outputs[0], x, None, cache) is None
