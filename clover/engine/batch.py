@@ -31,6 +31,9 @@ class Forward(NamedTuple):
 
 class RowBatch:
     layout = Layout()  # where windows sit (engine/layout.py); the engine sets the model's
+    # a step splits (`split_commit`) when the rows that commit nothing would carry at least this many
+    # clean columns in all (a forward's own cost outweighs fewer); None: never
+    split_min_saved: int | None = 96
 
     @classmethod
     def for_runner(cls, runner, width: int, clean_block_size: int, mask_id: int, device, prefill_chunk: int) -> "RowBatch":
@@ -116,20 +119,61 @@ class RowBatch:
 
     def forward(self, window: torch.Tensor, draft_len: int, keep: int, block_size: int | None = None,
                 index: torch.Tensor | None = None) -> torch.Tensor:
-        """One model call on [pending clean segment ; window]; the pending segment is consumed and
-        every running row counts one forward."""
-        ids, pad = window, None
-        if self.pending is not None:
-            clean, clean_pad = self.pending
+        """One model step on [pending clean segment ; window]; the pending segment is consumed and
+        every running row counts one forward. When only some rows commit (`split_commit`), those rows'
+        clean columns run first in a forward of their own rows (not counted: a commit, as prefill)
+        and every row's window after it, so no row pays for columns it does not need."""
+        ids, pad, pending = window, None, self.pending
+        self.pending = None
+        for s in self.seqs:
+            s.forward_passes += 1
+        whole_draft = draft_len == window.shape[1] and (index is None or keep <= draft_len)
+        if pending is not None and whole_draft and (rows := self.split_commit(pending)) is not None:
+            return self._split_forward(pending, rows, window, draft_len, keep, block_size, index)
+        if pending is not None:
+            clean, clean_pad = pending
             ids = torch.cat([clean, window], dim=1)
             if clean_pad is not None:
                 pad = torch.cat([clean_pad, clean_pad.new_zeros(window.shape)], dim=1)
-            self.pending = None
-        for s in self.seqs:
-            s.forward_passes += 1
         return self.runner.forward(ids, self.cache, block_size=block_size, draft_len=draft_len,
                                    clean_block_size=self.clean_block_size, pad_mask=pad, logits_to_keep=keep,
                                    logits_index=index)
+
+    def split_commit(self, pending: Pending) -> torch.Tensor | None:
+        """The rows that commit a clean segment of `pending` when a split step pays (their own commit
+        forward, then the window of every row, all draft): some rows commit nothing and would carry
+        at least `split_min_saved` clean columns in all (None: one fused forward)."""
+        clean, pad = pending
+        if pad is None or self.cache.recording or self.split_min_saved is None:
+            return None
+        commits = ~pad.all(1)
+        n = int(commits.sum())
+        if n == 0 or (len(self.seqs) - n) * clean.shape[1] < max(self.split_min_saved, 1):
+            return None
+        return commits.nonzero().squeeze(1)
+
+    def _split_forward(self, pending: Pending, rows: torch.Tensor, window: torch.Tensor, draft_len: int, keep: int,
+                       block_size: int | None, index: torch.Tensor | None) -> torch.Tensor:
+        """`forward` as two: rows `rows` commit their clean columns in a cache of their own rows (written
+        back after), then every row runs its window. Logits of a kept clean column (the last: `keep`
+        past the window) come from the commit forward, for the committing rows (zeros elsewhere)."""
+        clean, pad = pending
+        clean, pad = clean[rows], pad[rows]
+        lead = int(pad.all(0).long().cumprod(0).sum())  # columns padded in every committing row
+        clean, pad = clean[:, lead:], pad[:, lead:]
+        self.cache.reserve(clean.shape[1] + window.shape[1])  # the rows written back fit as they are
+        sub = self.cache.copy_rows(rows)
+        extra = keep - window.shape[1]
+        first = self.runner.forward(clean, sub, clean_block_size=self.clean_block_size,
+                                    pad_mask=pad if bool(pad.any()) else None, logits_to_keep=max(extra, 1))
+        self.cache.put_rows(rows, sub)
+        logits = self.runner.forward(window, self.cache, block_size=block_size, draft_len=draft_len,
+                                     clean_block_size=self.clean_block_size, logits_to_keep=keep - max(extra, 0),
+                                     logits_index=index)
+        if extra <= 0:
+            return logits
+        head = logits.new_zeros(logits.shape[0], extra, logits.shape[2]).index_copy_(0, rows, first[:, -extra:])
+        return torch.cat([head, logits], dim=1)
 
 
 class Prefill:

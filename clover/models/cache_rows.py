@@ -124,6 +124,21 @@ class RowCache:
         out.select_rows(rows if rows is not None else torch.arange(self.batch_size, device=self.device))
         return out
 
+    def put_rows(self, rows, other: "RowCache") -> None:
+        """Write the rows of `other` (a `copy_rows(rows)` of this cache, then advanced) back at `rows`,
+        in place; this cache grows first if `other` did."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        if other.capacity > self.capacity:
+            self.reserve(other.capacity - self.max_len())
+        for name in self.STORES:
+            store, ostore = getattr(self, name), getattr(other, name)
+            for i, t in store.items():
+                src = ostore[i]
+                if name in KV and src.shape[2] < t.shape[2]:
+                    src = F.pad(src, (0, 0, 0, t.shape[2] - src.shape[2]))
+                t.index_copy_(0, rows, src)
+        self.lens = self.lens.index_copy(0, rows, other.lens)
+
     def pad_rows(self, rows: int) -> "RowCache":
         """A cache of `rows` rows whose first rows are this cache's, as views: a forward on it
         writes this cache's rows in place. The spare rows start from length 0 and are never read by a
