@@ -7,10 +7,12 @@ calls and tokens each way, and what one batched forward saves over one-row forwa
 a model call's cost (per call, per token fed), the ratio the fewest forwards would reach with the same tokens,
 and with the tokens an exact prefix cache would save (estimated from the jobs' first forwards, nothing cached).
 
-    PYTHONPATH=. python bench/tool_calls.py [--model DIR] [--rounds 3] [--threads 1] [--block-size 8]
+    PYTHONPATH=. python bench/tool_calls.py [--model DIR | --size large] [--rounds 3] [--threads 1] [--block-size 8]
 
 The server runs in this process (uvicorn in a thread, a free loopback port); --model defaults to the
-shipped default model.
+shipped default model. `--size large` serves instead bench/serve_peer.py's large random-weight model
+(seed 0, the default model's vocabulary and tokenizer, >= 100M parameters: weights beyond the CPU's
+caches, where one forward of many rows should cost less than the rows' one-row forwards).
 """
 
 from __future__ import annotations
@@ -211,7 +213,8 @@ def report(args, solo, seq, par, equal, gain: dict, tokens: int) -> None:
     med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
     s, p = med(seq, 0), med(par, 0)
     ratios = sorted(b[0] / a[0] for a, b in zip(seq, par))
-    print(f"8 forced tool-call requests ({sum(len(c) for c in solo)} calls, {args.tools} tools; tool_choice required, "
+    print(f"8 forced tool-call requests to {args.name} ({sum(len(c) for c in solo)} calls, {args.tools} tools; "
+          f"tool_choice required, "
           f"parallel_tool_calls; block {args.block_size}, {args.threads} torch thread(s), {os.cpu_count()} CPU cores, load "
           f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} interleaved rounds):")
     print("\n| | sequential | concurrent |\n|---|---:|---:|")
@@ -226,9 +229,28 @@ def report(args, solo, seq, par, equal, gain: dict, tokens: int) -> None:
           f"({tokens}: the mean a sequential call feeds).")
 
 
+def load_model(args, tmp: str):
+    """(model, tokenizer, its name for the report): --model's folder, the default model, or (--size large)
+    bench/serve_peer.py's large random-weight model written to `tmp`."""
+    import clover
+
+    if args.size == "large":
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from serve_peer import make_folders  # bench/serve_peer.py
+
+        folder = make_folders("large", Path(tmp), {"fp32"})["fp32"]
+        return (*clover.load(folder, device="cpu"), "serve_peer's large random-weight model")
+    return (*clover.load(args.model, device="cpu"), args.model or "the default model")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model")
+    ap.add_argument("--model", help="a model folder (default: the shipped default model)")
+    ap.add_argument("--size", choices=("default", "large"), default="default",
+                    help="large: bench/serve_peer.py's large random-weight model instead (not with --model)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=8)
@@ -236,14 +258,23 @@ def main() -> None:
     ap.add_argument("--tools", type=int, default=len(TOOLS), choices=range(1, len(TOOLS) + 1),
                     help="offer the first N tools (1: no function pick, the arguments only)")
     args = ap.parse_args()
+    if args.model and args.size != "default":
+        ap.error("--model and --size large name two models: give one")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args, tmp)
+
+
+def run(args, tmp: str) -> None:
     import torch
 
-    import clover
     from clover.api import eos_ids
     from clover.server import Settings, create_app
 
     torch.set_num_threads(args.threads)
-    model, tok = clover.load(args.model, device="cpu")
+    model, tok, name = load_model(args, tmp)
+    args.name = f"{name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters"
     app = create_app(model, tok, Settings(model_id="bench", block_size=args.block_size, max_batch=16),
                      eos_ids(model, tok))
     server, url = serve(app)

@@ -26,3 +26,12 @@ def test_a_snapshot_serves_only_jobs_of_the_same_width_and_alignment():
     # the shared prefix cached at every alignment: each job keeps its last boundary inside it
     assert savings([(4, ctx(20, 5, 1)), (4, ctx(20, 6, 2))]) == (0, 17 + 18)
     assert savings([(3, ctx(6)), (3, ctx(6, 1))]) == (0, 6 + 4)
+
+
+def test_model_and_size_large_together_are_a_one_line_usage_error(monkeypatch, capsys):
+    import pytest
+
+    monkeypatch.setattr("sys.argv", ["tool_calls.py", "--model", "somewhere", "--size", "large"])
+    with pytest.raises(SystemExit) as e:
+        tool_calls.main()
+    assert e.value.code == 2 and "give one" in capsys.readouterr().err
