@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -139,53 +140,116 @@ constexpr int kMaxRows = 4;
 template <int V>
 using Int = std::integral_constant<int, V>;
 
-// Rows [0, M) in tiles of up to kMaxRows, shared evenly (6 rows as 3 + 3, not 4 + 2), called as
-// fn(Int<R>, m).
-template <typename Fn>
+// fn(Int<r>, m) for a runtime r in [R, Max] (Max where r >= Max).
+template <int R, int Max, typename Fn>
+inline void with_rows(int64_t r, int64_t m, Fn&& fn) {
+  if constexpr (R >= Max) {
+    fn(Int<Max>{}, m);
+  } else {
+    if (r == R) return fn(Int<R>{}, m);
+    with_rows<R + 1, Max>(r, m, fn);
+  }
+}
+
+// Rows [0, M) in tiles of up to Max, shared evenly (6 rows as 3 + 3, not 4 + 2), called as fn(Int<R>, m).
+template <int Max, typename Fn>
 inline void row_tiles(int64_t M, Fn&& fn) {
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+  const int64_t tiles = (M + Max - 1) / Max;
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t r = (M - m + tiles - t - 1) / (tiles - t);
-    switch (r) {
-      case 1: fn(Int<1>{}, m); break;
-      case 2: fn(Int<2>{}, m); break;
-      case 3: fn(Int<3>{}, m); break;
-#if defined(__AVX512F__)
-      case 4: fn(Int<4>{}, m); break;
-      case 5: fn(Int<5>{}, m); break;
-      case 6: fn(Int<6>{}, m); break;
-      case 7: fn(Int<7>{}, m); break;
-      default: fn(Int<8>{}, m); break;
-#else
-      default: fn(Int<4>{}, m); break;
-#endif
-    }
+    with_rows<1, Max>(r, m, fn);
     m += r;
   }
 }
 
-// Panels [p0, p1) for every row: one row takes 4 panels a tile (4 independent FMA chains), more
-// rows 2 (AVX-512) or 1 (AVX2, plain); the panel group stays in L1 while every row tile passes it.
+#if defined(__AVX512F__)
+// From kBufferRows rows, each panel pair is dequantised once into an fp32 buffer (the same exact
+// values) and every row tile runs plain fp32 FMAs on it: dequantising in every row tile costs more
+// than the buffer's stores and loads once the rows are many. Same FMA chains, same results.
+constexpr int64_t kBufferRows = 16;
+
+// Panels [0, P) of the panel group at w / sz -> buf [P, K, 16] fp32.
+void dequantise(const uint8_t* w, const float* sz, int64_t K, int64_t g, int64_t P, float* buf) {
+  const int64_t G = K / g, half = K / 2 * kPanel;
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const __m512 s = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel), z = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel + kPanel);
+      for (int64_t k = gi * g; k < (gi + 1) * g; k += 2) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * half + k / 2 * kPanel)));
+        _mm512_storeu_ps(buf + (p * K + k) * kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s, z));
+        _mm512_storeu_ps(buf + (p * K + k + 1) * kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, z));
+      }
+    }
+}
+
+// R rows x P panels of fp32 panels buf [P, K, 16]: acc = fma(x[r, k], w[k], acc) in k order, as `tile`.
+template <int R, int P>
+__attribute__((noinline)) void ftile(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                                     float* y, int64_t ldy, int64_t n0, int64_t N) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_ps(w + (p * K + k) * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * kPanel;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
+  }
+}
+
+void buffered_panels(const float* x, int64_t M, int64_t K, int64_t g, const uint8_t* w, const float* sz, float* y,
+                     int64_t N, int64_t p0, int64_t p1) {
+  const int64_t half = K / 2 * kPanel, zs = K / g * 2 * kPanel;
+  thread_local std::vector<float> buf;
+  buf.resize(2 * K * kPanel);
+  for (int64_t p = p0; p < p1; p += 2) {
+    const bool two = p + 1 < p1;
+    dequantise(w + p * half, sz + p * zs, K, g, two ? 2 : 1, buf.data());
+    row_tiles<8>(M, [&](auto r, int64_t m) {
+      constexpr int R = decltype(r)::value;
+      if (two)
+        ftile<R, 2>(x + m * K, K, buf.data(), K, y + m * N, N, p * kPanel, N);
+      else
+        ftile<R, 1>(x + m * K, K, buf.data(), K, y + m * N, N, p * kPanel, N);
+    });
+  }
+}
+#endif
+
+// Panels [p0, p1) for every row: one row takes 4 panels a tile (4 independent FMA chains), more rows
+// 2 (AVX-512) or 1 (AVX2, plain), from kBufferRows rows the buffered tiles above; the panel group
+// stays in L1 while every row tile passes it.
 void panels(const float* x, int64_t M, int64_t K, int64_t g, const uint8_t* w, const float* sz, float* y,
             int64_t N, int64_t p0, int64_t p1) {
   const int64_t half = K / 2 * kPanel, zs = K / g * 2 * kPanel;
-  const auto over = [&](auto np, auto&& rows) {
+  const auto over = [&](auto np) {
     constexpr int kP = decltype(np)::value;
+    const auto run = [&](auto pn, int64_t p) {
+      row_tiles<kMaxRows>(M, [&](auto r, int64_t m) {
+        tile<decltype(r)::value, decltype(pn)::value>(x + m * K, K, w + p * half, sz + p * zs, K, g, y + m * N, N,
+                                                      p * kPanel, N);
+      });
+    };
     int64_t p = p0;
-    for (; p + kP <= p1; p += kP) rows(np, p);
-    for (; p < p1; ++p) rows(Int<1>{}, p);
+    for (; p + kP <= p1; p += kP) run(np, p);
+    for (; p < p1; ++p) run(Int<1>{}, p);
   };
-  const auto run = [&](auto np, int64_t p) {
-    constexpr int kP = decltype(np)::value;
-    row_tiles(M, [&](auto r, int64_t m) {
-      tile<decltype(r)::value, kP>(x + m * K, K, w + p * half, sz + p * zs, K, g, y + m * N, N, p * kPanel, N);
-    });
-  };
-  if (M == 1) return over(Int<4>{}, run);
+  if (M == 1) return over(Int<4>{});
 #if defined(__AVX512F__)
-  over(Int<2>{}, run);
+  if (M >= kBufferRows) return buffered_panels(x, M, K, g, w, sz, y, N, p0, p1);
+  over(Int<2>{});
 #else
-  over(Int<1>{}, run);
+  over(Int<1>{});
 #endif
 }
 
