@@ -225,8 +225,10 @@ def main() -> int:
     # ---- report ---------------------------------------------------------------------------------
     g = args.group_size
     print(f"### INT4 weight-only quantisation (group size {g})\n")
-    print(f"Model: {what}. {torch.get_num_threads()} CPU thread(s); int4 kernel: torch "
-          f"`_weight_int4pack_mm_for_cpu` (bf16 activations). GPTQ calibration: {args.calib_samples} x {seq_len} "
+    kinds = {p.kind for m in models["int4 RTN"].modules() if isinstance(m, Int4Weight) for p in m._packed or ()}
+    kernel = ("clover `clover_cpu::int4_linear` (fp32 activations)" if kinds == {"clover"}
+              else "torch `_weight_int4pack_mm_for_cpu` (bf16 activations)")
+    print(f"Model: {what}. {torch.get_num_threads()} CPU thread(s); int4 kernel: {kernel}. GPTQ calibration: {args.calib_samples} x {seq_len} "
           f"tokens{'' if args.random else ' from the held-out split'}, {timing['gptq'][0]:.1f} s to quantise "
           f"(RTN {timing['rtn'][0]:.1f} s).\n")
     print("| | bf16 | int4 RTN | int4 GPTQ |")

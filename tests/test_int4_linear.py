@@ -93,3 +93,22 @@ def test_traced_by_torch_compile():
     fn = torch.compile(lambda x, p, s: torch.relu(il.int4_linear(x, p, s, g, n)), backend="aot_eager", fullgraph=True)
     x = torch.randn(3, k)
     assert torch.equal(fn(x, packed, sz), torch.relu(il.int4_linear(x, packed, sz, g, n)))
+
+
+def test_int4_model_logits_match_the_reference_path():
+    """A whole int4 model (fp32 elsewhere) on clover's kernel against `set_int4_kernel("reference")`
+    (dequantise, then F.linear): the same weights, fp32 sums in another order, so the logits agree to
+    fp32 rounding, far inside torch's int4 kernel's bf16 activations."""
+    from helpers import tiny_model
+
+    from clover.quant.modules import Int4Weight, quantize_rtn_in_place, set_int4_kernel
+
+    q = quantize_rtn_in_place(tiny_model(7), 32)
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fast = q(ids, block_size=8, draft_len=8).logits
+        kinds = {p.kind for m in q.modules() if isinstance(m, Int4Weight) for p in m._packed or ()}
+        set_int4_kernel(q, "reference")
+        ref = q(ids, block_size=8, draft_len=8).logits
+    assert kinds == {"clover"}
+    assert (fast - ref).abs().max() <= 1e-4 * ref.abs().max()
