@@ -150,12 +150,15 @@ def test_a_later_call_the_budget_cannot_hold_is_left_out(served):
         whole = client.chat.completions.create(**kw)
         first = client.chat.completions.create(**kw, parallel_tool_calls=False).usage.completion_tokens
         cut = client.chat.completions.create(**kw, max_tokens=first + 3)  # no room for a second call
+        # streamed: the call left out was never shown (its head is sent once a try of it streams or it is kept)
+        cut_stream = streamed(client, kw | {"max_tokens": first + 3})
     assert len(whole.choices[0].message.tool_calls) == CAP and whole.choices[0].finish_reason == "tool_calls"
     msg, info = cut.choices[0].message, cut.model_extra["clover"]["structured"][0]
     assert 1 <= len(msg.tool_calls) < CAP and cut.choices[0].finish_reason == "length"
     assert calls(msg) == calls(whole.choices[0].message)[: len(msg.tool_calls)] and "left out" in info["note"]
     check_calls(msg, [WEATHER])
     assert cut.usage.completion_tokens == first
+    assert cut_stream == (calls(msg), "length")
 
 
 # ---- chat.completions.parse with pydantic models --------------------------------------------------------
@@ -214,6 +217,28 @@ def test_parse_with_pydantic_models(served, model):
         **kw | {"response_format": {"type": "json_schema", "json_schema": {
             "name": model.__name__, "schema": model.model_json_schema()}}}, stream=True) if ch.choices)
     model.model_validate_json(text)  # the schema as pydantic writes it (not strict) parses too
+
+
+def test_a_call_left_out_was_never_shown_to_a_stream(served):
+    """A stream shows a call (its head, then arguments) only once a try of it streams or it is kept: a later
+    call that max_tokens cannot hold (left out before or after it decoded) never was (the stream would
+    end in an error: its final reply has fewer calls than were sent)."""
+    from clover.chat.template import render_chat
+    from clover.engine.slots import drive
+    from clover.server.protocol import ToolPlan
+    from clover.server.structured import Progress, infill_tool_call_task
+
+    _, model, tokenizer = served
+    ids = tokenizer(render_chat(TOOL_ASK, add_generation_prompt=True, tools=[WEATHER])).input_ids
+    plan = ToolPlan([WEATHER], [WEATHER["function"]], "required", True)
+    with leaning(model, tokenizer, "another"):
+        first = drive(infill_tool_call_task(model, tokenizer, ids, plan, 0.5, 4, max_calls=1)).completion_tokens
+        for extra in (0, 3, 12, 24):
+            progress = Progress()
+            reply = drive(infill_tool_call_task(model, tokenizer, ids, plan, 0.5, 4, first + extra, CAP, progress))
+            shown = [(call_id, name) for call_id, name, _ in progress.parts]
+            assert shown == [(c["id"], c["function"]["name"]) for c in reply.tool_calls], extra
+            assert progress.read() == reply.view()
 
 
 @pytest.mark.parametrize("towards", [None, "another"])

@@ -391,6 +391,30 @@ def _callable(model, tokenizer, tools: ToolPlan) -> dict[str, FormatPlan]:
     return plans
 
 
+class _Shown:
+    """A reply's calls as its stream sees them (`Progress` parts, in call order): a call is shown once a
+    try of it streams (only a try nothing can cut or reject, which is kept) or once it is kept, never
+    before, so a call left out (max_tokens, the context) was never sent."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress, self.open = progress, {}
+
+    def opener(self, call_id: str):
+        """`_one_call`'s `opened`: the arguments' watch, which shows the call on its first reader."""
+        if self.progress is None:
+            return None
+        return lambda name: partial(self._watch, call_id, name)
+
+    def _watch(self, call_id: str, name: str, reader) -> None:
+        if call_id not in self.open:
+            self.open[call_id] = self.progress.open(call_id, name)
+        self.open[call_id](reader)
+
+    def kept(self, call_id: str, name: str, text: str) -> None:
+        if self.progress is not None:
+            self._watch(call_id, name, lambda: text)
+
+
 @dataclass
 class _Calls:
     """The calls of one reply so far."""
@@ -421,7 +445,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
     plans = _callable(model, tokenizer, tools)
     cap = max_calls if tools.parallel and tools.choice == "required" else 1
     ctx = model.config.max_position_embeddings
-    out = _Calls(list(prompt_ids))
+    out, shown = _Calls(list(prompt_ids)), _Shown(progress)
     while True:
         room, n, call_id = min(max_tokens - out.used, ctx - len(out.context)), len(out.calls) + 1, new_call_id()
         if out.calls and room < 1:
@@ -430,7 +454,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
         try:
             name, r, text, done, info = yield from _one_call(
                 model, tokenizer, out.context, plans, "\n" if out.calls else "", threshold, block_size, room,
-                partial(progress.open, call_id) if progress is not None else None)
+                shown.opener(call_id))
         except (Unsupported, ValueError) as e:  # a later call the context or max_tokens cannot hold
             if not out.calls:
                 raise budget_error(e) if isinstance(e, (BudgetTooSmall, Cut)) else e
@@ -441,6 +465,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
                                               f"({max_tokens}) ran out before it was complete")
             break
         out.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": text}})
+        shown.kept(call_id, name, text)
         out.infos.append({"name": name} | info)
         out.used += min(len(r.token_ids), room)
         out.context += r.token_ids
