@@ -153,3 +153,52 @@ def test_small_bodies_encode_on_the_loop_large_ones_in_the_encoder_thread():
         r.encoder.shutdown()
     assert small == edge == threading.current_thread().name
     assert large.startswith("clover-encode") and unknown.startswith("clover-encode")
+
+
+def _chunk_reference(reply, i, delta=None, text="", finish=None, clover=None) -> str:
+    """The chunk as the whole body serialised at once (what `Reply.chunk` must write, byte for byte)."""
+    from clover.server.shapes import sse
+
+    choice = {"index": i, "delta": delta or {}} if reply.chat else {"index": i, "text": text}
+    choice |= {"logprobs": None, "finish_reason": finish}
+    body = reply._head(reply.chunk_object) | {"choices": [choice]}
+    if reply.include_usage:
+        body["usage"] = None
+    if clover is not None:
+        body["clover"] = clover
+    return sse(body, ensure_ascii=False)
+
+
+def test_reply_chunks_are_the_bytes_of_the_whole_body_serialised():
+    import random
+
+    from clover.server.shapes import Reply
+
+    rng = random.Random(0)
+    alphabet = ['a', ' ', '"', '\\', '\n', 'é', '中', '😀', '\x00', '</s>', '{', '}']
+    texts = ["", *("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(40))]
+    for model_id in ("bench", 'odd "name" ü'):
+        for chat in (False, True):
+            for include_usage in (False, True):
+                reply = Reply(model_id, chat, include_usage)
+                for _ in range(30):
+                    text = rng.choice(texts)
+                    delta = rng.choice([None, {}, {"content": text}, {"reasoning_content": text, "content": ""},
+                                        {"role": "assistant", "content": ""}])
+                    clover = rng.choice([None, {}, {"committed": [[text, 3]]}, {"tokens": 4, "tpf": 1.5}])
+                    args = (rng.randint(0, 3), delta, text, rng.choice([None, "stop", "length"]), clover)
+                    assert reply.chunk(*args) == _chunk_reference(reply, *args)
+
+
+def test_create_app_runs_prepare_unless_the_caller_did(monkeypatch):
+    from clover.server import Settings, create_app
+    from clover.utils import startup
+    from helpers import tiny_model, tiny_tokenizer
+
+    calls, tokenizer = [], tiny_tokenizer()
+    monkeypatch.setattr(startup, "prepare", calls.append)
+    model = tiny_model(3)
+    create_app(model, tokenizer, Settings(model_id="tiny", block_size=4), prepared=True)
+    assert calls == []
+    create_app(model, tokenizer, Settings(model_id="tiny", block_size=4))
+    assert calls == [model]

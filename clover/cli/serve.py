@@ -141,7 +141,8 @@ def run(args) -> int:
                         default_max_tokens=args.default_max_tokens, max_tool_calls=args.max_tool_calls)
     if args.max_body_bytes is not None:
         settings.max_body_bytes = args.max_body_bytes
-    app = create_app(model, tokenizer, settings, eos_ids(model, tokenizer))
+    torch_backend = args.backend != "llamacpp"  # load_model ran `prepare` on a torch model
+    app = create_app(model, tokenizer, settings, eos_ids(model, tokenizer), prepared=torch_backend)
     if args.backend != "llamacpp" and os.environ.get("WORLD_SIZE", "1") == "1":  # one process, torch
         warm_up(app, tokenizer)  # the process's first forward, before the port answers
     host, port = sock.getsockname()[:2]

@@ -132,12 +132,16 @@ class _Gate:
             self.metrics.count_request(endpoint, status[0])
 
 
-def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, ...] = ()) -> FastAPI:
+def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, ...] = (),
+               prepared: bool = False) -> FastAPI:
+    """The app; `prepared`: the caller has already run `utils.startup.prepare` on the model (as
+    `clover serve`'s load does), else it is run here."""
     from contextlib import asynccontextmanager
 
     from ..utils.startup import prepare
 
-    prepare(model)  # the C++ CPU kernels and int4 packing before the first request, never inside one
+    if not prepared:
+        prepare(model)  # the C++ CPU kernels and int4 packing before the first request, never inside one
     metrics = Metrics()
     scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics,
                           settings.decode.runner)

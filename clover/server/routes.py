@@ -54,7 +54,8 @@ async def next_event(queue: asyncio.Queue):
     except asyncio.QueueEmpty:
         pass
     try:
-        return await asyncio.wait_for(queue.get(), POLL_S)
+        async with asyncio.timeout(POLL_S):
+            return await queue.get()
     except (asyncio.TimeoutError, TimeoutError):
         return None
 

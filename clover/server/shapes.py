@@ -22,6 +22,10 @@ class Reply:
     def __init__(self, model_id: str, chat: bool, include_usage: bool = False):
         self.model_id, self.chat, self.include_usage = model_id, chat, include_usage
         self.id, self.created = new_id("chatcmpl" if chat else "cmpl"), now()
+        # every chunk's JSON up to its choice, and what follows the choice without `clover`: each chunk
+        # serialises only its own choice (the bytes of `sse` on the whole body)
+        self._open = json.dumps(self._head(self.chunk_object), ensure_ascii=False)[:-1] + ', "choices": ['
+        self._close = '], "usage": null' if include_usage else "]"
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id}
@@ -42,12 +46,8 @@ class Reply:
         """One SSE chunk of choice i: a chat delta or a completion's text, its finish reason."""
         choice = {"index": i, "delta": delta or {}} if self.chat else {"index": i, "text": text}
         choice |= {"logprobs": None, "finish_reason": finish}
-        body = self._head(self.chunk_object) | {"choices": [choice]}
-        if self.include_usage:
-            body["usage"] = None
-        if clover is not None:
-            body["clover"] = clover
-        return sse(body, ensure_ascii=False)
+        tail = self._close if clover is None else f'{self._close}, "clover": {json.dumps(clover, ensure_ascii=False)}'
+        return f"data: {self._open}{json.dumps(choice, ensure_ascii=False)}{tail}}}\n\n"
 
     def end(self, use: dict) -> list[str]:
         """The stream's last events: the usage chunk (when asked for) and [DONE]."""
