@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
 from torch import nn
-
 
 
 class FamilySeam(nn.Module):
@@ -27,6 +27,10 @@ class FamilySeam(nn.Module):
                                       eos_token_id=list(loaded.eos_token_ids) or None, model_type=c.model_type)
         self.decode_defaults = {"block_size": loaded.block_size, "threshold": loaded.threshold}
         self.sub_block = getattr(loaded.model, "default_sub_block_size", 0)  # Fast-dLLM v2 fills sub-blocks of 8
+        # a draft window's head on the one sub-block a sub-block step reads (`trims`); off: the seam
+        # cannot tell that step's calls from others of the same shape (self_spec's drafts, the
+        # structured paths), which read other columns
+        self.sub_block_head = False
 
     @property
     def device(self):
@@ -57,8 +61,20 @@ class FamilySeam(nn.Module):
                    block: int, span: int = 0):
         """One compiled step: the logits of the last `logits_to_keep` columns; every column's K/V
         written into the cache in place, the attention reading its first `span` slots (0: all;
-        modeling_family.static_block_step)."""
-        return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
+        modeling_family.static_block_step). A sub-block family's draft window (every column kept, no
+        clean segment) computes only the logits its step reads (`sub_block_columns`), the others 0."""
+        if not self.trims(ids.shape[1], draft_len, logits_to_keep):
+            return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
+        cols = sub_block_columns(ids, self.config.mask_token_id, self.sub_block)
+        return spread(self.family_model.static_forward(ids, cache, block, pad_mask, span=span, select=cols), cols,
+                      ids.shape[1])
+
+    def trims(self, width: int, draft_len: int, keep: int, index=None) -> bool:
+        """Whether a call is a sub-block family's draft window alone, every column kept, with
+        `sub_block_head` on (every such call is a sub-block step's): that step reads the logits of
+        one sub-block (`sub_block_columns`), the only ones computed (the others 0)."""
+        return (self.sub_block_head and bool(self.sub_block) and draft_len == width and keep in (0, width) and index is None
+                and width % self.sub_block == 0 and width > self.sub_block)
 
     span_limited = True  # its compiled steps read only the cache slots in use (compile.attention_span)
 
@@ -75,12 +91,34 @@ class FamilySeam(nn.Module):
         """input_ids [rows, L] = [clean segment ; draft window of `draft_len`]: the clean segment is
         committed and the draft read against it, positions absolute (the family's own); logits of the
         last `logits_to_keep` columns (0: all), `logits_index` of those."""
-        clean = input_ids.shape[1] - draft_len
+        width = input_ids.shape[1]
         block = self.block_of(block_size, clean_block_size)
-        hidden = self.family_model(input_ids, cache=cache, commit=clean if cache is not None else False,
-                                   block_size=block, pad=pad_mask, hidden_only=True)
+        cols = sub_block_columns(input_ids, self.config.mask_token_id, self.sub_block) \
+            if self.trims(width, draft_len, logits_to_keep, logits_index) else None
+        hidden = self.family_model(input_ids, cache=cache, commit=width - draft_len if cache is not None else False,
+                                   block_size=block, pad=pad_mask, hidden_only=True, select=cols)
+        if cols is not None:
+            return SimpleNamespace(logits=spread(self.family_model.logits(hidden), cols, width))
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         if logits_index is not None:
             hidden = hidden[:, logits_index]
         return SimpleNamespace(logits=self.family_model.logits(hidden))
+
+
+def spread(logits: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor:
+    """logits [R, n, V] of the columns `cols` [R, n] -> [R, width, V], the other columns 0."""
+    full = logits.new_zeros(logits.shape[0], width, logits.shape[-1])
+    return full.scatter(1, cols[:, :, None].expand(-1, -1, logits.shape[-1]), logits)
+
+
+def sub_block_columns(window: torch.Tensor, mask_id: int, sub: int) -> torch.Tensor:
+    """[R, sub] the columns of a shifted window [R, L] whose logits a sub-block step reads
+    (engine/modes.advance): target j is column j + 1, so the first sub-block of columns holding a
+    mask (column 0, the block's known first token, aside) is predicted by the columns one to the left
+    of it, [sub * g - 1, sub * g + sub - 1), moved inside the window at its edges; with no mask left,
+    the last `sub` columns (the block's last target)."""
+    width = window.shape[1]
+    col = torch.arange(width, device=window.device)
+    group = torch.where((window == mask_id) & (col >= 1), col // sub, width // sub).amin(1, keepdim=True)
+    return (group * sub - 1).clamp(0, width - sub) + torch.arange(sub, device=window.device)

@@ -81,6 +81,7 @@ class Step:
     commit: tuple | None  # (rows, cols, slots) of the valid new tokens when they are committed
     rope: tuple | None = None
     slots: torch.Tensor | None = None  # static: [B, L] the cache slot each column's K/V is written to
+    select: torch.Tensor | None = None  # [B, n] the only columns whose outputs a layer returns (`hidden`)
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
         if self.rope is None:
@@ -184,7 +185,10 @@ def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
         keys, values = step.cache.kv(layer, k.dtype, step.prefix)
     elif step.prefix:  # [prefix ; new] in the cache's own storage, no copy of it
         keys, values = step.cache.extend_kv(layer, step.prefix, k, v)
-    out = masked_attention(q, keys, values, step.mask, q.shape[-1] ** -0.5)
+    mask = step.mask
+    if step.select is not None:  # every column's K/V above; queries only for the selected columns
+        q, mask = take_columns(q, step.select, 2), take_columns(mask, step.select, 2)
+    out = masked_attention(q, keys, values, mask, q.shape[-1] ** -0.5)
     if step.commit is not None:  # after reading the scratch slots
         step.cache.write(layer, k, v, *step.commit)
     return out.transpose(1, 2).flatten(2)
@@ -203,8 +207,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward(self, x, step: Step):
-        x = x + getattr(self, self.attn_name)(self.input_layernorm(x), step)
+        """x [B, L, H] -> [B, L, H], or [B, n, H] of the columns `step.select` (their K/V still
+        computed from every column)."""
+        kept = x if step.select is None else take_columns(x, step.select, 1)
+        x = kept + getattr(self, self.attn_name)(self.input_layernorm(x), step)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def take_columns(t: torch.Tensor, cols: torch.Tensor, dim: int) -> torch.Tensor:
+    """The columns `cols` [B, n] of `t` [B, ..., L (at dim), ...], per row."""
+    shape = [1] * t.dim()
+    shape[0], shape[dim] = cols.shape
+    index = cols.view(shape).expand(*t.shape[:dim], cols.shape[1], *t.shape[dim + 1:])
+    return t.gather(dim, index)
 
 
 class Backbone(nn.Module):
@@ -272,30 +287,36 @@ class BlockFamilyModel(nn.Module):
         return FamilyCache(self.config, batch_size, capacity, p.device, p.dtype)
 
     def forward(self, input_ids, positions=None, cache=None, commit: bool | int = False,
-                block_size: int | None = None, pad=None, hidden_only: bool = False):
+                block_size: int | None = None, pad=None, hidden_only: bool = False, select=None):
         """Logits [B, L, V] of `input_ids` [B, L] (see the module docstring); `pad` [B, L] bool marks
         left padding; `commit` True commits every column, an int the first `commit` (a finished
         block and the next draft window in one forward); `hidden_only` returns the final hidden
-        states instead."""
+        states instead; `select` [B, n]: those columns' only (`hidden`)."""
         step = block_step(input_ids, block_size or self.block_size, positions, cache, commit, pad)
-        x = self.hidden(input_ids, step)
+        x = self.hidden(input_ids, step, select)
         if step.commit is not None:
             cache.advance(torch.bincount(step.commit[0], minlength=cache.batch_size))
         return x if hidden_only else self.logits(x)
 
-    def static_forward(self, input_ids, cache: FamilyCache, block_size: int, pad=None, keep: int = 0, span: int = 0):
+    def static_forward(self, input_ids, cache: FamilyCache, block_size: int, pad=None, keep: int = 0, span: int = 0,
+                       select: torch.Tensor | None = None):
         """Logits of the last `keep` columns (0: all) of a compiled step (`static_block_step`, its
         attention over the first `span` cache slots, 0: all): every column's K/V written into the
-        cache in place; the caller then advances the lengths by the clean columns."""
-        x = self.hidden(input_ids, static_block_step(input_ids, block_size, cache, pad, span))
-        return self.logits(x[:, -keep:] if keep else x)
+        cache in place; the caller then advances the lengths by the clean columns. `select` [B, n]
+        (instead of `keep`): the logits of those columns only, [B, n, V], the last layer's queries,
+        MLP and the head run on them alone."""
+        x = self.hidden(input_ids, static_block_step(input_ids, block_size, cache, pad, span), select)
+        return self.logits(x[:, -keep:] if keep and select is None else x)
 
-    def hidden(self, input_ids, step: Step) -> torch.Tensor:
-        """The final hidden states of a forward laid out by `step`."""
+    def hidden(self, input_ids, step: Step, select: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of a forward laid out by `step`; with `select` [B, n], those of
+        the columns it names (the last layer returns only them; the K/V of every column are written)."""
         x = self.model.embed(input_ids)
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, step)
-        return self.model.norm(x)
+        step.select = select
+        return self.model.norm(last(x, step))
 
     def logits(self, hidden) -> torch.Tensor:
         """The head: the tied embeddings, or `lm_head` (a module: an int4 twin where quantised)."""

@@ -1,0 +1,99 @@
+"""A compiled family step that computes only the columns whose logits a mode reads (`select`: the
+last layer's queries, MLP and the head on those columns alone; modeling_family.static_forward)
+against the same step computing every column: the same logits at those columns and the same
+committed K/V, for a batch of rows of odd, different lengths (left padding), eagerly (the graphs run
+this code). And Fast-dLLM v2's sub-block choice (family_seam.sub_block_columns) against the columns
+`engine.modes.advance` reads, written naively: its logits there equal the full step's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import VOCAB, confident, write_family
+from test_family_span import LENGTHS, committed
+
+from clover.models.family_seam import FamilySeam, sub_block_columns
+
+
+@pytest.mark.parametrize("model_type", ["sdar", "sdar_moe", "llada2_moe", "Fast_dLLM_Qwen"])
+def test_selected_columns_equal_the_full_step(tmp_path, model_type):
+    write_family(tmp_path, model_type)
+    model = confident(tmp_path, model_type).model
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, VOCAB, (len(LENGTHS), 9), generator=g)  # 5 clean columns, a 4-column draft
+    pad = torch.zeros_like(ids, dtype=torch.bool)
+    pad[1, :3] = True
+    cols = torch.stack([torch.randperm(9, generator=g)[:3] for _ in LENGTHS])  # any columns, any order
+    with torch.no_grad():
+        full_cache, cache = committed(model, LENGTHS), committed(model, LENGTHS)
+        full = model.static_forward(ids, full_cache, 4, pad)
+        got = model.static_forward(ids, cache, 4, pad, select=cols)
+    assert got.shape == (len(LENGTHS), 3, full.shape[-1])
+    torch.testing.assert_close(got, full.gather(1, cols[:, :, None].expand(-1, -1, full.shape[-1])),
+                               rtol=1e-5, atol=3e-4)
+    for layer in full_cache.key:  # every column's K/V written, the scratch slots included
+        torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.value[layer], full_cache.value[layer], rtol=1e-5, atol=1e-5)
+
+
+def read_columns(window: torch.Tensor, mask_id: int, sub: int) -> list[set[int]]:
+    """Per row, the columns whose logits `advance` reads in a shifted window: target j (column j + 1,
+    never the last) is masked where that column holds the mask; only the first sub-block (group
+    (j + 1) // sub) with a masked target is filled, from the logits at column j."""
+    out = []
+    for row in window.tolist():
+        masked = [j for j in range(len(row) - 1) if row[j + 1] == mask_id]
+        first = min(((j + 1) // sub for j in masked), default=None)
+        out.append({j for j in masked if (j + 1) // sub == first})
+    return out
+
+
+def random_windows(g, rows: int, width: int, mask_id: int) -> torch.Tensor:
+    """Windows as a sub-block step leaves them: a known first column, filled tokens and masks mixed."""
+    window = torch.randint(4, VOCAB - 1, (rows, width), generator=g)
+    masked = torch.rand(rows, width, generator=g) < torch.rand(rows, 1, generator=g)
+    masked[:, 0] = False
+    masked[0] = False  # a finished window
+    masked[1, 1:] = True  # a fresh one
+    masked[2, 1:9] = False  # the first sub-block done
+    return torch.where(masked, mask_id, window)
+
+
+@pytest.mark.parametrize("width,sub", [(32, 8), (12, 4), (9, 3)])
+def test_sub_block_columns_hold_every_column_advance_reads(width, sub):
+    g = torch.Generator().manual_seed(width)
+    mask_id = VOCAB - 1
+    window = random_windows(g, 24, width, mask_id)
+    cols = sub_block_columns(window, mask_id, sub)
+    assert cols.shape == (24, sub)
+    for r, need in enumerate(read_columns(window, mask_id, sub)):
+        have = cols[r].tolist()
+        assert need <= set(have) and len(set(have)) == sub and min(have) >= 0 and max(have) < width, (r, need, have)
+
+
+def test_fast_dllm_graph_step_reads_the_full_logits(tmp_path):
+    """The seam's draft step of a sub-block family (`sub_block_head` on), compiled layout and eager:
+    at the columns advance reads, the full step's logits; the cache as the full step leaves it."""
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    loaded = confident(tmp_path, "Fast_dLLM_Qwen")
+    seam = FamilySeam(loaded)
+    assert seam.sub_block == 8 and not seam.trims(32, 32, 32)  # off unless asked
+    seam.sub_block_head = True
+    assert seam.trims(32, 32, 32) and not seam.trims(64, 32, 33) and not seam.trims(8, 8, 8)
+    mask_id = seam.config.mask_token_id
+    g = torch.Generator().manual_seed(3)
+    window = random_windows(g, len(LENGTHS), 32, mask_id)
+    with torch.no_grad():
+        full_cache, cache = committed(loaded.model, LENGTHS), committed(loaded.model, LENGTHS)
+        full = loaded.model.static_forward(window, full_cache, 32, None, 32)
+        got = seam.graph_step(window, None, cache, 32, 32, 32, 32)
+        eager_ref = loaded.model(window, cache=committed(loaded.model, LENGTHS), block_size=32)
+        eager = seam(window, cache=committed(loaded.model, LENGTHS), block_size=32, draft_len=32,
+                     logits_to_keep=32).logits
+    assert got.shape == full.shape == eager.shape
+    for r, need in enumerate(read_columns(window, mask_id, 8)):
+        for j in need:
+            torch.testing.assert_close(got[r, j], full[r, j], rtol=1e-5, atol=3e-4)
+            torch.testing.assert_close(eager[r, j], eager_ref[r, j], rtol=1e-5, atol=3e-4)
+    for layer in full_cache.key:
+        torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)
