@@ -83,7 +83,27 @@ def test_posts_are_held_only_in_the_thread_of_the_turn():
         assert len(loop.calls) == 1  # another thread's post is not held by this turn
         t.post("mine")
         assert len(loop.calls) == 1
-    assert len(loop.calls) == 2
+        loop.run()
+        assert _drain(t.queue) == ["other thread"]  # "mine" waits for the end of the turn
+    assert len(loop.calls) == 1
+    loop.run()
+    assert _drain(t.queue) == ["mine"]
+
+
+def test_posts_join_a_wake_up_the_loop_has_not_run_yet():
+    loop = RecordingLoop()
+    t1, t2 = _ticket(loop), _ticket(loop)
+    for turn in range(3):  # the loop lags: three turns, one wake-up
+        with held_posts():
+            t1.post(f"a{turn}")
+            t2.post(f"b{turn}")
+    assert len(loop.calls) == 1
+    loop.run()
+    assert _drain(t1.queue) == ["a0", "a1", "a2"] and _drain(t2.queue) == ["b0", "b1", "b2"]
+    t1.post("a3")  # the wake-up ran: the next post wakes the loop again
+    assert len(loop.calls) == 1
+    loop.run()
+    assert _drain(t1.queue) == ["a3"]
 
 
 def test_a_gone_loop_drops_the_posts_quietly():
@@ -202,3 +222,12 @@ def test_create_app_runs_prepare_unless_the_caller_did(monkeypatch):
     assert calls == []
     create_app(model, tokenizer, Settings(model_id="tiny", block_size=4))
     assert calls == [model]
+
+
+def test_response_ids_are_24_hex_digits_and_distinct():
+    import re
+
+    from clover.server.protocol import new_id
+
+    ids = [new_id("cmpl") for _ in range(1000)]
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == len(ids)

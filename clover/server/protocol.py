@@ -10,9 +10,9 @@ is checked by `ChatRequest.tool_plan`; `ToolPlan` parses the reply (docs/serving
 
 from __future__ import annotations
 
+import random
 import re
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -248,8 +248,11 @@ class DecideRequest(BaseModel):
 
 
 # ---- responses -------------------------------------------------------------------------------------
+_ids = random.Random()  # seeded from os.urandom once: an id costs no system call
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    return f"{prefix}-{_ids.getrandbits(96):024x}"
 
 
 def now() -> int:

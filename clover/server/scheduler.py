@@ -26,7 +26,8 @@
   during one) on a load.
 * Results cross to the asyncio side on the tickets' queues: the posts of one loop turn go together,
   one `loop.call_soon_threadsafe` per turn (`held_posts`), so the event loop's thread takes the GIL
-  once per step instead of once per row.
+  once per step instead of once per row; while that wake-up is still pending (the event loop lags
+  behind) later turns' posts join it instead of waking the loop again (`Inbox`).
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
   a batched `step()` that raises does not say which row caused it. Rows that joined since the
@@ -43,6 +44,7 @@ import asyncio
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -131,20 +133,57 @@ def held_posts():
 
 
 def deliver(posts: list[tuple[Ticket, Event]]) -> None:
-    """Posts to their tickets' queues: one `call_soon_threadsafe` per event loop."""
+    """Posts to their tickets' queues, through each event loop's `Inbox`: at most one wake-up of a
+    loop pending at a time."""
     by_loop: dict = {}
     for ticket, item in posts:
         by_loop.setdefault(ticket.loop, []).append((ticket.queue, item))
     for loop, items in by_loop.items():
+        Inbox.of(loop).add(loop, items)
+
+
+class Inbox:
+    """The posts on their way to one event loop. A post finds the loop's wake-up (`call_soon_threadsafe`,
+    a write to its self-pipe) already pending while the loop has not run it yet, and just joins it: a
+    loop that lags behind the decoding takes several turns' posts in one wake-up, and the decoding
+    thread does not hand the GIL to the loop's thread once per turn."""
+
+    _all: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _made = threading.Lock()
+
+    def __init__(self):
+        self.lock, self.items, self.pending = threading.Lock(), [], False
+
+    @classmethod
+    def of(cls, loop) -> Inbox:
+        """The loop's inbox (a fresh one, not shared, for a loop that takes no weak reference)."""
+        with cls._made:
+            try:
+                box = cls._all.get(loop)
+                if box is None:
+                    box = cls._all[loop] = cls()
+            except TypeError:
+                box = cls()
+            return box
+
+    def add(self, loop, items: list) -> None:
+        with self.lock:
+            self.items += items
+            if self.pending:
+                return
+            self.pending = True
         try:
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(self.drain)
         except RuntimeError:  # the loop is gone (server shutting down)
-            pass
+            with self.lock:
+                self.items, self.pending = [], False
 
-
-def _put_all(items: list) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+    def drain(self) -> None:
+        """(In the loop's thread) everything posted so far, into the tickets' queues, in order."""
+        with self.lock:
+            items, self.items, self.pending = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 @dataclass(eq=False)
