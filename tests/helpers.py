@@ -74,3 +74,18 @@ def runner_calls(runner: str):
         yield logits
     finally:
         cls.forward = real
+
+
+def assert_help_and_unknown_flag(capsys, argv: list, flag: str) -> None:
+    """`clover ARGV --help` exits 0 and lists `flag`; an unknown flag exits 2 with a one-line error."""
+    import pytest
+
+    from clover.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0 and flag in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--no-such-flag"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1

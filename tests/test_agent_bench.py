@@ -16,7 +16,7 @@ from clover.chat import prompt_renderer, renders_tools
 from clover.data import toolbox
 from clover.data.toolbox import SPECS
 from clover.cli import main
-from helpers import save_tiny_model, tiny_tokenizer
+from helpers import assert_help_and_unknown_flag, save_tiny_model, tiny_tokenizer
 
 TOOLS = [SPECS["add"], SPECS["get_weather"], SPECS["convert_length"]]
 PLAIN_TEMPLATE = (  # a chat template that predates tools (the benchmark renders them through clover.chat)
@@ -203,13 +203,7 @@ def test_benchmark_runs_on_a_tiny_model(tiny_dir):
 
 
 def test_cli_bench_agent(tiny_dir, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "agent", "--help"])
-    assert e.value.code == 0 and "--block-size" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "agent", "--no-such-flag"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert_help_and_unknown_flag(capsys, ["bench", "agent"], "--block-size")
     assert main(["bench", "agent", "--mode", "fast"]) == 2
     assert "unknown mode" in capsys.readouterr().err
     assert main(["bench", "agent", "--model", tiny_dir, "--n", "3", "--max-new-tokens", "4", "--block-size", "4",

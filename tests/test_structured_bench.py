@@ -12,7 +12,7 @@ from clover.cli import main
 from clover.benchmarks import structured as bench
 from clover.structured import generate_json, skeleton
 from clover.structured import generate as structured_generate
-from helpers import save_tiny_model
+from helpers import assert_help_and_unknown_flag, save_tiny_model
 
 SCHEMA = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "pet": {"enum": ["cat", "dog"]}}}
@@ -93,13 +93,7 @@ def test_benchmark_runs_on_a_tiny_model(tiny):
 
 def test_cli_bench_structured(tiny, tmp_path, capsys):
     tiny_dir = tiny[0]
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "structured", "--help"])
-    assert e.value.code == 0 and "--max-new-tokens" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "structured", "--no-such-flag"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert_help_and_unknown_flag(capsys, ["bench", "structured"], "--max-new-tokens")
     assert main(["bench", "structured", "--n", "0"]) == 2
     assert "--n" in capsys.readouterr().err
     assert main(["bench", "structured", "--model", tiny_dir, "--block-size", "99"]) == 2
