@@ -181,28 +181,30 @@ class SyncedCache(CloverCache):
         weakref.finalize(self, driver.dead.append, cid)  # freed on every rank with the next command
         return self
 
-    def _sync(name):  # noqa: N805 - a decorator factory in the class body
-        def method(self, *args, **local):  # `local`: how rank 0 computes it (rollback's states), not sent
-            base = getattr(CloverCache, name)
-            driver = getattr(self, "_driver", None)
-            if driver is None or driver.inside:  # inside a forward: every rank does it already
-                return base(self, *args, **local)
-            with driver.lock:
-                driver.send(("call", self._cid, name, [a._cid if isinstance(a, SyncedCache) else a for a in args]))
-                return base(self, *args, **local)
-
-        method.__name__ = name
-        return method
-
-    append_rows = _sync("append_rows")
-    select_rows = _sync("select_rows")
-    start_recording = _sync("start_recording")
-    rollback = _sync("rollback")
-    reserve = _sync("reserve")
-    del _sync
+    MIRRORED = ("append_rows", "select_rows", "start_recording", "rollback", "reserve")  # sent to every rank
 
     def restore(self, snap: dict) -> None:  # a snapshot holds rank 0's shard only
         raise NotImplementedError("CloverCache.restore is not mirrored across ranks (use start_recording / rollback)")
+
+
+def _mirrored(name: str):
+    """SyncedCache's `name`: CloverCache's, sent to the other ranks first unless inside a forward."""
+    def method(self, *args, **local):  # `local`: how rank 0 computes it (rollback's states), not sent
+        base = getattr(CloverCache, name)
+        driver = getattr(self, "_driver", None)
+        if driver is None or driver.inside:  # inside a forward: every rank does it already
+            return base(self, *args, **local)
+        with driver.lock:
+            driver.send(("call", self._cid, name, [a._cid if isinstance(a, SyncedCache) else a for a in args]))
+            return base(self, *args, **local)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in SyncedCache.MIRRORED:
+    setattr(SyncedCache, _name, _mirrored(_name))
+del _name
 
 
 class Driver:
