@@ -112,3 +112,27 @@ def test_int4_model_logits_match_the_reference_path():
         ref = q(ids, block_size=8, draft_len=8).logits
     assert kinds == {"clover"}
     assert (fast - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_int4_experts_op_equals_the_reference_experts(tokens):
+    """`clover_cpu::int4_experts` (what an Int4Experts runs on clover's kernel, eager and compiled)
+    against the grouped reference on the dequantised stacks, and a bf16 x."""
+    from clover.ops.moe import grouped_experts
+    from clover.quant.modules import Int4Experts
+
+    e, h, i = 6, 96, 32
+    experts = Int4Experts(e, h, i, 32)
+    gen = torch.Generator().manual_seed(tokens)
+    gu, dn = torch.randn(e, 2 * i, h, generator=gen) * 0.1, torch.randn(e, h, i, generator=gen) * 0.1
+    experts.gate_up_proj.load_stored(quantize_rtn(gu, 32))
+    experts.down_proj.load_stored(quantize_rtn(dn, 32))
+    x = torch.randn(tokens, h, generator=gen)
+    top_w, top_idx = torch.rand(tokens, e, generator=gen).softmax(-1).topk(2, dim=-1)
+    ref = grouped_experts(x.double(), top_idx, top_w.double(), dequantize(*experts.gate_up_proj.stored()).double(),
+                          dequantize(*experts.down_proj.stored()).double())
+    got = experts(x, top_idx, top_w)
+    assert experts.gate_up_proj.clover_stack() is not None  # the C++ op ran
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert experts(x.bfloat16(), top_idx, top_w.bfloat16()).dtype == torch.bfloat16
+

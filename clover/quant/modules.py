@@ -39,6 +39,7 @@ class Int4Weight(nn.Module):
         self.register_buffer("qzeros", torch.full((*shape, groups), 8, dtype=torch.uint8, device=device))
         self.kernel = "auto"  # or "aten" (torch's CPU kernel), "reference" (dequantise then matmul)
         self._packed: list[PackedInt4] | None = None
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None  # clover's layout of a stack, all matrices
         self._released = False
         self._register_state_dict_hook(Int4Weight._stored_state)
 
@@ -64,6 +65,10 @@ class Int4Weight(nn.Module):
             warnings.warn(f"int4 {kind} kernel unavailable for {tuple(self.qweight.shape)}: {e}; using the reference")
             self.kernel = "reference"
             return None
+        if kind == "clover" and self.lead:  # one tensor per part for the experts op; each matrix a view of it
+            self._stack = torch.stack([p.weight for p in packed]), torch.stack([p.sz for p in packed])
+            for i, p in enumerate(packed):
+                p.weight, p.sz = self._stack[0][i], self._stack[1][i]
         if kind in ("cpu", "clover"):  # the kernel layout now holds everything: drop the stored copy
             empty = lambda t: torch.empty(0, dtype=t.dtype, device=t.device)  # noqa: E731
             self.qweight, self.scales, self.qzeros = empty(self.qweight), empty(self.scales), empty(self.qzeros)
@@ -78,6 +83,10 @@ class Int4Weight(nn.Module):
             return
         if self._packed is None:
             self._packed = self._build()
+        if self._stack is not None:  # the stack's parts, indexed per matrix in the graph
+            self.register_buffer("packed_weight_all", self._stack[0], persistent=False)
+            self.register_buffer("packed_sz_all", self._stack[1], persistent=False)
+            return
         for i, p in enumerate(self._packed or ()):
             self.register_buffer(f"packed_weight_{i}", p.weight, persistent=False)
             self.register_buffer(f"packed_sz_{i}", p.sz, persistent=False)
@@ -85,11 +94,29 @@ class Int4Weight(nn.Module):
     def graph_layout(self) -> tuple[list, list] | None:
         """(weights, scales-and-zeros) of the kernel layout per matrix while a graph is traced on it
         (`prepare_for_graphs`), else None."""
-        if not (torch.compiler.is_compiling() and self.kernel != "reference" and "packed_weight_0" in self._buffers):
+        if not (torch.compiler.is_compiling() and self.kernel != "reference"):
             return None
         count = math.prod(self.lead)
+        if "packed_weight_all" in self._buffers:
+            return ([self._buffers["packed_weight_all"][i] for i in range(count)],
+                    [self._buffers["packed_sz_all"][i] for i in range(count)])
+        if "packed_weight_0" not in self._buffers:
+            return None
         return ([self._buffers[f"packed_weight_{i}"] for i in range(count)],
                 [self._buffers[f"packed_sz_{i}"] for i in range(count)])
+
+    def clover_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(panels, sz) of every matrix at once in clover's CPU layout (`ops/linear/int4_linear.py`):
+        the graph's buffers while one is traced, else the built layout; None for other kernels."""
+        if self.kernel == "reference":
+            return None
+        if torch.compiler.is_compiling():
+            if "packed_weight_all" in self._buffers:
+                return self._buffers["packed_weight_all"], self._buffers["packed_sz_all"]
+            return None
+        if self._packed is None:
+            self._packed = self._build()
+        return self._stack
 
     def matmul(self, x: torch.Tensor, index: int = 0) -> torch.Tensor:
         """x [..., K] @ W[index]^T (index into the flattened lead dims) in x's dtype."""
@@ -126,7 +153,7 @@ class Int4Weight(nn.Module):
         if self._released:
             self.qweight, self.scales, self.qzeros = self.stored()
             self._released = False
-        self._packed = None
+        self._packed = self._stack = None
         for name in [n for n in self._buffers if n.startswith("packed_")]:
             del self._buffers[name]
 
@@ -205,6 +232,11 @@ class Int4Experts(nn.Module):
         return self.down_proj.matmul(F.silu(gate) * up, e)
 
     def forward(self, x, top_idx, top_w):
+        stacks = self.gate_up_proj.clover_stack(), self.down_proj.clover_stack()
+        if stacks[0] is not None and stacks[1] is not None:  # clover's CPU kernel: one C++ op, eager or traced
+            from ..ops.linear.int4_linear import int4_experts
+
+            return int4_experts(x, top_idx, top_w, *stacks[0], *stacks[1], self.gate_up_proj.group_size, self.inter)
         gate_up, down = self.gate_up_proj.graph_layout(), self.down_proj.graph_layout()
         kind = self.gate_up_proj._packed[0].kind if gate_up is not None and down is not None else None
         if kind in ("cpu", "clover"):

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -285,12 +286,76 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// Routed SwiGLU experts on int4 stacks (gate_up [E, 2I, H] rows [gate ; up], down [E, H, I], each
+// in the layout above with a leading expert dim) for the top-k choices of every token: each used
+// expert runs its tokens' rows through both projections (`panels`, one thread), the pair outputs
+// then summed per token in slot order, weighted: the order ops/moe/naive.py sums them in, as
+// tiled.cpp's fp32 `experts`.
+at::Tensor int4_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,
+                        const at::Tensor& gate_up_sz, const at::Tensor& down, const at::Tensor& down_sz, int64_t group_size,
+                        int64_t inter) {
+  TORCH_CHECK(x.dim() == 2 && top_idx.dim() == 2 && gate_up.dim() == 4 && down.dim() == 4 && gate_up_sz.dim() == 5 &&
+                  down_sz.dim() == 5, "clover_cpu::int4_experts: bad ranks");
+  TORCH_CHECK(gate_up.scalar_type() == at::kByte && down.scalar_type() == at::kByte && gate_up_sz.scalar_type() == at::kFloat &&
+                  down_sz.scalar_type() == at::kFloat, "clover_cpu::int4_experts: uint8 panels, fp32 sz");
+  const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), E = gate_up.size(0), I = inter, I2 = 2 * inter;
+  TORCH_CHECK(gate_up.size(2) * 2 == H && down.size(2) * 2 == I && down.size(0) == E && H % group_size == 0 &&
+                  I % group_size == 0 && gate_up.size(1) * kPanel >= I2 && down.size(1) * kPanel >= H,
+              "clover_cpu::int4_experts: shapes disagree");
+  const auto xc = x.to(at::kFloat).contiguous();
+  const auto idx = top_idx.to(at::kLong).contiguous();
+  const auto wts = top_w.to(at::kFloat).contiguous();
+  const auto gu = gate_up.contiguous(), gs = gate_up_sz.contiguous(), dn = down.contiguous(), ds = down_sz.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = wts.data_ptr<float>();
+  std::vector<std::vector<int64_t>> pairs(E);  // pair = token * k + slot, per expert
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "clover_cpu::int4_experts: expert index out of range");
+    pairs[ip[p]].push_back(p);
+  }
+  std::vector<float> out(T * k * H), xs, h, a, o;
+  const int64_t gu_p = gu.size(1), dn_p = dn.size(1);
+  const int64_t gu_n = gu.numel() / E, gs_n = gs.numel() / E, dn_n = dn.numel() / E, ds_n = ds.numel() / E;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(pairs[e].size());
+    if (!n) continue;
+    xs.resize(n * H), h.resize(n * I2), a.resize(n * I), o.resize(n * H);
+    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pairs[e][r] / k) * H, H, xs.data() + r * H);
+    panels(xs.data(), n, H, group_size, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n,
+           h.data(), I2, 0, gu_p);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = h[r * I2 + j], u = h[r * I2 + I + j];
+        a[r * I + j] = g / (1.f + std::exp(-g)) * u;
+      }
+    panels(a.data(), n, I, group_size, dn.data_ptr<uint8_t>() + e * dn_n, ds.data_ptr<float>() + e * ds_n,
+           o.data(), H, 0, dn_p);
+    for (int64_t r = 0; r < n; ++r) std::copy_n(o.data() + r * H, H, out.data() + pairs[e][r] * H);
+  }
+  auto y = at::empty({T, H}, xc.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = yp + t * H;
+    std::fill_n(row, H, 0.f);
+    for (int64_t s = 0; s < k; ++s) {
+      const float w = wp[t * k + s];
+      const float* src = out.data() + (t * k + s) * H;
+      for (int64_t j = 0; j < H; ++j) row[j] += src[j] * w;
+    }
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor sz, int group_size, int n) -> Tensor");
+  m.def("int4_experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor gate_up_sz, Tensor down, "
+        "Tensor down_sz, int group_size, int inter) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_experts", &int4_experts);
 }

@@ -59,3 +59,12 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_s
     if not tiled.available():
         raise RuntimeError("the clover int4 linear is not available on this machine")
     return torch.ops.clover_cpu.int4_linear(x, packed, sz, group_size, n)
+
+
+def int4_experts(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size: int, inter: int) -> torch.Tensor:
+    """ops/moe/naive.py's routed SwiGLU experts on int4 stacks in this layout (gate_up [E, P, H/2, 16]
+    with sz [E, P, H/g, 2, 16], down likewise over I) through `clover_cpu::int4_experts`: one opaque op
+    with a static output shape, so a compiled graph calls it for any routing."""
+    if not tiled.available():
+        raise RuntimeError("the clover int4 linear is not available on this machine")
+    return torch.ops.clover_cpu.int4_experts(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter)

@@ -130,6 +130,10 @@ def _load() -> bool:
     def _(x, packed, sz, group_size, n):
         return x.new_empty(*x.shape[:-1], n)
 
+    @torch.library.register_fake("clover_cpu::int4_experts")
+    def _(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("clover_cpu::unit_lower_solve")
     def _(system, rhs):
         return rhs.new_empty(rhs.shape)
