@@ -7,7 +7,10 @@ the default model in fp32 and in int4 (RTN, group 128) on each int4 kernel.
 Every figure is a median of thread CPU time (the time the scheduler gave other processes left out), the candidates called in
 turn (interleaved) in `--rounds` rounds; a ratio is the ratio of the medians over all rounds, and
 its spread [min, max] the same ratio per round. Outputs are checked against the dequantised
-reference first. Load average before and after each table.
+reference first. Load average before and after each table. At 2 threads thread CPU time counts the
+calling thread's share only: torch's int4 kernel splits large products over its pool, while
+clover's kernels run on the calling thread (the extension is built without OpenMP, so
+at::parallel_for runs inline), so there its ratio favours torch's by up to its pool's share.
 
     python bench/update.py int4-linear -- python bench/int4_linear.py --threads 1,2 --step
 """

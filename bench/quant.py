@@ -258,7 +258,7 @@ def main() -> int:
     print("| generated tokens equal to bf16's | 100% | " +
           " | ".join(f"{100 * agreement(quality[k][3]):.1f}%" for k in ("int4 RTN", "int4 GPTQ")) + " |")
     print("\nDecode speed by model dtype (the dtype of everything but the int4 matmuls, whose activations are "
-          "always bf16); `clover.load` picks fp32 on CPU:\n")
+          f"{'fp32' if kinds == {'clover'} else 'bf16'} whatever it is); `clover.load` picks fp32 on CPU:\n")
     print("| model | tok/s | ms per forward | vs bf16 | vs fp32 |")
     print("|---|---:|---:|---:|---:|")
     for name, (tps, fw, ms) in speed.items():
