@@ -97,3 +97,29 @@ def test_fast_dllm_graph_step_reads_the_full_logits(tmp_path):
             torch.testing.assert_close(eager[r, j], eager_ref[r, j], rtol=1e-5, atol=3e-4)
     for layer in full_cache.key:
         torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["sdar_moe", "llada2_moe", "Fast_dLLM_Qwen"])
+@pytest.mark.parametrize("keep", [1, 4])
+def test_kept_columns_equal_the_full_step(tmp_path, model_type, keep):
+    """`keep` < the step's columns (a commit with its draft, a prefill chunk): the last layer and the
+    head run on the kept columns only, eagerly and in the compiled layout; the same logits and K/V."""
+    from clover.models.modeling_family import tail_columns
+
+    write_family(tmp_path, model_type)
+    loaded = confident(tmp_path, model_type)
+    model, seam = loaded.model, FamilySeam(loaded)
+    ids = torch.randint(4, VOCAB, (len(LENGTHS), 9), generator=torch.Generator().manual_seed(4))
+    assert tail_columns(ids, 9) is None and tail_columns(ids, 0) is None
+    with torch.no_grad():
+        full_cache, cache = committed(model, LENGTHS), committed(model, LENGTHS)
+        full = model.static_forward(ids, full_cache, 4)[:, -keep:]
+        got = model.static_forward(ids, cache, 4, keep=keep)
+        eager_cache = committed(model, LENGTHS)
+        eager = seam(ids, cache=eager_cache, block_size=4, draft_len=4, logits_to_keep=keep).logits
+        eager_ref = model(ids, cache=committed(model, LENGTHS), commit=5, block_size=4)[:, -keep:]
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=3e-4)
+    torch.testing.assert_close(eager, eager_ref, rtol=1e-5, atol=3e-4)
+    assert eager_cache.lens.tolist() == [n + 5 for n in LENGTHS]
+    for layer in full_cache.key:
+        torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from .modeling_family import tail_columns
+
 
 class FamilySeam(nn.Module):
     def __init__(self, loaded):
@@ -95,12 +97,11 @@ class FamilySeam(nn.Module):
         block = self.block_of(block_size, clean_block_size)
         cols = sub_block_columns(input_ids, self.config.mask_token_id, self.sub_block) \
             if self.trims(width, draft_len, logits_to_keep, logits_index) else None
+        keep = cols if cols is not None else tail_columns(input_ids, logits_to_keep)
         hidden = self.family_model(input_ids, cache=cache, commit=width - draft_len if cache is not None else False,
-                                   block_size=block, pad=pad_mask, hidden_only=True, select=cols)
+                                   block_size=block, pad=pad_mask, hidden_only=True, select=keep)
         if cols is not None:
             return SimpleNamespace(logits=spread(self.family_model.logits(hidden), cols, width))
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
         if logits_index is not None:
             hidden = hidden[:, logits_index]
         return SimpleNamespace(logits=self.family_model.logits(hidden))

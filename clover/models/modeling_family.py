@@ -222,6 +222,13 @@ def take_columns(t: torch.Tensor, cols: torch.Tensor, dim: int) -> torch.Tensor:
     return t.gather(dim, index)
 
 
+def tail_columns(ids: torch.Tensor, keep: int) -> torch.Tensor | None:
+    """[R, keep] the last `keep` columns of ids [R, L] (None: all, when keep is 0 or L)."""
+    rows, width = ids.shape
+    return torch.arange(width - keep, width, device=ids.device).expand(rows, keep) if 0 < keep < width else None
+
+
+
 class Backbone(nn.Module):
     """`model.<embed_name>`, `model.layers`, `model.norm` (the published names)."""
 
@@ -302,11 +309,12 @@ class BlockFamilyModel(nn.Module):
                        select: torch.Tensor | None = None):
         """Logits of the last `keep` columns (0: all) of a compiled step (`static_block_step`, its
         attention over the first `span` cache slots, 0: all): every column's K/V written into the
-        cache in place; the caller then advances the lengths by the clean columns. `select` [B, n]
-        (instead of `keep`): the logits of those columns only, [B, n, V], the last layer's queries,
-        MLP and the head run on them alone."""
-        x = self.hidden(input_ids, static_block_step(input_ids, block_size, cache, pad, span), select)
-        return self.logits(x[:, -keep:] if keep and select is None else x)
+        cache in place; the caller then advances the lengths by the clean columns. The last layer's
+        queries, MLP and the head run only on the columns whose logits are returned: the kept ones,
+        or `select` [B, n] (instead of `keep`: those columns' logits, [B, n, V])."""
+        if select is None:  # the last layer and the head on the kept columns only
+            select = tail_columns(input_ids, keep)
+        return self.logits(self.hidden(input_ids, static_block_step(input_ids, block_size, cache, pad, span), select))
 
     def hidden(self, input_ids, step: Step, select: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states of a forward laid out by `step`; with `select` [B, n], those of
