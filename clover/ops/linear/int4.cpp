@@ -26,11 +26,25 @@
 #include <immintrin.h>
 #endif
 
+#include "routed_experts.h"
+
 namespace {
 
 constexpr int64_t kPanel = 16;
 
 #if defined(__AVX512F__)
+// A tile's R x P accumulators to y's rows, the columns from n0 (a last panel past N masked).
+template <int R, int P>
+inline void store_tile(const __m512 (&acc)[R][P], float* y, int64_t ldy, int64_t n0, int64_t N) {
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * kPanel;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
+  }
+}
+
 // R rows x P panels over k in [0, K): panel p's bytes at w + p * (K/2) * 16, its (s, -zs) at sz + p * G * 32.
 template <int R, int P>
 __attribute__((noinline)) void tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w,
@@ -62,13 +76,7 @@ __attribute__((noinline)) void tile(const float* __restrict x, int64_t ldx, cons
       }
     }
   }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = n0 + p * kPanel;
-    if (n >= N) break;
-    const int64_t left = N - n;
-    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
-  }
+  store_tile<R, P>(acc, y, ldy, n0, N);
 }
 constexpr int kMaxRows = 8;  // 8 x 2 accumulators + 2 x 4 dequantised / scale vectors of the 32 registers
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -199,13 +207,7 @@ __attribute__((noinline)) void ftile(const float* __restrict x, int64_t ldx, con
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
     }
   }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = n0 + p * kPanel;
-    if (n >= N) break;
-    const int64_t left = N - n;
-    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
-  }
+  store_tile<R, P>(acc, y, ldy, n0, N);
 }
 
 void buffered_panels(const float* x, int64_t M, int64_t K, int64_t g, const uint8_t* w, const float* sz, float* y,
@@ -287,10 +289,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 // Routed SwiGLU experts on int4 stacks (gate_up [E, 2I, H] rows [gate ; up], down [E, H, I], each
-// in the layout above with a leading expert dim) for the top-k choices of every token: each used
-// expert runs its tokens' rows through both projections (`panels`, one thread), the pair outputs
-// then summed per token in slot order, weighted: the order ops/moe/naive.py sums them in, as
-// tiled.cpp's fp32 `experts`.
+// in the layout above with a leading expert dim) for the top-k choices of every token
+// (routed_experts.h), each projection through `panels` (one thread), as tiled.cpp's fp32 `experts`.
 at::Tensor int4_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,
                         const at::Tensor& gate_up_sz, const at::Tensor& down, const at::Tensor& down_sz, int64_t group_size,
                         int64_t inter) {
@@ -298,52 +298,20 @@ at::Tensor int4_experts(const at::Tensor& x, const at::Tensor& top_idx, const at
                   down_sz.dim() == 5, "clover_cpu::int4_experts: bad ranks");
   TORCH_CHECK(gate_up.scalar_type() == at::kByte && down.scalar_type() == at::kByte && gate_up_sz.scalar_type() == at::kFloat &&
                   down_sz.scalar_type() == at::kFloat, "clover_cpu::int4_experts: uint8 panels, fp32 sz");
-  const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), E = gate_up.size(0), I = inter, I2 = 2 * inter;
+  const int64_t H = x.size(1), E = gate_up.size(0), I = inter, I2 = 2 * inter;
   TORCH_CHECK(gate_up.size(2) * 2 == H && down.size(2) * 2 == I && down.size(0) == E && H % group_size == 0 &&
                   I % group_size == 0 && gate_up.size(1) * kPanel >= I2 && down.size(1) * kPanel >= H,
               "clover_cpu::int4_experts: shapes disagree");
-  const auto xc = x.to(at::kFloat).contiguous();
-  const auto idx = top_idx.to(at::kLong).contiguous();
-  const auto wts = top_w.to(at::kFloat).contiguous();
   const auto gu = gate_up.contiguous(), gs = gate_up_sz.contiguous(), dn = down.contiguous(), ds = down_sz.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  const float* wp = wts.data_ptr<float>();
-  std::vector<std::vector<int64_t>> pairs(E);  // pair = token * k + slot, per expert
-  for (int64_t p = 0; p < T * k; ++p) {
-    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "clover_cpu::int4_experts: expert index out of range");
-    pairs[ip[p]].push_back(p);
-  }
-  std::vector<float> out(T * k * H), xs, h, a, o;
   const int64_t gu_p = gu.size(1), dn_p = dn.size(1);
   const int64_t gu_n = gu.numel() / E, gs_n = gs.numel() / E, dn_n = dn.numel() / E, ds_n = ds.numel() / E;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = static_cast<int64_t>(pairs[e].size());
-    if (!n) continue;
-    xs.resize(n * H), h.resize(n * I2), a.resize(n * I), o.resize(n * H);
-    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pairs[e][r] / k) * H, H, xs.data() + r * H);
-    panels(xs.data(), n, H, group_size, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n,
-           h.data(), I2, 0, gu_p);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t j = 0; j < I; ++j) {
-        const float g = h[r * I2 + j], u = h[r * I2 + I + j];
-        a[r * I + j] = g / (1.f + std::exp(-g)) * u;
-      }
-    panels(a.data(), n, I, group_size, dn.data_ptr<uint8_t>() + e * dn_n, ds.data_ptr<float>() + e * ds_n,
-           o.data(), H, 0, dn_p);
-    for (int64_t r = 0; r < n; ++r) std::copy_n(o.data() + r * H, H, out.data() + pairs[e][r] * H);
-  }
-  auto y = at::empty({T, H}, xc.options());
-  float* yp = y.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = yp + t * H;
-    std::fill_n(row, H, 0.f);
-    for (int64_t s = 0; s < k; ++s) {
-      const float w = wp[t * k + s];
-      const float* src = out.data() + (t * k + s) * H;
-      for (int64_t j = 0; j < H; ++j) row[j] += src[j] * w;
-    }
-  }
+  auto y = clover_experts::routed_experts(x, top_idx, top_w, E, I, "clover_cpu::int4_experts",
+                                          [&](int64_t e, int which, const float* in, int64_t n, float* out) {
+    if (which == 0)
+      panels(in, n, H, group_size, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n, out, I2, 0, gu_p);
+    else
+      panels(in, n, I, group_size, dn.data_ptr<uint8_t>() + e * dn_n, ds.data_ptr<float>() + e * ds_n, out, H, 0, dn_p);
+  });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 

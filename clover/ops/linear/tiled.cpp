@@ -28,6 +28,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "routed_experts.h"
 #include <unordered_map>
 
 #include <type_traits>
@@ -617,53 +619,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 }
 
 // Routed SwiGLU experts (gate_up [E, 2I, H] rows [gate ; up], down [E, H, I]) of x [T, H] for the
-// top-k choices of every token: each used expert runs its tokens' rows through both packed
-// projections; the pair outputs are then summed per token in slot order, weighted (the order
-// ops/moe/naive.py sums them in).
+// top-k choices of every token (routed_experts.h), each projection through the packed panels.
 template <typename GU, typename DN>
 at::Tensor run_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gu,
                        const GU* gup, const at::Tensor& dn, const DN* dnp, int64_t I) {
-  const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), E = gu.size(0), I2 = 2 * I;
-  auto xc = x.contiguous();
-  auto idx = top_idx.to(at::kLong).contiguous();
-  auto wts = top_w.to(at::kFloat).contiguous();
-  const float* xp = xc.data_ptr<float>();
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  const float* wp = wts.data_ptr<float>();
+  const int64_t H = x.size(1), I2 = 2 * I;
   const bool bf16_x = bf16_activations();
-  std::vector<std::vector<int64_t>> pairs(E);  // pair = token * k + slot, per expert
-  for (int64_t p = 0; p < T * k; ++p) {
-    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "clover_cpu::experts: expert index out of range");
-    pairs[ip[p]].push_back(p);
-  }
-  std::vector<float> out(T * k * H), xs, h, a, o;
   const int64_t gu_stride = gu.size(1) * gu.size(2) * kPanel, dn_stride = dn.size(1) * dn.size(2) * kPanel;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = static_cast<int64_t>(pairs[e].size());
-    if (!n) continue;
-    xs.resize(n * H), h.resize(n * I2), a.resize(n * I), o.resize(n * H);
-    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pairs[e][r] / k) * H, H, xs.data() + r * H);
-    panels(xs.data(), n, H, gup + e * gu_stride, h.data(), I2, nullptr, 0, gu.size(1), bf16_x);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t j = 0; j < I; ++j) {
-        const float g = h[r * I2 + j], u = h[r * I2 + I + j];
-        a[r * I + j] = g / (1.f + std::exp(-g)) * u;
-      }
-    panels(a.data(), n, I, dnp + e * dn_stride, o.data(), H, nullptr, 0, dn.size(1), bf16_x);
-    for (int64_t r = 0; r < n; ++r) std::copy_n(o.data() + r * H, H, out.data() + pairs[e][r] * H);
-  }
-  auto y = at::empty({T, H}, x.options());
-  float* yp = y.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = yp + t * H;
-    std::fill_n(row, H, 0.f);
-    for (int64_t s = 0; s < k; ++s) {
-      const float w = wp[t * k + s];
-      const float* src = out.data() + (t * k + s) * H;
-      for (int64_t j = 0; j < H; ++j) row[j] += src[j] * w;
-    }
-  }
-  return y;
+  return clover_experts::routed_experts(x, top_idx, top_w, gu.size(0), I, "clover_cpu::experts",
+                                        [&](int64_t e, int which, const float* in, int64_t n, float* out) {
+    if (which == 0)
+      panels(in, n, H, gup + e * gu_stride, out, I2, nullptr, 0, gu.size(1), bf16_x);
+    else
+      panels(in, n, I, dnp + e * dn_stride, out, H, nullptr, 0, dn.size(1), bf16_x);
+  });
 }
 
 at::Tensor experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,

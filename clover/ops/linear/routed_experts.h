@@ -1,0 +1,60 @@
+// Routed SwiGLU experts, the part every weight layout shares (tiled.cpp's fp32 panels, int4.cpp's
+// int4 panels): the (token, slot) pairs grouped per expert, each used expert's rows gathered, run
+// through its gate_up projection (`project(e, 0, in, rows, out)`: out [rows, 2I] = [gate ; up]),
+// SwiGLU, its down projection (`project(e, 1, in, rows, out)`: out [rows, H]), and the pair
+// outputs summed per token in slot order, weighted: the order ops/moe/naive.py sums them in.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace clover_experts {
+
+template <typename Project>
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, int64_t E, int64_t I,
+                          const char* op, Project&& project) {
+  const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), I2 = 2 * I;
+  const auto xc = x.to(at::kFloat).contiguous();
+  const auto idx = top_idx.to(at::kLong).contiguous();
+  const auto wts = top_w.to(at::kFloat).contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = wts.data_ptr<float>();
+  std::vector<std::vector<int64_t>> pairs(E);  // pair = token * k + slot, per expert
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, op, ": expert index out of range");
+    pairs[ip[p]].push_back(p);
+  }
+  std::vector<float> out(T * k * H), xs, h, a, o;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(pairs[e].size());
+    if (!n) continue;
+    xs.resize(n * H), h.resize(n * I2), a.resize(n * I), o.resize(n * H);
+    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pairs[e][r] / k) * H, H, xs.data() + r * H);
+    project(e, 0, xs.data(), n, h.data());
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < I; ++j) {
+        const float g = h[r * I2 + j], u = h[r * I2 + I + j];
+        a[r * I + j] = g / (1.f + std::exp(-g)) * u;
+      }
+    project(e, 1, a.data(), n, o.data());
+    for (int64_t r = 0; r < n; ++r) std::copy_n(o.data() + r * H, H, out.data() + pairs[e][r] * H);
+  }
+  auto y = at::empty({T, H}, xc.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = yp + t * H;
+    std::fill_n(row, H, 0.f);
+    for (int64_t s = 0; s < k; ++s) {
+      const float w = wp[t * k + s];
+      const float* src = out.data() + (t * k + s) * H;
+      for (int64_t j = 0; j < H; ++j) row[j] += src[j] * w;
+    }
+  }
+  return y;
+}
+
+}  // namespace clover_experts
