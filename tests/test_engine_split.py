@@ -3,7 +3,8 @@ segment, those rows commit in a forward of their own and every row's window runs
 tokens and the forwards each row counts are those of the one rectangular (padded) forward, on
 random-weight models (Clover and the families, shift and no shift, rows waiting for their first
 column), batches of odd prompt lengths whose rows finish blocks at different steps, rows joining
-mid-run; and the split runs fewer columns in more model calls."""
+mid-run; and the split runs fewer columns in more model calls. Also: the head runs only on columns a
+step may fill."""
 
 from __future__ import annotations
 
@@ -88,3 +89,23 @@ def test_split_pays_only_past_its_threshold(clover_model, monkeypatch):
     fused = decode(clover_model, None, cfg, ps, [21, 13, 30, 17, 25], monkeypatch)
     high = decode(clover_model, 8 * len(ps) + 1, cfg, ps, [21, 13, 30, 17, 25], monkeypatch)
     assert high == fused
+
+
+def test_head_runs_only_on_the_sub_block_a_step_fills(tmp_path):
+    """Fast-dLLM v2 fills only each row's first sub-block with masks: a greedy step's head runs on
+    those columns (union over rows), not on every masked column; tokens as the published loop's
+    (tests/test_families_engine.py)."""
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    loaded = confident(tmp_path, "Fast_dLLM_Qwen")
+    seam = FamilySeam(loaded)
+    seam.sub_block = 4
+    widths = []
+    hook = loaded.model.lm_head.register_forward_hook(lambda mod, inp, out: widths.append(inp[0].shape[1]))
+    try:
+        engine = Engine(seam, DecodeConfig(block_size=16, threshold=0.95, max_new_tokens=32))
+        engine.generate([prompts(VOCAB)[0]])
+    finally:
+        hook.remove()
+    drafts = [w for w in widths if w > 1]
+    assert drafts and all(w <= 4 or w >= 16 for w in drafts)  # a sub-block's columns, or a block's first step
+    assert any(w <= 4 for w in drafts)

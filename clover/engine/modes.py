@@ -347,8 +347,9 @@ class DiffusionMode(Mode):
             self.cols = None
             return Forward(batch.window, B, B + 1, B)
         cols = None
-        if not batch.runner.full_head:  # the head runs only on columns some row still has masked; the others can't be chosen
-            cols = (st.eligible & ~st.filled).any(0).nonzero().squeeze(1)
+        if not batch.runner.full_head:  # the head runs only on columns some row may fill this step; the others can't be chosen
+            sub_block = self.layout.sub_block if self.cfg.sampling.greedy else 0  # sampled: every masked column draws
+            cols = fillable(st.eligible, st.filled, sub_block).any(0).nonzero().squeeze(1)
             cols = None if cols.numel() == B else cols
         self.cols = cols
         return Forward(batch.window, B, B, B, cols)
@@ -465,11 +466,7 @@ def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligi
     engine/layout.py); each row's block stops after its first
     filled EOS (`eos_t`: the EOS ids, possibly none). Returns the new BlockState fields, the window
     and which rows finished their block. Pure tensor code: no host sync, shapes fixed by the inputs."""
-    masked = eligible & ~filled
-    if sub_block:  # only the first sub-block (of the window's columns: target j is column j + 1) with masks
-        group = (torch.arange(masked.shape[1], device=masked.device) + 1) // sub_block
-        first = torch.where(masked, group, masked.shape[1]).min(1, keepdim=True).values
-        masked = masked & (group == first)
+    masked = fillable(eligible, filled, sub_block)
     chosen = policy.choose(score, masked, steps_done, torch.isin(tokens, eos_t))
     targets = torch.where(chosen, tokens, targets)
     fill_step = torch.where(chosen, steps_done[:, None], fill_step)
@@ -482,6 +479,17 @@ def advance(policy, tokens, score, filled, targets, fill_step, steps_done, eligi
     eligible = eligible & ((eos.cumsum(1) - eos) == 0)
     done = ~(eligible & ~filled).any(1)
     return filled, targets, fill_step, steps_done + 1, eligible, window, done
+
+
+def fillable(eligible, filled, sub_block=0):
+    """The targets a step may fill [R, B]: eligible and still masked; with `sub_block`, only those of
+    each row's first sub-block (of the window's columns: target j is column j + 1) with masks."""
+    masked = eligible & ~filled
+    if sub_block:
+        group = (torch.arange(masked.shape[1], device=masked.device) + 1) // sub_block
+        first = torch.where(masked, group, masked.shape[1]).min(1, keepdim=True).values
+        masked = masked & (group == first)
+    return masked
 
 
 def pick_and_advance(policy, logits, banned, *state, shift=True, sub_block=0):
