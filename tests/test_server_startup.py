@@ -66,6 +66,18 @@ def test_needs_build_follows_the_library_and_sources(tmp_path, monkeypatch):
     assert not tiled.needs_build()
 
 
+def test_the_extension_is_named_by_its_sources(tmp_path, monkeypatch):
+    """Two checkouts with other kernel sources (a header included) build into folders of their own."""
+    (tmp_path / "tiled.cpp").write_text("a")
+    (tmp_path / "more.cpp").write_text("b")
+    monkeypatch.setattr(tiled, "_SOURCE", tmp_path / "tiled.cpp")
+    monkeypatch.setattr(tiled, "_MORE_SOURCES", (tmp_path / "more.cpp",))
+    first = tiled._name()
+    assert first.startswith("clover_cpu_ops_") and tiled._name() == first
+    (tmp_path / "shared.h").write_text("c")
+    assert tiled._name() != first
+
+
 def _never_done(model, c_shims, conn):
     """A compiling child whose compiles never end: it notes each shape it is sent, reports none."""
     while True:

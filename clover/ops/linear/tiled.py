@@ -42,6 +42,7 @@ False and graphs keep torch's ops.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
 import sys
@@ -85,17 +86,25 @@ def _supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.environ.get("CLOVER_NO_TILED") != "1"
 
 
+def _name() -> str:
+    """The extension's name, keyed by its sources' contents (headers included): two checkouts or
+    versions of clover on one machine build into folders of their own instead of rebuilding, under
+    each other's running processes, the one library torch's extensions dir would hold."""
+    digest = hashlib.sha256()
+    for path in sorted((_SOURCE, *_MORE_SOURCES, *_SOURCE.parent.glob("*.h"))):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"clover_cpu_ops_{digest.hexdigest()[:12]}"
+
+
 def _build_dir() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory("clover_cpu_ops", verbose=False))
+    return Path(_get_build_directory(_name(), verbose=False))
 
 
 def needs_build() -> bool:
-    """Whether loading the kernels compiles them: no built library, or one older than a source."""
-    built = list(_build_dir().glob("clover_cpu_ops*.so"))
-    newest = max((p.stat().st_mtime for p in (_SOURCE, *_MORE_SOURCES)), default=0.0)
-    return not built or max(p.stat().st_mtime for p in built) < newest
+    """Whether loading the kernels compiles them: no library built from these sources yet."""
+    return not list(_build_dir().glob("clover_cpu_ops*.so"))
 
 
 def _load() -> bool:
@@ -104,7 +113,7 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="clover_cpu_ops", sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=["-O3", "-march=native"],
+        load(name=_name(), sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=["-O3", "-march=native"],
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch's own linear serves
         warnings.warn(f"clover: the tiled fp32 linear could not be built ({type(e).__name__}: {e}); "
