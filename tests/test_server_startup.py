@@ -117,6 +117,7 @@ def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path
     """`warm.cache_dir` is where graphs go: the child's compile of a deferred shape writes it there, and
     the server's own compile of the shape is then a hit on that disk cache."""
     monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path / "unused"))
+    monkeypatch.setenv(warm.NICE_ENV, "0")  # this test waits for the child
     path = warm.cache_dir(tmp_path / "graphs")
     assert os.environ[warm.CACHE_ENV] == str(path)
     model = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
@@ -139,6 +140,35 @@ def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path
         assert background.waiting() == 0
     finally:
         background.close()
+    # a restart: a model built the same way loads the noted graph before it serves, from the disk cache
+    (key,) = warm.Compiled.of(model).keys()
+    again = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    restarted = warm.Background(again, child=False)
+    assert restarted.preloaded == 1 and key in state_of(again).replays
+    assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
+    other = tiny_model(7, num_hidden_layers=2, layer_types=["full_attention", "full_attention"])
+    assert warm.Compiled.of(other).keys() == [] and warm.Background(other, child=False).preloaded == 0
+
+
+def test_the_noted_shapes_are_whole_files_under_the_model_fingerprint(tmp_path, monkeypatch):
+    """A note is found again by a model of the same build only; an unreadable note is skipped."""
+    monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path))
+    model = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    noted = warm.Compiled.of(model)
+    assert noted.keys() == []
+    noted.add(("shape", 1, torch.float32))
+    noted.add(("shape", 1, torch.float32))  # the same shape: one note
+    (noted.folder / "broken.key").write_bytes(b"not a pickle")
+    assert noted.keys() == [("shape", 1, torch.float32)]
+    assert not list(noted.folder.glob("*.tmp"))
+    same = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    assert warm.Compiled.of(same).keys() == [("shape", 1, torch.float32)]
+    for other in (tiny_model(9, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
+                  tiny_model(7, num_hidden_layers=1, layer_types=["full_attention"])):  # other weights, layers
+        assert warm.Compiled.of(other).keys() == []
+    monkeypatch.delenv(warm.CACHE_ENV)
+    assert warm.Compiled.of(model) is None
 
 
 def test_the_warm_up_queues_the_default_shapes_for_the_child_before_any_request(loaded, tmp_path, monkeypatch):

@@ -12,13 +12,19 @@ is then a cache hit: a trace and the cached graph's load, no inductor lowering o
 
 Where the caches live: `cache_dir` (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor), so
 they outlive a reboot's /tmp and a restarted server loads its graphs instead of compiling them.
+The child also notes each shape it compiled there (`Compiled`: one file per shape, under a
+fingerprint of the model's structure and the torch version), and a restarted server loads those
+graphs before it answers (`Background.preload`: cache hits, no inductor lowering), so its requests
+neither wait on a load nor share the CPU with one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import pickle
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -38,6 +44,49 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
     chosen.mkdir(parents=True, exist_ok=True)
     os.environ[CACHE_ENV] = str(chosen)
     return chosen
+
+
+class Compiled:
+    """The shapes compiled into the disk cache for models built like `model` (`fingerprint`): one pickled ShapeKey per file, each written
+    whole (temp file + rename), so servers sharing the cache never see half a note. None where no
+    cache is set ($TORCHINDUCTOR_CACHE_DIR unset: the graphs go to a temporary folder)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    @classmethod
+    def of(cls, model) -> "Compiled | None":
+        root = os.environ.get(CACHE_ENV)
+        return cls(Path(root) / "clover-shapes" / fingerprint(model)) if root else None
+
+    def add(self, key) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        data = pickle.dumps(key)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.folder / (hashlib.sha256(data).hexdigest()[:32] + ".key"))
+
+    def keys(self) -> list:
+        found = []
+        for path in sorted(self.folder.glob("*.key")) if self.folder.is_dir() else ():
+            try:
+                found.append(pickle.loads(path.read_bytes()))
+            except (OSError, ValueError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+                continue  # unreadable (another version's note): that shape compiles as a new one
+        return found
+
+
+def fingerprint(model) -> str:
+    """What a graph of the model may specialise on besides the shape key: its modules, parameter
+    shapes and dtypes (and a few values of each: other weights are another model), config and the
+    torch version."""
+    config = getattr(model, "config", None)
+    parts = [torch.__version__, repr(config.to_dict() if hasattr(config, "to_dict") else config)]
+    parts += [f"{name}:{type(m).__qualname__}" for name, m in model.named_modules()]
+    parts += [f"{name}:{tuple(t.shape)}:{t.dtype}:{t.detach().flatten()[:4].tolist()}"
+              for name, t in (*model.named_parameters(), *model.named_buffers())]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
 class Warmer:
@@ -96,7 +145,7 @@ def _child(model, c_shims: bool, conn) -> None:
 
     os.nice(int(os.environ.get(NICE_ENV, "19")))
     torch.set_num_threads(1)
-    state = CompileState(model, c_shims=c_shims)
+    state, noted = CompileState(model, c_shims=c_shims), Compiled.of(model)
     while True:
         try:
             key, fused = conn.recv()
@@ -105,6 +154,8 @@ def _child(model, c_shims: bool, conn) -> None:
         try:
             if fused is None:
                 state.compile_shape(key)
+                if noted is not None and key in state.replays:  # compiled (not past dynamo's limit)
+                    noted.add(key)
             else:
                 Fused(fused[0], fused[1], state, fused[2]).compile(key)
         except Exception:  # noqa: BLE001 - the server's own compile of the shape meets it again
@@ -116,13 +167,32 @@ class Background:
     """A server's compile policy for one model's deferring runners: every shape they ran eagerly is
     (and every fused-function layout) sent to a `Warmer` child (CPU models; `child=False`, or another
     device: none); with nothing to decode, the server compiles one graph the child has finished (a
-    cache hit: `compile_one`). No request waits on a graph the child is still compiling."""
+    cache hit: `compile_one`). No request waits on a graph the child is still compiling. The shapes
+    an earlier server's child compiled into the disk cache are loaded first (`preload`), before
+    the child starts."""
 
     def __init__(self, model, child: bool = True):
         from .state import state_of
 
         self.state = state_of(model)
+        self.preloaded = self.preload(model) if model.device.type == "cpu" else 0
         self.warmer = Warmer(self.state) if child and model.device.type == "cpu" else None
+
+    def preload(self, model) -> int:
+        """Load the graphs of every shape noted in the disk cache for this model (cache hits: a trace
+        and a load each), so a restarted server's requests run them from the first; returns how many."""
+        noted, loaded = Compiled.of(model), 0
+        for key in noted.keys() if noted is not None else ():
+            if key not in self.state.replays and not self.state.full:
+                try:
+                    self.state.compile_shape(key)
+                except Exception:  # noqa: BLE001 - that shape stays deferred: the child compiles it again
+                    traceback.print_exc()
+                    continue
+            loaded += key in self.state.replays
+            if key in self.state.replays:
+                self.state.deferred.pop(key, None)
+        return loaded
 
     def sync(self) -> None:
         """Send the shapes queued since the last call to the child."""

@@ -261,8 +261,10 @@ class Scheduler:
     # ---- the thread --------------------------------------------------------------------------------
     def start(self) -> None:
         if self.runner == "compiled":
-            self.compiles = Background(self.model)
+            self.compiles = Background(self.model)  # loads the graphs an earlier server left on disk
+            self.metrics.graphs_compiled += self.compiles.preloaded
             self.compiles.sync()  # shapes met before the server started (its warm-up)
+        self.idle_since = time.perf_counter()  # a graph loads only after IDLE_BEFORE_COMPILE_S, from the start too
         self.thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
         self.thread.start()
 
