@@ -152,18 +152,24 @@ def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path
 
 
 def test_the_noted_shapes_are_whole_files_under_the_model_fingerprint(tmp_path, monkeypatch):
-    """A note is found again by a model of the same build only; an unreadable note is skipped."""
+    """A note (JSON, never a pickle) is found again by a model of the same build only; an unreadable
+    note is skipped."""
     monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path))
     model = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     noted = warm.Compiled.of(model)
     assert noted.keys() == []
-    noted.add(("shape", 1, torch.float32))
-    noted.add(("shape", 1, torch.float32))  # the same shape: one note
-    (noted.folder / "broken.key").write_bytes(b"not a pickle")
-    assert noted.keys() == [("shape", 1, torch.float32)]
+    from clover.compile.shapes import ShapeKey
+
+    key = ShapeKey((2, 5), torch.device("cpu"), 4, 1, 4, False, True, 256, 2, torch.bfloat16, 5, False, True, 64)
+    noted.add(key)
+    noted.add(key)  # the same shape: one note
+    (noted.folder / "broken.key").write_bytes(b"not json")
+    (noted.folder / "other.key").write_text('{"dtype": "nn"}')  # not a note of this version
+    assert noted.keys() == [key] and isinstance(noted.keys()[0].device, torch.device)
+    assert all(oct(p.stat().st_mode & 0o777) == "0o644" for p in noted.folder.glob("*.key") if p.name != "broken.key")
     assert not list(noted.folder.glob("*.tmp"))
     same = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    assert warm.Compiled.of(same).keys() == [("shape", 1, torch.float32)]
+    assert warm.Compiled.of(same).keys() == [key]
     for other in (tiny_model(9, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
                   tiny_model(7, num_hidden_layers=1, layer_types=["full_attention"])):  # other weights, layers
         assert warm.Compiled.of(other).keys() == []

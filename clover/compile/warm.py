@@ -21,6 +21,7 @@ neither wait on a load nor share the CPU with one.
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import os
 import pickle
@@ -29,6 +30,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from .shapes import ShapeKey
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 NICE_ENV = "CLOVER_COMPILE_NICE"  # the compiling child's niceness increment (default 19: the lowest priority)
@@ -47,7 +50,8 @@ def cache_dir(path: str | os.PathLike | None = None) -> Path:
 
 
 class Compiled:
-    """The shapes compiled into the disk cache for models built like `model` (`fingerprint`): one pickled ShapeKey per file, each written
+    """The shapes compiled into the disk cache for models built like `model` (`fingerprint`): one
+    ShapeKey per file as JSON (never a pickle: the folder is read back at start-up), each written
     whole (temp file + rename), so servers sharing the cache never see half a note. None where no
     cache is set ($TORCHINDUCTOR_CACHE_DIR unset: the graphs go to a temporary folder)."""
 
@@ -61,20 +65,34 @@ class Compiled:
 
     def add(self, key) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        data = pickle.dumps(key)
+        data = json.dumps(key_to_json(key), sort_keys=True).encode()
         fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, self.folder / (hashlib.sha256(data).hexdigest()[:32] + ".key"))
 
     def keys(self) -> list:
         found = []
         for path in sorted(self.folder.glob("*.key")) if self.folder.is_dir() else ():
             try:
-                found.append(pickle.loads(path.read_bytes()))
-            except (OSError, ValueError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+                found.append(key_from_json(json.loads(path.read_bytes())))
+            except (OSError, ValueError, TypeError, KeyError, AttributeError):
                 continue  # unreadable (another version's note): that shape compiles as a new one
         return found
+
+
+def key_to_json(key: ShapeKey) -> dict:
+    out = key._asdict()
+    out.update(shape=list(key.shape), device=str(key.device), dtype=str(key.dtype).removeprefix("torch."))
+    return out
+
+
+def key_from_json(d: dict) -> ShapeKey:
+    dtype = getattr(torch, d["dtype"])
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {d['dtype']!r}")
+    return ShapeKey(**{**d, "shape": tuple(d["shape"]), "device": torch.device(d["device"]), "dtype": dtype})
 
 
 def fingerprint(model) -> str:
