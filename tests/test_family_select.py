@@ -10,19 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from test_families import VOCAB, confident, write_family
-from test_family_span import LENGTHS, committed
+from test_family_span import LENGTHS, committed, step_inputs
 
 from clover.models.family_seam import FamilySeam, sub_block_columns
 
 
 @pytest.mark.parametrize("model_type", ["sdar", "sdar_moe", "llada2_moe", "Fast_dLLM_Qwen"])
 def test_selected_columns_equal_the_full_step(tmp_path, model_type):
-    write_family(tmp_path, model_type)
-    model = confident(tmp_path, model_type).model
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(4, VOCAB, (len(LENGTHS), 9), generator=g)  # 5 clean columns, a 4-column draft
-    pad = torch.zeros_like(ids, dtype=torch.bool)
-    pad[1, :3] = True
+    model, g, ids, pad = step_inputs(tmp_path, model_type, 2)
     cols = torch.stack([torch.randperm(9, generator=g)[:3] for _ in LENGTHS])  # any columns, any order
     with torch.no_grad():
         full_cache, cache = committed(model, LENGTHS), committed(model, LENGTHS)

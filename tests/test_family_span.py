@@ -26,14 +26,21 @@ def committed(model, lens, seed: int = 0):
     return cache
 
 
+def step_inputs(folder, model_type: str, seed: int):
+    """(model, generator, ids, pad) of a step over `committed` rows: a random-weight family model in
+    `folder`, 5 clean columns and a 4-column draft per row, row 1 committing 2 of its clean columns."""
+    write_family(folder, model_type)
+    model = confident(folder, model_type).model
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (len(LENGTHS), 9), generator=g)
+    pad = torch.zeros_like(ids, dtype=torch.bool)
+    pad[1, :3] = True
+    return model, g, ids, pad
+
+
 @pytest.mark.parametrize("model_type", ["sdar", "llada2_moe", "Fast_dLLM_Qwen"])
 def test_span_limited_step_equals_the_whole_capacity_and_eager(tmp_path, model_type):
-    write_family(tmp_path, model_type)
-    model = confident(tmp_path, model_type).model
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, VOCAB, (len(LENGTHS), 9), generator=g)  # 5 clean columns, a 4-column draft
-    pad = torch.zeros_like(ids, dtype=torch.bool)
-    pad[1, :3] = True  # row 1 commits 2 of the clean columns
+    model, _, ids, pad = step_inputs(tmp_path, model_type, 1)
     span = attention_span(max(LENGTHS) + ids.shape[1], 256)
     assert span == 128 and SPAN_MIN == 64
     with torch.no_grad():
