@@ -101,12 +101,13 @@ HEADLINE = [
         {"a": ({"source": "overall"}, "valid"), "b": ({"source": "overall"}, "schemas"),
          "c": ({"source": "overall"}, "coverage %"), "d": ({"source": "overall"}, "invalid"),
          "e": ({"source": "overall"}, "cut"), "f": ({"source": "overall"}, "refused")}, readme=True),
-    Row("Serving against llama-server, 32 streaming clients, default dims: aggregate tokens/s", "serve-peer",
-        "compiled fp32 {a}, compiled int4 {b}", "llama-server bf16 {c}, q4_0 {d}",
-        {"a": ({"clients": "32", "server": "clover compiled fp32"}, "aggregate tokens/s"),
-         "b": ({"clients": "32", "server": "clover compiled int4"}, "aggregate tokens/s"),
-         "c": ({"clients": "32", "server": "llama-server bf16"}, "aggregate tokens/s"),
-         "d": ({"clients": "32", "server": "llama-server q4_0"}, "aggregate tokens/s")}),
+    Row("Serving against llama-server, large random model (167M), 1 / 32 streaming clients: aggregate tokens/s",
+        "serve-peer", "compiled fp32 {a} / {b}, compiled int4 {c} / {d}", "llama-server f32 {e} / {f}, q4_0 {g} / {h}",
+        {key: ({"#table": "1", "clients": clients, "server": server}, "aggregate tokens/s")
+         for key, clients, server in (("a", "1", "clover compiled fp32"), ("b", "32", "clover compiled fp32"),
+                                      ("c", "1", "clover compiled int4"), ("d", "32", "clover compiled int4"),
+                                      ("e", "1", "llama-server f32"), ("f", "32", "llama-server f32"),
+                                      ("g", "1", "llama-server q4_0"), ("h", "32", "llama-server q4_0"))}),
     Row("Structured requests served at once: time vs one after another", "serve-structured",
         "infill {a}x, grammar {b}x", "1.00x",
         {"a": ({"schema": "infill"}, "concurrent / sequential"), "b": ({"schema": "grammar"}, "concurrent / sequential")}),
@@ -164,8 +165,13 @@ def tables(text: str) -> list[list[dict[str, str]]]:
 
 
 def lookup(text: str, match: dict[str, str], column: str) -> str:
-    """The leading figure of `column` in the first table row whose cells equal `match`."""
-    for table in tables(text):
+    """The leading figure of `column` in the first table row whose cells equal `match` (its key
+    "#table", if any: only in the section's table of that index, counted from 0)."""
+    match = dict(match)
+    only = match.pop("#table", None)
+    for index, table in enumerate(tables(text)):
+        if only is not None and index != int(only):
+            continue
         for row in table:
             if column in row and all(row.get(k) == v for k, v in match.items()):
                 figure = re.match(r"[-+]?\d[\d,]*(\.\d+)?(%|x)?", row[column])

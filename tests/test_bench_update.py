@@ -41,6 +41,15 @@ def test_tables_and_lookup_read_the_leading_figure_of_a_cell():
         update.lookup(SECTION, {"mode": "ar"}, "accuracy")
 
 
+def test_lookup_can_name_the_table_of_a_section_with_several():
+    text = ("| clients | server | tok/s |\n|---:|---|---:|\n| 1 | a | 10.5 |\n\n"
+            "| clients | server | tok/s |\n|---:|---|---:|\n| 1 | a | 7.25 |\n")
+    assert update.lookup(text, {"clients": "1", "server": "a"}, "tok/s") == "10.5"
+    assert update.lookup(text, {"#table": "1", "clients": "1", "server": "a"}, "tok/s") == "7.25"
+    with pytest.raises(update.HeadlineError):
+        update.lookup(text, {"#table": "2", "clients": "1"}, "tok/s")
+
+
 def test_headline_cites_the_section_and_its_command(tmp_path):
     table = update.headline(SECTION, tmp_path, ROWS)
     assert "| decode | lc 250.25 (2.50) | ar 100.5 | [speed](#speed) |" in table
