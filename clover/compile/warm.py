@@ -207,9 +207,9 @@ class Background:
                 except Exception:  # noqa: BLE001 - that shape stays deferred: the child compiles it again
                     traceback.print_exc()
                     continue
-            loaded += key in self.state.replays
             if key in self.state.replays:
                 self.state.deferred.pop(key, None)
+                loaded += 1
         return loaded
 
     def sync(self) -> None:
