@@ -8,6 +8,7 @@ keyword defaults (tests/test_sizes.py checks they stay equal).
 
 from __future__ import annotations
 
+import ast
 from types import SimpleNamespace
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -15,35 +16,45 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 # between interpolate linearly in log2, block size 1 has no bidirectional branch at all.
 CALIBRATION_ANCHORS = (2, 4, 8, 16, 32, 64)
 
-PRESETS: dict[str, dict] = {
-    # Qwen3.5/3.6-35B-A3B text backbone, exact published dims (docs/architecture.md section 1).
-    "clover-35b-a3b": dict(
-        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=131072,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, block_size=32, mask_token_id=248319,
-    ),
-    # The benchmark / default-model dims (design notes section 5): ~20.5M params, 41 MB in bf16.
-    "clover-small": dict(
-        vocab_size=8192, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25, rope_theta=10_000.0,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=2,
-        moe_intermediate_size=128, shared_expert_intermediate_size=256, max_position_embeddings=4096,
-        block_size=32, mask_token_id=8191,
-    ),
-    # Unit-test size: every layer kind, fast on two cores.
-    "clover-tiny": dict(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=10_000.0,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=1024,
-        block_size=8, mask_token_id=127,
-    ),
-}
+# The built-in sizes side by side, one field a line ("-": CloverConfig's default). clover-35b-a3b: the
+# Qwen3.5/3.6-35B-A3B text backbone, exact published dims (docs/architecture.md section 1);
+# clover-small: the benchmark / default-model dims (design notes section 5), ~20.5M params;
+# clover-tiny: unit-test size, every layer kind, fast on two cores.
+_SIZES = """
+preset                            clover-35b-a3b  clover-small  clover-tiny
+vocab_size                        248320          8192          128
+hidden_size                       2048            256           64
+num_hidden_layers                 40              8             4
+num_attention_heads               16              4             4
+num_key_value_heads               2               2             2
+head_dim                          256             64            16
+partial_rotary_factor             0.25            0.25          0.5
+rope_theta                        10_000_000.0    10_000.0      10_000.0
+linear_num_key_heads              16              2             2
+linear_num_value_heads            32              4             4
+linear_key_head_dim               128             64            16
+linear_value_head_dim             128             64            16
+linear_conv_kernel_dim            4               4             4
+num_experts                       256             16            8
+num_experts_per_tok               8               2             2
+moe_intermediate_size             512             128           32
+shared_expert_intermediate_size   512             256           32
+max_position_embeddings           131072          4096          1024
+rms_norm_eps                      1e-6            -             -
+tie_word_embeddings               False           -             -
+block_size                        32              32            8
+mask_token_id                     248319          8191          127
+"""
+
+
+def _parse_sizes(table: str) -> dict[str, dict]:
+    rows = [line.split() for line in table.strip().splitlines()]
+    names = rows[0][1:]
+    return {name: {row[0]: ast.literal_eval(row[1 + i]) for row in rows[1:] if row[1 + i] != "-"}
+            for i, name in enumerate(names)}
+
+
+PRESETS: dict[str, dict] = _parse_sizes(_SIZES)
 
 
 # CloverConfig.__init__'s defaults for the fields a size depends on
