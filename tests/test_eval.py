@@ -215,3 +215,10 @@ def test_bench_pareto_writes_plot_and_table(model_dir, capsys, tmp_path):
     assert rows[2]["per_task"] == rows[3]["per_task"]  # self_spec answers what ar answers
     assert "| low_confidence | 4 | 0.5 |" in out and f"]({png})" in out and "AUP" in out and "Pareto front" in out
     assert main(["bench", "pareto", "--model", model_dir, "--block-sizes", "99"]) == 2
+
+
+def test_bench_pareto_draws_nothing_unless_asked(model_dir, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "pareto", "--model", model_dir, "--modes", "ar", "--block-sizes", "4",
+                 "--per-task", "1", "--threads", "1"]) == 0
+    assert "| ar | 1 |" in capsys.readouterr().out and not list(tmp_path.rglob("*.png"))

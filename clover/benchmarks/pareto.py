@@ -26,7 +26,7 @@ def run(args) -> int:
         raise UserError(f"--modes: a comma list of {', '.join(pareto.MODES)}, got {args.modes!r}")
     if not thresholds or not blocks or args.batch < 1 or args.per_task < 0:
         raise UserError("need at least one threshold and block size, --batch >= 1, --per-task >= 0")
-    if not str(args.plot).endswith(".png"):
+    if args.plot is not None and not str(args.plot).endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot}")
     model, tokenizer = load_checked(args, blocks, low=2, flag="--block-sizes")
     exs = pareto.examples(args.per_task)
@@ -38,8 +38,9 @@ def run(args) -> int:
         for mode, b, t in progress_iter(settings, "bench pareto"):
             rows.append(pareto.evaluate(model, tokenizer, exs, mode, b, t, args.batch, eos))
     described = args.model or "default model"
-    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-    pareto.plot(rows, args.plot, f"Clover speed-quality curve: {described}, {len(exs)} held-out prompts")
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        pareto.plot(rows, args.plot, f"Clover speed-quality curve: {described}, {len(exs)} held-out prompts")
     front = pareto.pareto_front(rows)
     names = list(rows[0]["per_task"])
     print(f"Speed-quality curve: {described}; {len(exs)} held-out prompts ({args.per_task or 'all'} per synthetic task: "
@@ -51,14 +52,15 @@ def run(args) -> int:
               *(f"{100 * r['per_task'][n]:.0f}" for n in names)] for i, r in enumerate(rows)]
     print(markdown_table(["mode", "block", "threshold", "accuracy %", "TPF", "tokens/s", *names], table))
     scores = pareto.aup_report(rows, args.aup_y_max)
-    print(f"\nPareto front (accuracy %, TPF): " + ", ".join(
+    print("\nPareto front (accuracy %, TPF): " + ", ".join(
         f"{rows[i]['mode']} {rows[i]['block_size']}" + (f"/{rows[i]['threshold']:g}" if rows[i]["threshold"] else "")
         + f" ({100 * rows[i]['accuracy']:.1f}, {rows[i]['tpf']:.2f})"
         for i in sorted(front, key=lambda i: rows[i]["tpf"])))
     print(f"\nAUP (d3LLM's accuracy under parallelism, clover/eval/pareto.py; y_max {scores['y_max']:.1f}): "
           f"{scores['front']:.1f} on the Pareto front; per curve with ar: "
           + ", ".join(f"{k} {v:.1f}" for k, v in scores["per_curve"].items()))
-    print(f"\n![accuracy against tokens per forward and tokens/s]({args.plot})")
+    if args.plot:
+        print(f"\n![accuracy against tokens per forward and tokens/s]({args.plot})")
     write_json(args, dict(model=described, prompts=len(exs), per_task=args.per_task, batch=args.batch, results=rows,
                           pareto_front=sorted(front), aup=scores))
     return 0

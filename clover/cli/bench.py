@@ -93,7 +93,7 @@ def add_pareto_flags(p) -> None:
     p.add_argument("--per-task", type=int, default=8, metavar="N",
                    help="first N prompts of each synthetic task (0 = all 40; default 8)")
     p.add_argument("--batch", type=int, default=64, metavar="N", help="rows decoded together (default 64)")
-    p.add_argument("--plot", default="docs/pareto.png", metavar="PNG", help="where to write the plot")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the curve into this .png (none by default)")
     p.add_argument("--aup-y-max", type=float, metavar="PCT",
                    help="accuracy (%%) AUP's weight is relative to (default: the best setting of this run); give "
                         "the same value to compare models")

@@ -16,11 +16,13 @@ of all settings (ar included, at TPF 1), and per block size on ar plus that bloc
 
 from __future__ import annotations
 
+import io
 import math
 import time
 
 from . import suite
 from ..settings import DEFAULTS
+from ..utils.files import atomic_write
 from .generation import generate_until
 
 TASKS = ("arithmetic", "sorting", "copy", "lookup", "decisions")
@@ -149,5 +151,7 @@ def plot(rows: list[dict], path, title: str) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    atomic_write(path, png.getvalue())
