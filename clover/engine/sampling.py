@@ -48,8 +48,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, mask_token_id: int,
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token that crosses top_p
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     draw = torch.softmax(logits, dim=-1)
     tokens = torch.multinomial(draw.reshape(-1, draw.shape[-1]), 1, generator=generator).view(draw.shape[:-1])
