@@ -14,6 +14,11 @@ Kernels (`kernel_kind`), all computing x @ W^T:
   are built with vector tiles: fp32 activations, weights dequantised exactly in registers, so it
   computes F.linear on `dequantize(...)` up to summation order. Its layout (`int4_linear.pack`) is
   built at load time and never stored.
+* CPU ("clover_q8", opt-in: `Int4Weight.set_kernel("int8")`, or for "auto" `CLOVER_INT4_ACTIVATIONS=int8` /
+  `ops.linear.int4_q8.use_int8_activations(True)`): `clover_cpu::int4_q8_linear` (ops/linear/int4_q8.py),
+  the activations rounded to int8 per block of 32 and integer dot products with the 4-bit codes (as
+  llama.cpp's q4_0 x q8_0): F.linear on the rounded activations and `dequantize(...)`. Layout
+  `int4_q8.pack`, built at load time and never stored.
 * CPU ("cpu": elsewhere, or under `Int4Weight.set_kernel("aten")`): torch's
   `_weight_int4pack_mm_for_cpu` on bf16 activations. Its weight layout is produced by
   `_convert_weight_to_int4pack_for_cpu` (ISA-specific, so it is built at load time and never
@@ -34,6 +39,7 @@ GROUP_SIZES = (32, 64, 128)
 CPU_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 CPU_INNER_K_TILES = 2  # ignored by the CPU packer (layout checked equal for 1, 2, 4, 8)
 CUDA_INNER_K_TILES = 8
+CLOVER_KINDS = ("clover", "clover_q8")  # clover's own CPU kernels (fp32 / int8 activations)
 CPU_SERIAL_WORK = 2**23  # rows * N * K below which the CPU kernel runs on one thread
 
 
@@ -143,10 +149,10 @@ class PackedInt4:
     def build(cls, qweight, scales, qzeros, kind: str) -> "PackedInt4":
         n, k = qweight.shape[0], qweight.shape[1] * 2
         g = k // scales.shape[-1]
-        if kind == "clover":
-            from ..ops.linear import int4_linear
+        if kind in CLOVER_KINDS:
+            from ..ops.linear import int4_linear, int4_q8
 
-            return cls("clover", *int4_linear.pack(qweight, scales, qzeros), n, k, g)
+            return cls(kind, *(int4_linear if kind == "clover" else int4_q8).pack(qweight, scales, qzeros), n, k, g)
         if kind == "cpu":
             rows = -(-n // CPU_N_MULTIPLE) * CPU_N_MULTIPLE
             q = unpack_int4(qweight).to(torch.int32)
@@ -165,7 +171,7 @@ class PackedInt4:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (any float dtype) -> [..., N] in x's dtype, computed in fp32 ("clover") or with
         bf16 activations (torch's kernels)."""
-        if self.kind == "clover":
+        if self.kind in CLOVER_KINDS:
             return packed_matmul(x, self.weight, self.sz, self.group_size, self.n, self.kind)
         threads = torch.get_num_threads()
         if self.kind == "cpu" and threads > 1 and x.numel() * self.n < CPU_SERIAL_WORK:
@@ -181,10 +187,10 @@ class PackedInt4:
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Recover the stored format exactly (for saving after the stored copy was released): the
         kernel itself multiplies an identity by the weight with scale 1 and zero 8, giving q."""
-        if self.kind == "clover":
-            from ..ops.linear import int4_linear
+        if self.kind in CLOVER_KINDS:
+            from ..ops.linear import int4_linear, int4_q8
 
-            return int4_linear.unpack(self.weight, self.sz, self.n)
+            return (int4_linear if self.kind == "clover" else int4_q8).unpack(self.weight, self.sz, self.n)
         if self.kind != "cpu":
             raise RuntimeError("only the CPU layout releases the stored copy")
         groups = self.sz.shape[0]
@@ -199,9 +205,12 @@ class PackedInt4:
 def packed_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
                   kind: str = "cpu") -> torch.Tensor:
     """x [..., K] @ W^T -> [..., n] in x's dtype for W in a kernel's layout (`PackedInt4`), with fp32
-    ("clover") or bf16 activations; traceable (a compiled graph calls it on the layout held as buffers)."""
+    ("clover"), int8 ("clover_q8") or bf16 activations; traceable (a compiled graph calls it on the layout
+    held as buffers)."""
     if kind == "clover":
         return torch.ops.clover_cpu.int4_linear(x, weight, sz, group_size, n)
+    if kind == "clover_q8":
+        return torch.ops.clover_cpu.int4_q8_linear(x, weight, sz, group_size, n)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.dtype != torch.bfloat16:
@@ -222,11 +231,14 @@ def clover_kernel_available() -> bool:
     return int4_linear.available()
 
 
-def kernel_kind(device: torch.device, prefer_aten: bool = False) -> str:
-    """The kernel an int4 matmul uses on this device: 'clover', 'cpu' (torch's CPU kernel; also where
+def kernel_kind(device: torch.device, prefer_aten: bool = False, int8: bool | None = None) -> str:
+    """The kernel an int4 matmul uses on this device: 'clover_q8' (int8 activations: where `int8`, or
+    None and `int4_q8.int8_activations()`), 'clover', 'cpu' (torch's CPU kernel; also where
     `prefer_aten`), 'cuda' or 'reference'."""
     if device.type == "cpu" and not prefer_aten and clover_kernel_available():
-        return "clover"
+        from ..ops.linear import int4_q8
+
+        return "clover_q8" if (int4_q8.int8_activations() if int8 is None else int8) and int4_q8.available() else "clover"
     if device.type == "cpu" and cpu_kernel_available():
         return "cpu"
     if device.type == "cuda" and hasattr(torch.ops.aten, "_weight_int4pack_mm"):

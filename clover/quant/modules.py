@@ -16,13 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.moe import segmented_experts
-from .int4 import PackedInt4, check_group_size, kernel_kind, packed_matmul, reference_matmul
+from .int4 import CLOVER_KINDS, PackedInt4, check_group_size, kernel_kind, packed_matmul, reference_matmul
 
 QUANT_METHOD = "clover_int4"
 # Linear layers kept in high precision by default (matched on the last name component):
 # the router and the shared-expert gate are tiny and routing-sensitive; the head is optional.
 DEFAULT_NOT_QUANTIZED = ("gate", "shared_expert_gate", "lm_head")
 STORED = ("qweight", "scales", "qzeros")
+KERNELS = ("auto", "aten", "int8", "reference")  # Int4Weight.set_kernel
 
 
 class Int4Weight(nn.Module):
@@ -37,7 +38,7 @@ class Int4Weight(nn.Module):
         self.register_buffer("qweight", torch.zeros(*shape, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(*shape, groups, dtype=torch.bfloat16, device=device))
         self.register_buffer("qzeros", torch.full((*shape, groups), 8, dtype=torch.uint8, device=device))
-        self.kernel = "auto"  # or "aten" (torch's CPU kernel), "reference" (dequantise then matmul)
+        self.kernel = "auto"  # or "aten" (torch's CPU kernel), "int8" (clover's int8-activation kernel), "reference"
         self._packed: list[PackedInt4] | None = None
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None  # clover's layout of a stack, all matrices
         self._released = False
@@ -54,7 +55,7 @@ class Int4Weight(nn.Module):
         return self.qweight.flatten(0, -3)[index], self.scales.flatten(0, -3)[index], self.qzeros.flatten(0, -3)[index]
 
     def _build(self) -> list[PackedInt4] | None:
-        kind = kernel_kind(self.qweight.device, prefer_aten=self.kernel == "aten")
+        kind = kernel_kind(self.qweight.device, prefer_aten=self.kernel == "aten", int8=True if self.kernel == "int8" else None)
         if kind == "reference":
             return None
         count = math.prod(self.lead)
@@ -65,11 +66,11 @@ class Int4Weight(nn.Module):
             warnings.warn(f"int4 {kind} kernel unavailable for {tuple(self.qweight.shape)}: {e}; using the reference")
             self.kernel = "reference"
             return None
-        if kind == "clover" and self.lead:  # one tensor per part for the experts op; each matrix a view of it
+        if kind in CLOVER_KINDS and self.lead:  # one tensor per part for the experts op; each matrix a view of it
             self._stack = torch.stack([p.weight for p in packed]), torch.stack([p.sz for p in packed])
             for i, p in enumerate(packed):
                 p.weight, p.sz = self._stack[0][i], self._stack[1][i]
-        if kind in ("cpu", "clover"):  # the kernel layout now holds everything: drop the stored copy
+        if kind in ("cpu", *CLOVER_KINDS):  # the kernel layout now holds everything: drop the stored copy
             empty = lambda t: torch.empty(0, dtype=t.dtype, device=t.device)  # noqa: E731
             self.qweight, self.scales, self.qzeros = empty(self.qweight), empty(self.scales), empty(self.qzeros)
             self._released = True
@@ -106,8 +107,9 @@ class Int4Weight(nn.Module):
                 [self._buffers[f"packed_sz_{i}"] for i in range(count)])
 
     def clover_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(panels, sz) of every matrix at once in clover's CPU layout (`ops/linear/int4_linear.py`):
-        the graph's buffers while one is traced, else the built layout; None for other kernels."""
+        """(panels, sz) of every matrix at once in one of clover's CPU layouts (`ops/linear/int4_linear.py`,
+        `int4_q8.py`: `_packed[0].kind` says which): the graph's buffers while one is traced, else the
+        built layout; None for other kernels."""
         if self.kernel == "reference":
             return None
         if torch.compiler.is_compiling():
@@ -133,8 +135,8 @@ class Int4Weight(nn.Module):
         return reference_matmul(x, *self._matrix(index))
 
     def set_kernel(self, kernel: str) -> None:
-        if kernel not in ("auto", "aten", "reference"):
-            raise ValueError(f"unknown int4 kernel {kernel!r} (auto, aten, reference)")
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown int4 kernel {kernel!r} ({', '.join(KERNELS)})")
         if kernel != self.kernel:
             self._restore()  # the next matmul builds the new kernel's layout
         self.kernel = kernel
@@ -233,10 +235,12 @@ class Int4Experts(nn.Module):
 
     def forward(self, x, top_idx, top_w):
         stacks = self.gate_up_proj.clover_stack(), self.down_proj.clover_stack()
-        if stacks[0] is not None and stacks[1] is not None:  # clover's CPU kernel: one C++ op, eager or traced
-            from ..ops.linear.int4_linear import int4_experts
+        if stacks[0] is not None and stacks[1] is not None:  # clover's CPU kernels: one C++ op, eager or traced
+            from ..ops.linear import int4_linear, int4_q8
 
-            return int4_experts(x, top_idx, top_w, *stacks[0], *stacks[1], self.gate_up_proj.group_size, self.inter)
+            q8 = self.gate_up_proj._packed[0].kind == "clover_q8"
+            op = int4_q8.int4_q8_experts if q8 else int4_linear.int4_experts
+            return op(x, top_idx, top_w, *stacks[0], *stacks[1], self.gate_up_proj.group_size, self.inter)
         gate_up, down = self.gate_up_proj.graph_layout(), self.down_proj.graph_layout()
         kind = self.gate_up_proj._packed[0].kind if gate_up is not None and down is not None else None
         if kind in ("cpu", "clover"):
@@ -348,8 +352,8 @@ def quantize_rtn_in_place(model: nn.Module, group_size: int, not_quantized=DEFAU
 
 
 def set_int4_kernel(model: nn.Module, kernel: str) -> None:
-    """'auto' (the device's best kernel), 'aten' (torch's kernels) or 'reference' (dequantise then
-    matmul) for every int4 layer."""
+    """'auto' (the device's best kernel), 'aten' (torch's kernels), 'int8' (clover's int4 x int8-activation
+    kernel where built, else as 'auto') or 'reference' (dequantise then matmul) for every int4 layer."""
     for m in model.modules():
         if isinstance(m, Int4Weight):
             m.set_kernel(kernel)

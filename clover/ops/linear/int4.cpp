@@ -27,6 +27,7 @@
 #endif
 
 #include "routed_experts.h"
+#include "row_tiles.h"
 
 namespace {
 
@@ -146,30 +147,8 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, const float* sz, int64_
 constexpr int kMaxRows = 4;
 #endif
 
-template <int V>
-using Int = std::integral_constant<int, V>;
-
-// fn(Int<r>, m) for a runtime r in [R, Max] (Max where r >= Max).
-template <int R, int Max, typename Fn>
-inline void with_rows(int64_t r, int64_t m, Fn&& fn) {
-  if constexpr (R >= Max) {
-    fn(Int<Max>{}, m);
-  } else {
-    if (r == R) return fn(Int<R>{}, m);
-    with_rows<R + 1, Max>(r, m, fn);
-  }
-}
-
-// Rows [0, M) in tiles of up to Max, shared evenly (6 rows as 3 + 3, not 4 + 2), called as fn(Int<R>, m).
-template <int Max, typename Fn>
-inline void row_tiles(int64_t M, Fn&& fn) {
-  const int64_t tiles = (M + Max - 1) / Max;
-  for (int64_t t = 0, m = 0; t < tiles; ++t) {
-    const int64_t r = (M - m + tiles - t - 1) / (tiles - t);
-    with_rows<1, Max>(r, m, fn);
-    m += r;
-  }
-}
+using clover_tiles::Int;
+using clover_tiles::row_tiles;
 
 #if defined(__AVX512F__)
 // From kBufferRows rows, each panel pair is dequantised once into an fp32 buffer (the same exact

@@ -55,7 +55,7 @@ _SOURCE = Path(__file__).with_name("tiled.cpp")
 # the other CPU ops built into the same extension (one compile, one library): see each file's header
 _MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",
                  Path(__file__).parent.parent / "greedy_pick" / "greedy_pick.cpp",
-                 Path(__file__).with_name("int4.cpp"))
+                 Path(__file__).with_name("int4.cpp"), Path(__file__).with_name("int4_q8.cpp"))
 _state: dict = {"bf16_x": os.environ.get("CLOVER_LINEAR_DTYPE", "float32") == "bfloat16"}
 LINEAR_DTYPES = ("float32", "bfloat16")  # CLOVER_LINEAR_DTYPE / --linear-dtype
 

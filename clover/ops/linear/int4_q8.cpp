@@ -1,0 +1,325 @@
+// int4 weights x int8 activations: y = x @ W^T for quant/int4.py's group-wise asymmetric format, the
+// activations quantised per row and block of 32 to int8 (as llama.cpp's q8_0). See int4_q8.py.
+//
+// Layout (built once from the stored format by int4_q8.pack, never stored):
+// * `packed` uint8 [P, K/8, 16, 4]: panels of 16 output columns; byte [p, c, j, t] holds W's codes
+//   q[16 p + j, 8 c + t] (low nibble) and q[16 p + j, 8 c + 4 + t] (high nibble); columns past N are 0.
+//   The low nibbles of a chunk's 64 bytes are, per column, its 4 codes k = 8c..8c+3 in one 32-bit
+//   lane; the high nibbles the next 4: one u8 x s8 4-way dot product each (VNNI vpdpbusd, or AVX2's
+//   maddubs + madd).
+// * `sz` fp32 [P, G, 2, 16]: per group and column (s, -z * s), as int4.cpp; 0 past N.
+//
+// Activations: per row and block of 32 columns, d = max|x| / 127 and a = round(x * (1 / d)) (nearest
+// even; a = 0 where d = 0), so x ~ d * a. Per group of g columns and output column:
+//   y += s * sum_b d_b * (sum_{k in b} q_k a_k) + (-z s) * sum_b d_b * (sum_{k in b} a_k)
+// = sum_k W_k * (d a)_k exactly in real numbers: the zero-point term takes the quantised activations'
+// sums, so the result is F.linear(dequantised activations, dequantised weight) up to fp32 rounding
+// (naive.naive_int4_q8_linear). The integer dot products are exact; each block's sum is converted
+// and scaled once (one rounding), the blocks and groups summed in order in fp32. A row's result does
+// not depend on the rows it shares a call with.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#include "routed_experts.h"
+#include "row_tiles.h"
+
+namespace {
+
+using clover_tiles::Int;
+using clover_tiles::row_tiles;
+
+constexpr int64_t kPanel = 16, kBlock = 32, kChunk = 8;
+
+// Quantised activations of M rows of K columns: a int8 [M, K], d [M, K/32], zsum [M, K/g] (per group,
+// sum over its blocks in order of d_b * sum(a over b)).
+struct Acts {
+  std::vector<int8_t> a;
+  std::vector<float> d, zsum;
+  int64_t K = 0, g = 0;
+};
+
+void quantise(const float* x, int64_t M, int64_t K, int64_t g, Acts& q) {
+  const int64_t nb = K / kBlock, G = K / g, per = g / kBlock;
+  q.K = K, q.g = g;
+  q.a.resize(M * K), q.d.resize(M * nb), q.zsum.resize(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      float zs = 0.f;
+      for (int64_t b = gi * per; b < (gi + 1) * per; ++b) {
+        const float* xb = x + m * K + b * kBlock;
+        float amax = 0.f;
+        for (int t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(xb[t]));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int t = 0; t < kBlock; ++t) {
+          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[t] * inv)));
+          q.a[m * K + b * kBlock + t] = static_cast<int8_t>(v);
+          sum += static_cast<int>(v);
+        }
+        q.d[m * nb + b] = d;
+        zs += d * static_cast<float>(sum);
+      }
+      q.zsum[m * G + gi] = zs;
+    }
+}
+
+inline int32_t four(const int8_t* a) {
+  int32_t v;
+  std::memcpy(&v, a, 4);
+  return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+// R rows (activations from row m0 of q) x P panels (bytes at w, panel stride 8K; (s, -zs) at sz, stride G * 32).
+template <int R, int P>
+__attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __restrict w, const float* __restrict sz,
+                                    float* y, int64_t ldy, int64_t n0, int64_t N) {
+  const int64_t K = q.K, g = q.g, G = K / g, nb = K / kBlock, stride = K * kPanel / 2;
+  const int8_t* a = q.a.data() + m0 * K;
+  const float* d = q.d.data() + m0 * nb;
+  const float* zsum = q.zsum.data() + m0 * G;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 fg[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) fg[r][p] = _mm512_setzero_ps();
+    for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += kBlock) {
+      __m512i ia[R][P];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) ia[r][p] = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k0 + kBlock; k += kChunk) {
+        __m512i lo[P], hi[P];
+        for (int p = 0; p < P; ++p) {
+          const __m512i v = _mm512_loadu_si512(w + p * stride + k * kPanel / 2);
+          lo[p] = _mm512_and_si512(v, low);
+          hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x0 = _mm512_set1_epi32(four(a + r * K + k)), x1 = _mm512_set1_epi32(four(a + r * K + k + 4));
+          for (int p = 0; p < P; ++p) ia[r][p] = dot4(dot4(ia[r][p], lo[p], x0), hi[p], x1);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 db = _mm512_set1_ps(d[r * nb + k0 / kBlock]);
+        for (int p = 0; p < P; ++p) fg[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][p]), db, fg[r][p]);
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m512 s = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel), zs = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel + kPanel);
+      for (int r = 0; r < R; ++r)
+        acc[r][p] = _mm512_fmadd_ps(zs, _mm512_set1_ps(zsum[r * G + gi]), _mm512_fmadd_ps(fg[r][p], s, acc[r][p]));
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * kPanel;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
+  }
+}
+constexpr int kMaxRows = 4, kPanels = 2, kOneRowPanels = 4;  // 3 x 8 accumulators + 2 x 2 code vectors of 32 registers
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// The same tile on 8-lane halves, each half in turn (both at once would spill the 16 registers).
+template <int R, int P>
+__attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __restrict w, const float* __restrict sz,
+                                    float* y, int64_t ldy, int64_t n0, int64_t N) {
+  const int64_t K = q.K, g = q.g, G = K / g, nb = K / kBlock, stride = K * kPanel / 2;
+  const int8_t* a = q.a.data() + m0 * K;
+  const float* d = q.d.data() + m0 * nb;
+  const float* zsum = q.zsum.data() + m0 * G;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m256 fg[R][P];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) fg[r][p] = _mm256_setzero_ps();
+      for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += kBlock) {
+        __m256i ia[R][P];
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < P; ++p) ia[r][p] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k0 + kBlock; k += kChunk) {
+          __m256i lo[P], hi[P];
+          for (int p = 0; p < P; ++p) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * stride + k * kPanel / 2 + 32 * h));
+            lo[p] = _mm256_and_si256(v, low);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256i x0 = _mm256_set1_epi32(four(a + r * K + k)), x1 = _mm256_set1_epi32(four(a + r * K + k + 4));
+            for (int p = 0; p < P; ++p) ia[r][p] = dot4(dot4(ia[r][p], lo[p], x0), hi[p], x1);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256 db = _mm256_set1_ps(d[r * nb + k0 / kBlock]);
+          for (int p = 0; p < P; ++p) fg[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][p]), db, fg[r][p]);
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        const float* at = sz + (p * G + gi) * 2 * kPanel + 8 * h;
+        const __m256 s = _mm256_loadu_ps(at), zs = _mm256_loadu_ps(at + kPanel);
+        for (int r = 0; r < R; ++r)
+          acc[r][p] = _mm256_fmadd_ps(zs, _mm256_set1_ps(zsum[r * G + gi]), _mm256_fmadd_ps(fg[r][p], s, acc[r][p]));
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const int64_t n = n0 + p * kPanel + 8 * h;
+      if (n >= N) break;
+      const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(N - n, 8))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * ldy + n, m, acc[r][p]);
+    }
+  }
+}
+constexpr int kMaxRows = 2, kPanels = 1, kOneRowPanels = 2;
+#else
+template <int R, int P>
+void tile(const Acts& q, int64_t m0, const uint8_t* w, const float* sz, float* y, int64_t ldy, int64_t n0, int64_t N) {
+  const int64_t K = q.K, g = q.g, G = K / g, nb = K / kBlock, stride = K * kPanel / 2;
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int j = 0; j < kPanel && n0 + p * kPanel + j < N; ++j) {
+        const int8_t* a = q.a.data() + (m0 + r) * K;
+        float acc = 0.f;
+        for (int64_t gi = 0; gi < G; ++gi) {
+          float fg = 0.f;
+          for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += kBlock) {
+            int32_t ia = 0;
+            for (int64_t k = k0; k < k0 + kBlock; ++k) {
+              const uint8_t b = w[p * stride + k / kChunk * kChunk * kPanel / 2 + j * 4 + k % 4];
+              ia += (k % kChunk < 4 ? b & 0x0F : b >> 4) * a[k];
+            }
+            fg = std::fma(static_cast<float>(ia), q.d[(m0 + r) * nb + k0 / kBlock], fg);
+          }
+          const float* at = sz + (p * G + gi) * 2 * kPanel + j;
+          acc = std::fma(at[kPanel], q.zsum[(m0 + r) * G + gi], std::fma(fg, at[0], acc));
+        }
+        y[r * ldy + n0 + p * kPanel + j] = acc;
+      }
+}
+constexpr int kMaxRows = 4, kPanels = 1, kOneRowPanels = 1;
+#endif
+
+// Panels [p0, p1) for every row of q: one row takes kOneRowPanels panels a tile (independent chains),
+// more rows kPanels; the panel group stays in L1 while every row tile passes it.
+void panels(const Acts& q, int64_t M, const uint8_t* w, const float* sz, float* y, int64_t N, int64_t p0, int64_t p1) {
+  const int64_t stride = q.K * kPanel / 2, zs = q.K / q.g * 2 * kPanel;
+  const auto over = [&](auto np) {
+    const auto run = [&](auto pn, int64_t p) {
+      row_tiles<kMaxRows>(M, [&](auto r, int64_t m) {
+        tile<decltype(r)::value, decltype(pn)::value>(q, m, w + p * stride, sz + p * zs, y + m * N, N, p * kPanel, N);
+      });
+    };
+    int64_t p = p0;
+    for (; p + decltype(np)::value <= p1; p += decltype(np)::value) run(np, p);
+    for (; p < p1; ++p) run(Int<1>{}, p);
+  };
+  if (M == 1) return over(Int<kOneRowPanels>{});
+  over(Int<kPanels>{});
+}
+
+void check_layout(const char* op, const at::Tensor& packed, const at::Tensor& sz, int64_t K, int64_t g, int64_t lead) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == lead + 4 && packed.size(-1) == 4 &&
+                  packed.size(-2) == kPanel && packed.size(-3) * kChunk == K,
+              op, ": packed must be uint8 [ceil(n / 16), K / 8, 16, 4] for K = ", K);
+  TORCH_CHECK(g > 0 && g % kBlock == 0 && K % g == 0, op, ": the group size must be a multiple of 32 dividing K");
+  TORCH_CHECK(sz.scalar_type() == at::kFloat && sz.dim() == lead + 4 && sz.size(-4) == packed.size(-4) &&
+                  sz.size(-3) == K / g && sz.size(-2) == 2 && sz.size(-1) == kPanel,
+              op, ": sz must be fp32 [ceil(n / 16), K / group_size, 2, 16]");
+}
+
+at::Tensor int4_q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
+                          int64_t n) {
+  const int64_t K = x.size(-1);
+  check_layout("clover_cpu::int4_q8_linear", packed, sz, K, group_size, 0);
+  TORCH_CHECK(packed.size(0) * kPanel >= n, "clover_cpu::int4_q8_linear: the weight has fewer than ", n, " outputs");
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), w = packed.contiguous(), s = sz.contiguous();
+  const int64_t M = K ? xf.numel() / K : 0;
+  c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  auto y = at::empty(sizes, xf.options());
+  if (M > 0 && n > 0) {
+    Acts q;
+    quantise(xf.data_ptr<float>(), M, K, group_size, q);
+    float* yp = y.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const float* sp = s.data_ptr<float>();
+    const int64_t np = (n + kPanel - 1) / kPanel, pairs = (np + 1) / 2;
+    at::parallel_for(0, pairs, 1, [&](int64_t g0, int64_t g1) {
+      panels(q, M, wp, sp, yp, n, 2 * g0, std::min<int64_t>(2 * g1, np));
+    });
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// Routed SwiGLU experts (routed_experts.h) on int4 stacks in this layout with a leading expert dim:
+// each projection's input rows quantised, then `panels`, as int4.cpp's `int4_experts`.
+at::Tensor int4_q8_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, const at::Tensor& gate_up,
+                           const at::Tensor& gate_up_sz, const at::Tensor& down, const at::Tensor& down_sz,
+                           int64_t group_size, int64_t inter) {
+  const char* op = "clover_cpu::int4_q8_experts";
+  TORCH_CHECK(x.dim() == 2 && top_idx.dim() == 2, op, ": bad ranks");
+  const int64_t H = x.size(1), E = gate_up.size(0), I = inter, I2 = 2 * inter;
+  check_layout(op, gate_up, gate_up_sz, H, group_size, 1);
+  check_layout(op, down, down_sz, I, group_size, 1);
+  TORCH_CHECK(down.size(0) == E && gate_up.size(1) * kPanel >= I2 && down.size(1) * kPanel >= H, op, ": shapes disagree");
+  const auto gu = gate_up.contiguous(), gs = gate_up_sz.contiguous(), dn = down.contiguous(), ds = down_sz.contiguous();
+  const int64_t gu_n = gu.numel() / E, gs_n = gs.numel() / E, dn_n = dn.numel() / E, ds_n = ds.numel() / E;
+  Acts q;
+  auto y = clover_experts::routed_experts(x, top_idx, top_w, E, I, op,
+                                          [&](int64_t e, int which, const float* in, int64_t rows, float* out) {
+    if (which == 0) {
+      quantise(in, rows, H, group_size, q);
+      panels(q, rows, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n, out, I2, 0, gu.size(1));
+    } else {
+      quantise(in, rows, I, group_size, q);
+      panels(q, rows, dn.data_ptr<uint8_t>() + e * dn_n, ds.data_ptr<float>() + e * ds_n, out, H, 0, dn.size(1));
+    }
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
+  m.def("int4_q8_linear(Tensor x, Tensor packed, Tensor sz, int group_size, int n) -> Tensor");
+  m.def("int4_q8_experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor gate_up_sz, Tensor down, "
+        "Tensor down_sz, int group_size, int inter) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
+  m.impl("int4_q8_linear", &int4_q8_linear);
+  m.impl("int4_q8_experts", &int4_q8_experts);
+}
