@@ -8,11 +8,24 @@ reference first. Thread CPU time, all timed alternately (each call finds its wei
 the hot case); the two bf16-panel columns each switch AMX on or off before their call (`use_amx`).
 
     python bench/linear.py [--model DIR] [--threads 1] [--rows 1,8,16,32,64]
+
+`--scaling`: the C++ kernels (fp32 tiles, int4 tiles, routed experts fp32 and int4) at 1 and 2
+threads (wall time: a split call uses both), at the projection shapes of `bench/serve_peer.py`'s
+sizes; rounds interleave the thread counts (order alternating), each round times a batch of calls at
+each; the table gives each count's median over rounds, the ratio of those medians (1 thread / 2:
+above 1, two threads are faster) and the spread of the per-round ratios (min-max), whether the call
+splits at the kernels' default work threshold (`tiled.parallel_min_work`; `--min-work` sets another
+for the run, 0: every call splits), and the load average before and after.
+
+    python bench/linear.py --scaling [--sizes default,large] [--rows 1,4,16] [--rounds 15] [--min-work N]
 """
 
 from __future__ import annotations
 
 import opbench  # bench/opbench.py
+import os
+import statistics
+import sys
 import time
 
 import torch
@@ -66,5 +79,87 @@ def main() -> None:
     tiled.use_amx(True)
 
 
+def kernel_cases(cfg, rows: int) -> dict:
+    """{label: (call, multiply-adds)} of the C++ kernels at the config's shapes and `rows` rows (tokens)."""
+    from clover.ops.linear import int4_linear as il, tiled
+    from clover.quant.int4 import quantize_rtn
+
+    torch.manual_seed(0)
+    cases = {}
+    for name, (n, k) in shapes(cfg).items():
+        w, x = torch.randn(n, k) * k**-0.5, torch.randn(rows, k)
+        packed, sz = il.pack(**quantize_rtn(w, 128))
+        cases[f"{name} {n} x {k} fp32"] = (lambda x=x, w=w: tiled.tiled_linear(x, w), rows * n * k)
+        cases[f"{name} {n} x {k} int4"] = (lambda x=x, p=packed, s=sz, n=n: il.int4_linear(x, p, s, 128, n), rows * n * k)
+    e, h, i, top = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    gu, dn = torch.randn(e, 2 * i, h) * h**-0.5, torch.randn(e, h, i) * i**-0.5
+    x = torch.randn(rows, h)
+    top_w, top_idx = torch.softmax(torch.randn(rows, e), -1).topk(top, dim=-1)
+    (gp, gs), (dp, ds) = (il.pack(**quantize_rtn(m.reshape(-1, m.shape[-1]), 128)) for m in (gu, dn))
+    gp, gs, dp, ds = (t.reshape(e, -1, *t.shape[1:]) for t in (gp, gs, dp, ds))
+    work = rows * top * 3 * h * i
+    cases[f"experts {e} x [{2 * i} x {h}, {h} x {i}] top {top} fp32"] = (
+        lambda: tiled.tiled_experts(x, top_idx, top_w, gu, dn), work)
+    cases[f"experts {e} x [{2 * i} x {h}, {h} x {i}] top {top} int4"] = (
+        lambda: il.int4_experts(x, top_idx, top_w, gp, gs, dp, ds, 128, i), work)
+    return cases
+
+
+def per_call(fn, calls: int, threads: int) -> float:
+    """Wall seconds per call of `calls` calls at `threads` torch threads (after two untimed)."""
+    torch.set_num_threads(threads)
+    fn(), fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def compare_threads(fn, rounds: int) -> tuple[float, float, list[float]]:
+    """(median s per call at 1 thread, at 2, per-round ratios 1 / 2), the counts interleaved."""
+    calls = max(5, min(2000, int(2e-3 / max(per_call(fn, 3, 1), 1e-7))))  # about 2 ms a batch
+    t = {1: [], 2: []}
+    for r in range(rounds):
+        for threads in ((1, 2) if r % 2 == 0 else (2, 1)):
+            t[threads].append(per_call(fn, calls, threads))
+    return statistics.median(t[1]), statistics.median(t[2]), [a / b for a, b in zip(t[1], t[2])]
+
+
+def scaling(argv: list[str]) -> None:
+    import argparse
+
+    from clover.ops.linear import tiled
+    from serve_peer import size_config  # bench/serve_peer.py: the sizes its servers run
+
+    ap = argparse.ArgumentParser(description="the C++ kernels at 1 and 2 threads")
+    ap.add_argument("--scaling", action="store_true")
+    ap.add_argument("--sizes", default="default,large")
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--min-work", type=int, help="multiply-adds per thread before a call splits (default: the kernels')")
+    args = ap.parse_args(argv)
+    assert tiled.available() and tiled.parallel_built(), "the C++ kernels are not built with OpenMP here"
+    least = tiled.parallel_min_work(0)
+    least = args.min_work if args.min_work is not None else least
+    tiled.parallel_min_work(least)
+    load = os.getloadavg()
+    print(f"`python bench/linear.py {' '.join(argv)}` (torch {torch.__version__}, vector tiles {tiled.simd()}, "
+          f"min work {least} multiply-adds a thread; microseconds per call, wall time, median of {args.rounds} rounds)\n")
+    print("| size | kernel | rows | multiply-adds | splits | 1 thread | 2 threads | 1 / 2 (ratio of medians) | rounds' 1 / 2 (min-max) |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---|")
+    with torch.no_grad():
+        for size in args.sizes.split(","):
+            for rows in [int(r) for r in args.rows.split(",")]:
+                for label, (fn, work) in kernel_cases(size_config(size), rows).items():
+                    one, two, ratios = compare_threads(fn, args.rounds)
+                    print(f"| {size} | {label} | {rows} | {work:,} | {'yes' if work >= 2 * least else 'no'} | "
+                          f"{1e6 * one:.1f} | {1e6 * two:.1f} | {one / two:.2f}x | {min(ratios):.2f}-{max(ratios):.2f} |",
+                          flush=True)
+    print(f"\nLoad average (1 min) {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after.")
+
+
 if __name__ == "__main__":
-    main()
+    if "--scaling" in sys.argv:
+        scaling(sys.argv[1:])
+    else:
+        main()

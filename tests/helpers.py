@@ -89,3 +89,18 @@ def assert_help_and_unknown_flag(capsys, argv: list, flag: str) -> None:
         main([*argv, "--no-such-flag"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+
+
+@contextlib.contextmanager
+def split_over_threads(threads: int = 2):
+    """torch at `threads` threads and the C++ kernels splitting every call of two or more units of
+    work over them (tiled.parallel_min_work(0)), both restored after."""
+    from clover.ops.linear import tiled
+
+    was_threads, was_least = torch.get_num_threads(), tiled.parallel_min_work(0)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was_threads)
+        tiled.parallel_min_work(was_least)

@@ -136,3 +136,39 @@ def test_int4_experts_op_equals_the_reference_experts(tokens):
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert experts(x.bfloat16(), top_idx, top_w.bfloat16()).dtype == torch.bfloat16
 
+
+
+@pytest.mark.parametrize("rows,n,k,g", [(1, 77, 96, 32), (9, 250, 128, 64), (20, 45, 64, 32)])
+def test_two_threads_give_the_numbers_of_one(rows, n, k, g):
+    """Split over two threads (every call, whatever its size) the kernel's numbers are one thread's
+    bit for bit, and within the reference's bound: odd output counts, batch 2."""
+    from helpers import split_over_threads
+
+    packed, sz = il.pack(**stored(n, k, g, seed=rows))
+    x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows))
+    one = il.int4_linear(x, packed, sz, g, n)
+    with split_over_threads(2):
+        two = il.int4_linear(x, packed, sz, g, n)
+    assert torch.equal(one, two)
+    check(two.reshape(-1, n), x.reshape(-1, k), naive_int4_weight(packed, sz, n))
+
+
+def test_int4_experts_on_two_threads_give_the_numbers_of_one():
+    from helpers import split_over_threads
+
+    from clover.ops.moe import naive_experts
+
+    e, h, i, g, tokens = 5, 64, 32, 32, 7
+    gen = torch.Generator().manual_seed(5)
+    gu, dn = stored(e * 2 * i, h, g, seed=1), stored(e * h, i, g, seed=2)
+    packs = [il.pack(**st) for st in (gu, dn)]
+    gu_p, gu_sz = (t.reshape(e, -1, *t.shape[1:]) for t in packs[0])
+    dn_p, dn_sz = (t.reshape(e, -1, *t.shape[1:]) for t in packs[1])
+    x = torch.randn(tokens, h, generator=gen)
+    top_w, top_idx = torch.rand(tokens, e, generator=gen).softmax(-1).topk(2, dim=-1)
+    one = il.int4_experts(x, top_idx, top_w, gu_p, gu_sz, dn_p, dn_sz, g, i)
+    with split_over_threads(2):
+        two = il.int4_experts(x, top_idx, top_w, gu_p, gu_sz, dn_p, dn_sz, g, i)
+    assert torch.equal(one, two)
+    want = naive_experts(x, top_idx, top_w, dequantize(**gu).reshape(e, 2 * i, h), dequantize(**dn).reshape(e, h, i))
+    torch.testing.assert_close(two, want, atol=1e-5, rtol=1e-5)

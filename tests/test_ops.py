@@ -315,6 +315,44 @@ def test_tiled_experts_with_bf16_activations():
         assert (got - exact).abs().max() > 0
 
 
+@pytest.mark.parametrize("rows,k,out", [(1, 77, 333), (5, 256, 96), (9, 13, 1000)])
+@pytest.mark.parametrize("bf16_values", [False, True])
+def test_tiled_linear_gives_the_same_numbers_on_one_and_two_threads(rows, k, out, bf16_values):
+    """Split over two threads (every call, whatever its size) the op's numbers are those of one thread
+    bit for bit, and the naive linear's to rounding: odd sizes, batch 2."""
+    from helpers import split_over_threads
+
+    from clover.ops.linear import naive_linear
+
+    tiled = _tiled()
+    assert tiled.parallel_built() or "OpenMP" not in torch.__config__.parallel_info()
+    torch.manual_seed(rows + k)
+    x, w, b = torch.randn(2, rows, k), torch.randn(out, k) / k**0.5, torch.randn(out)
+    w = w.bfloat16().float() if bf16_values else w
+    one = tiled.tiled_linear(x, w, b)
+    with split_over_threads(2):
+        two = tiled.tiled_linear(x, w, b)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two, naive_linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_tiled_experts_give_the_same_numbers_on_one_and_two_threads(tokens):
+    from helpers import split_over_threads
+
+    tiled = _tiled()
+    torch.manual_seed(tokens)
+    n_experts, topk, hidden, inter = 5, 2, 40, 24
+    x = torch.randn(tokens, hidden)
+    gate_up, down = torch.randn(n_experts, 2 * inter, hidden) * 0.2, torch.randn(n_experts, hidden, inter) * 0.2
+    top_w, top_idx = torch.softmax(torch.randn(tokens, n_experts), -1).topk(topk, dim=-1)
+    one = tiled.tiled_experts(x, top_idx, top_w, gate_up, down)
+    with split_over_threads(2):
+        two = tiled.tiled_experts(x, top_idx, top_w, gate_up, down)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two, naive_experts(x, top_idx, top_w, gate_up, down), atol=1e-5, rtol=1e-5)
+
+
 def test_tiled_linear_keeps_fp32_panels_unless_every_value_is_bf16():
     from clover.ops.linear import naive_linear
 

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "routed_experts.h"
 #include "row_tiles.h"
 
@@ -260,7 +261,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* sp = s.data_ptr<float>();
     const int64_t np = (n + kPanel - 1) / kPanel, groups = (np + 1) / 2;  // panel pairs: a thread's unit
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    clover_parallel::split(groups, M * K * 2 * kPanel, [&](int64_t g0, int64_t g1) {
       panels(xp, M, K, group_size, wp, sp, yp, n, 2 * g0, std::min<int64_t>(2 * g1, np));
     });
   }

@@ -2,10 +2,14 @@
 // int4 panels): the (token, slot) pairs grouped per expert, each used expert's rows gathered, run
 // through its gate_up projection (`project(e, 0, in, rows, out)`: out [rows, 2I] = [gate ; up]),
 // SwiGLU, its down projection (`project(e, 1, in, rows, out)`: out [rows, H]), and the pair
-// outputs summed per token in slot order, weighted: the order ops/moe/naive.py sums them in.
+// outputs summed per token in slot order, weighted: the order ops/moe/naive.py sums them in. The
+// used experts run on several threads where the call is large enough (parallel.h), each expert
+// whole on one thread: the same numbers whatever the split.
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,10 +32,12 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& top_idx, const 
     TORCH_CHECK(ip[p] >= 0 && ip[p] < E, op, ": expert index out of range");
     pairs[ip[p]].push_back(p);
   }
-  std::vector<float> out(T * k * H), xs, h, a, o;
-  for (int64_t e = 0; e < E; ++e) {
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < E; ++e)
+    if (!pairs[e].empty()) used.push_back(e);
+  std::vector<float> out(T * k * H);
+  const auto run = [&](int64_t e, std::vector<float>& xs, std::vector<float>& h, std::vector<float>& a, std::vector<float>& o) {
     const int64_t n = static_cast<int64_t>(pairs[e].size());
-    if (!n) continue;
     xs.resize(n * H), h.resize(n * I2), a.resize(n * I), o.resize(n * H);
     for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pairs[e][r] / k) * H, H, xs.data() + r * H);
     project(e, 0, xs.data(), n, h.data());
@@ -42,7 +48,14 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& top_idx, const 
       }
     project(e, 1, a.data(), n, o.data());
     for (int64_t r = 0; r < n; ++r) std::copy_n(o.data() + r * H, H, out.data() + pairs[e][r] * H);
-  }
+  };
+  // the used experts over threads (parallel.h), each expert's rows and pair outputs its own: one
+  // expert's average work per unit
+  const int64_t units = static_cast<int64_t>(used.size());
+  clover_parallel::split(units, units ? T * k * 3 * I * H / units : 0, [&](int64_t u0, int64_t u1) {
+    std::vector<float> xs, h, a, o;
+    for (int64_t u = u0; u < u1; ++u) run(used[u], xs, h, a, o);
+  });
   auto y = at::empty({T, H}, xc.options());
   float* yp = y.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {

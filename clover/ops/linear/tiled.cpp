@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "routed_experts.h"
 #include <unordered_map>
 
@@ -538,7 +539,7 @@ at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, const std
     const int64_t np = packed.size(0);
     const bool bf16_x = bf16_activations();  // the caller's setting: read here, not in the pool's threads
     with_panels(w, [&](auto wp) {
-      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      clover_parallel::split(groups, M * K * 2 * kPanel, [&](int64_t g0, int64_t g1) {
         panels(xp, M, K, wp, yp, n, b, 2 * g0, std::min<int64_t>(2 * g1, np), bf16_x);
       });
     });
@@ -683,6 +684,18 @@ std::string simd() {
 // Turns bf16 activations on or off (they run only where bf16_dot()); returns the previous request.
 bool use_bf16_activations(bool on) { return bf16_requested.exchange(on); }
 
+// Sets the multiply-adds from which a call splits over threads (parallel.h); returns the previous value.
+int64_t parallel_min_work(int64_t least) { return clover_parallel::min_work().exchange(std::max<int64_t>(0, least)); }
+
+// Whether at::parallel_for here can use more than one thread (the extension built with OpenMP).
+bool parallel_built() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
 int64_t cached_weights() {
   std::lock_guard<std::mutex> lock(cache_mutex);
   int64_t live = 0;
@@ -696,6 +709,8 @@ TORCH_LIBRARY(clover_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor down) -> Tensor");
   m.def("cached_weights() -> int", &cached_weights);
+  m.def("parallel_min_work(int least) -> int", &parallel_min_work);
+  m.def("parallel_built() -> bool", &parallel_built);
   m.def("packed_bf16(Tensor weight) -> bool", &packed_bf16);
   m.def("use_amx(bool on) -> bool", &use_amx);
   m.def("bf16_dot() -> bool", &bf16_dot);

@@ -33,7 +33,7 @@ Eager forwards never call it; compiled CPU graphs do where `ops.linear.graph_lin
 
 The same extension holds int4.cpp (`clover_cpu::int4_linear`, see int4_linear.py),
 ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below) and ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled by torch.utils.cpp_extension
-(`-O3 -march=native`, cached under torch's extensions dir, rebuilt when the source changes): by
+(`-O3 -march=native -fopenmp`, cached under torch's extensions dir, rebuilt when the source changes): by
 `make install`, by `clover serve` before it serves and `clover generate` before it decodes (`prepare`,
 which says so when it compiles), else on the first `available()`. Where that fails (no compiler) or the CPU is not x86-64, `available()` is
 False and graphs keep torch's ops.
@@ -56,6 +56,10 @@ _SOURCE = Path(__file__).with_name("tiled.cpp")
 _MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",
                  Path(__file__).parent.parent / "greedy_pick" / "greedy_pick.cpp",
                  Path(__file__).with_name("int4.cpp"), Path(__file__).with_name("int4_q8.cpp"))
+# -fopenmp: at::parallel_for (ATen/ParallelOpenMP.h, inlined here) splits work over torch's OpenMP
+# threads only when this code is compiled with OpenMP; it links the libgomp torch already loaded
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _state: dict = {"bf16_x": os.environ.get("CLOVER_LINEAR_DTYPE", "float32") == "bfloat16"}
 LINEAR_DTYPES = ("float32", "bfloat16")  # CLOVER_LINEAR_DTYPE / --linear-dtype
 
@@ -87,10 +91,10 @@ def _supported() -> bool:
 
 
 def _name() -> str:
-    """The extension's name, keyed by its sources' contents (headers included): two checkouts or
+    """The extension's name, keyed by its sources' contents (headers included) and build flags: two checkouts or
     versions of clover on one machine build into folders of their own instead of rebuilding, under
     each other's running processes, the one library torch's extensions dir would hold."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(" ".join(_CFLAGS + _LDFLAGS).encode())
     for path in sorted((_SOURCE, *_MORE_SOURCES, *_SOURCE.parent.glob("*.h"))):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return f"clover_cpu_ops_{digest.hexdigest()[:12]}"
@@ -113,8 +117,8 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=_name(), sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=["-O3", "-march=native"],
-             is_python_module=False, verbose=False)
+        load(name=_name(), sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=list(_CFLAGS),
+             extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch's own linear serves
         warnings.warn(f"clover: the tiled fp32 linear could not be built ({type(e).__name__}: {e}); "
                       "compiled CPU graphs keep torch's linear", stacklevel=2)
@@ -219,6 +223,18 @@ def use_bf16_activations(on: bool) -> bool:
 def bf16_activations() -> bool:
     """Whether bf16 activations are asked for (they run where `bf16_dot()`)."""
     return _state["bf16_x"]
+
+
+def parallel_min_work(least: int) -> int:
+    """Set the multiply-adds each thread must get before a kernel call splits over torch's threads
+    (`torch.get_num_threads()`, parallel.h; 0: any call of two or more units splits); returns the
+    previous value (-1 where the kernels are not built). For benchmarks and tests."""
+    return int(torch.ops.clover_cpu.parallel_min_work(int(least))) if available() else -1
+
+
+def parallel_built() -> bool:
+    """Whether the kernels were built with OpenMP, so that they can use torch's threads."""
+    return bool(torch.ops.clover_cpu.parallel_built()) if available() else False
 
 
 def use_amx(on: bool) -> bool:
