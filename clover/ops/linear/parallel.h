@@ -18,7 +18,7 @@ namespace clover_parallel {
 // Settable for benchmarks and tests (clover_cpu::parallel_min_work); inline: one value for every
 // source of the extension.
 inline std::atomic<int64_t>& min_work() {
-  static std::atomic<int64_t> least{int64_t{1} << 20};
+  static std::atomic<int64_t> least{int64_t{1} << 19};
   return least;
 }
 

@@ -24,6 +24,10 @@ panel pair in L1 while every row tile passes over it: the weight is read once pe
   these weight linears: torch's own matmuls (attention, the delta rule) stay fp32, which is why this
   is not torch's fp32 matmul precision "medium". Read on every call, so a compiled graph follows it
   without recompiling; a CPU without bf16 products keeps the exact kernel (`bf16_dot()`).
+* Threads (parallel.h): a call whose work gives every thread at least `parallel_min_work`
+  multiply-adds (default 2^19) splits its panel pairs (the experts op: its used experts) over torch's
+  threads (`torch.set_num_threads`, `--threads`); smaller calls, such as the default model's
+  projections of a decode step, stay on the calling thread. The numbers do not depend on the split.
 
 The op keeps the packed copy per weight tensor (weakly: a freed weight's copy goes at the next
 miss) and repacks when the weight's version counter moves (`copy_`, `load_state_dict`, an
@@ -129,6 +133,9 @@ def _load() -> bool:
             lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
             _state["c_shims"] = all(hasattr(lib, f"aoti_torch_cpu_{name}") for name in _C_SHIMS)
     torch.ops.clover_cpu.use_bf16_activations(_state["bf16_x"])
+    least = os.environ.get("CLOVER_PARALLEL_MIN_WORK", "")  # `parallel_min_work` for a whole process
+    if least.isdigit():
+        torch.ops.clover_cpu.parallel_min_work(int(least))
     _state["simd"] = str(torch.ops.clover_cpu.simd())
 
     @torch.library.register_fake("clover_cpu::linear")
@@ -228,7 +235,8 @@ def bf16_activations() -> bool:
 def parallel_min_work(least: int) -> int:
     """Set the multiply-adds each thread must get before a kernel call splits over torch's threads
     (`torch.get_num_threads()`, parallel.h; 0: any call of two or more units splits); returns the
-    previous value (-1 where the kernels are not built). For benchmarks and tests."""
+    previous value (-1 where the kernels are not built). For benchmarks and tests; a process's
+    start value can come from CLOVER_PARALLEL_MIN_WORK (digits)."""
     return int(torch.ops.clover_cpu.parallel_min_work(int(least))) if available() else -1
 
 
