@@ -238,3 +238,28 @@ def test_kernels_built_for_other_cpus_match_naive(flags, needs, tmp_path):
     script.write_text(_OTHER_BUILD)
     out = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_two_threads_give_the_numbers_of_one():
+    """Split over two threads (every call, parallel.h) the linear and the experts give one thread's
+    numbers bit for bit: odd output count, batch 2."""
+    from helpers import split_over_threads
+
+    from clover.quant.modules import Int4Experts
+
+    n, k, g = 77, 96, 32
+    packed, sz = q8.pack(**stored(n, k, g))
+    x = torch.randn(2, 9, k, generator=torch.Generator().manual_seed(1))
+    experts = Int4Experts(5, 64, 32, 32)
+    gen = torch.Generator().manual_seed(2)
+    experts.gate_up_proj.load_stored(quantize_rtn(torch.randn(5, 64, 64, generator=gen) * 0.1, 32))
+    experts.down_proj.load_stored(quantize_rtn(torch.randn(5, 64, 32, generator=gen) * 0.1, 32))
+    for m in (experts.gate_up_proj, experts.down_proj):
+        m.set_kernel("int8")
+    xe = torch.randn(7, 64, generator=gen)
+    top_w, top_idx = torch.rand(7, 5, generator=gen).softmax(-1).topk(2, dim=-1)
+    one = q8.int4_q8_linear(x, packed, sz, g, n), experts(xe, top_idx, top_w)
+    with split_over_threads(2):
+        two = q8.int4_q8_linear(x, packed, sz, g, n), experts(xe, top_idx, top_w)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    torch.testing.assert_close(two[0], naive_int4_q8_linear(x, packed, sz, g, n), rtol=1e-5, atol=1e-5)

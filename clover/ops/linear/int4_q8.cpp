@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "routed_experts.h"
 #include "row_tiles.h"
 
@@ -277,7 +278,7 @@ at::Tensor int4_q8_linear(const at::Tensor& x, const at::Tensor& packed, const a
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* sp = s.data_ptr<float>();
     const int64_t np = (n + kPanel - 1) / kPanel, pairs = (np + 1) / 2;
-    at::parallel_for(0, pairs, 1, [&](int64_t g0, int64_t g1) {
+    clover_parallel::split(pairs, M * K * 2 * kPanel, [&](int64_t g0, int64_t g1) {  // parallel.h
       panels(q, M, wp, sp, yp, n, 2 * g0, std::min<int64_t>(2 * g1, np));
     });
   }
@@ -297,9 +298,9 @@ at::Tensor int4_q8_experts(const at::Tensor& x, const at::Tensor& top_idx, const
   TORCH_CHECK(down.size(0) == E && gate_up.size(1) * kPanel >= I2 && down.size(1) * kPanel >= H, op, ": shapes disagree");
   const auto gu = gate_up.contiguous(), gs = gate_up_sz.contiguous(), dn = down.contiguous(), ds = down_sz.contiguous();
   const int64_t gu_n = gu.numel() / E, gs_n = gs.numel() / E, dn_n = dn.numel() / E, ds_n = ds.numel() / E;
-  Acts q;
   auto y = clover_experts::routed_experts(x, top_idx, top_w, E, I, op,
                                           [&](int64_t e, int which, const float* in, int64_t rows, float* out) {
+    thread_local Acts q;  // experts may run on several threads (routed_experts.h)
     if (which == 0) {
       quantise(in, rows, H, group_size, q);
       panels(q, rows, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n, out, I2, 0, gu.size(1));
