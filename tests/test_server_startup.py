@@ -140,15 +140,18 @@ def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path
         assert background.waiting() == 0
     finally:
         background.close()
-    # a restart: a model built the same way loads the noted graph before it serves, from the disk cache
+    # a restart: a model built the same way queues the noted graph, ready to load from the disk cache
     (key,) = warm.Compiled.of(model).keys()
     again = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
     restarted = warm.Background(again, child=False)
-    assert restarted.preloaded == 1 and key in state_of(again).replays
+    assert restarted.noted == {key} and key in state_of(again).deferred and key not in state_of(again).replays
+    hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+    with torch.inference_mode():
+        assert restarted.compile_one()
+    assert key in state_of(again).replays and restarted.waiting() == 0
     assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
     other = tiny_model(7, num_hidden_layers=2, layer_types=["full_attention", "full_attention"])
-    assert warm.Compiled.of(other).keys() == [] and warm.Background(other, child=False).preloaded == 0
+    assert warm.Compiled.of(other).keys() == [] and not warm.Background(other, child=False).noted
 
 
 def test_the_noted_shapes_are_whole_files_under_the_model_fingerprint(tmp_path, monkeypatch):
@@ -205,3 +208,76 @@ def test_the_child_ends_when_the_server_end_of_its_pipe_closes(loaded, monkeypat
     warmer.conn.close()
     warmer.proc.join(timeout=30)
     assert not warmer.proc.is_alive()
+
+
+def test_a_restarted_server_answers_before_it_loads_the_noted_graphs(loaded, tmp_path, monkeypatch):
+    """The graphs an earlier server noted load in the background, one at a time while the server is
+    idle, never before it answers nor while a request runs: here a load that blocks until the test
+    lets it go, and a request answered (eagerly, the same reply) before it and after it."""
+    from clover.compile.shapes import ShapeKey
+    from clover.compile.state import CompileState
+    from clover.server import scheduler as sched
+
+    model, tokenizer = loaded
+    state_of(model).deferred.clear()
+    monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CLOVER_TEST_ASKED", str(tmp_path / "asked"))
+    monkeypatch.setattr(warm, "_child", _never_done)
+    monkeypatch.setattr(sched, "IDLE_BEFORE_COMPILE_S", 1.0)
+    keys = [ShapeKey((1, r), torch.device("cpu"), 4, 1, 4, False, True, 64, 0, torch.float32, r, False, True, 0)
+            for r in (3, 5)]
+    for key in keys:
+        warm.Compiled.of(model).add(key)
+    started, release, loads = threading.Event(), threading.Event(), []
+
+    def blocking_load(self, key):
+        loads.append(key)
+        started.set()
+        assert release.wait(60)
+
+    monkeypatch.setattr(CompileState, "compile_shape", blocking_load)
+    ref = clover.generate(model, tokenizer, "the cat", max_new_tokens=6, block_size=4, mode="ar").text
+    settings = Settings(model_id="tiny", block_size=4, mode="ar", runner="compiled")
+    try:
+        with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as server:
+            reply = client(server, timeout=120).completions.create(model="tiny", prompt="the cat", max_tokens=6)
+            assert reply.choices[0].text == ref and loads == []  # answered before any load began
+            assert metric(server, "clover_graphs_deferred") >= len(keys)
+            assert started.wait(60)  # idle: the first load begins, in the background
+            assert metric(server, "clover_graphs_compiled_total") == 0
+            release.set()
+            deadline = time.time() + 60
+            while metric(server, "clover_graphs_compiled_total") < len(keys) and time.time() < deadline:
+                time.sleep(0.05)
+            assert sorted(loads) == sorted(keys)  # one at a time, none sent to the compiling child
+            reply = client(server, timeout=120).completions.create(model="tiny", prompt="the cat", max_tokens=6)
+            assert reply.choices[0].text == ref
+    finally:
+        release.set()
+    assert not any(k in keys for k in state_of(model).deferred)
+
+
+def test_a_note_is_never_half_written(tmp_path, monkeypatch):
+    """A crash mid-write leaves the notes as they were: no partial note, no temporary file (written
+    whole, then renamed); a temporary file a killed process left behind is not read as a note."""
+    from clover.compile.shapes import ShapeKey
+
+    monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path))
+    model = tiny_model(7, num_hidden_layers=1, layer_types=["full_attention"])
+    noted = warm.Compiled.of(model)
+    first, second = (ShapeKey((1, r), torch.device("cpu"), 4, 1, 4, False, True, 64, 0, torch.float32, r, False,
+                              True, 0) for r in (3, 5))
+    noted.add(first)
+    before = {p.name: p.read_bytes() for p in noted.folder.iterdir()}
+
+    def crash(*args):
+        raise KeyboardInterrupt  # the process stopped between the write and the rename
+
+    monkeypatch.setattr(warm.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        noted.add(second)
+    monkeypatch.undo()
+    monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path))
+    assert {p.name: p.read_bytes() for p in noted.folder.iterdir()} == before
+    (noted.folder / "abcd.tmp").write_text('{"shape": [1, ')  # a killed writer's leftover
+    assert noted.keys() == [first]

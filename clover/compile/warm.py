@@ -13,9 +13,12 @@ is then a cache hit: a trace and the cached graph's load, no inductor lowering o
 Where the caches live: `cache_dir` (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor), so
 they outlive a reboot's /tmp and a restarted server loads its graphs instead of compiling them.
 The child also notes each shape it compiled there (`Compiled`: one file per shape, under a
-fingerprint of the model's structure and the torch version), and a restarted server loads those
-graphs before it answers (`Background.preload`: cache hits, no inductor lowering), so its requests
-neither wait on a load nor share the CPU with one.
+fingerprint of the model's structure and the torch version). A restarted server opens its port
+without loading those graphs: their shapes run eagerly, as new ones do, and the server loads their
+graphs (cache hits: a trace and a load each, no inductor lowering) one at a time when it has
+nothing to decode, without asking the child (`Background.noted`). Not in a thread beside the
+requests: a trace holds the GIL and sets torch's process-wide "compiling" flag, which changes the
+ops an eager forward in another thread runs.
 """
 
 from __future__ import annotations
@@ -67,10 +70,14 @@ class Compiled:
         self.folder.mkdir(parents=True, exist_ok=True)
         data = json.dumps(key_to_json(key), sort_keys=True).encode()
         fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, self.folder / (hashlib.sha256(data).hexdigest()[:32] + ".key"))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.folder / (hashlib.sha256(data).hexdigest()[:32] + ".key"))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def keys(self) -> list:
         found = []
@@ -186,31 +193,24 @@ class Background:
     (and every fused-function layout) sent to a `Warmer` child (CPU models; `child=False`, or another
     device: none); with nothing to decode, the server compiles one graph the child has finished (a
     cache hit: `compile_one`). No request waits on a graph the child is still compiling. The shapes
-    an earlier server's child compiled into the disk cache are loaded first (`preload`), before
-    the child starts."""
+    an earlier server's child noted in the disk cache (`noted`) wait like the others, ready to load
+    from the start: none is loaded before the server answers, none is sent to the child."""
 
     def __init__(self, model, child: bool = True):
         from .state import state_of
 
         self.state = state_of(model)
-        self.preloaded = self.preload(model) if model.device.type == "cpu" else 0
+        self.noted = self.note_ready(model) if model.device.type == "cpu" else frozenset()
         self.warmer = Warmer(self.state) if child and model.device.type == "cpu" else None
 
-    def preload(self, model) -> int:
-        """Load the graphs of every shape noted in the disk cache for this model (cache hits: a trace
-        and a load each), so a restarted server's requests run them from the first; returns how many."""
-        noted, loaded = Compiled.of(model), 0
-        for key in noted.keys() if noted is not None else ():
-            if key not in self.state.replays and not self.state.full:
-                try:
-                    self.state.compile_shape(key)
-                except Exception:  # noqa: BLE001 - that shape stays deferred: the child compiles it again
-                    traceback.print_exc()
-                    continue
-            if key in self.state.replays:
-                self.state.deferred.pop(key, None)
-                loaded += 1
-        return loaded
+    def note_ready(self, model) -> frozenset:
+        """The shapes noted in the disk cache for this model that have no graph here yet, queued for
+        `compile_one` (each a cache hit there: a trace and a load)."""
+        noted = Compiled.of(model)
+        ready = [k for k in (noted.keys() if noted is not None else ()) if k not in self.state.replays]
+        for key in ready:
+            self.state.deferred.setdefault(key, None)
+        return frozenset(ready)
 
     def sync(self) -> None:
         """Send the shapes queued since the last call to the child."""
@@ -218,15 +218,21 @@ class Background:
             for key, fused in list(self.state.fused_deferred.items()):
                 self.warmer.ask(key, fused)
             for key in list(self.state.deferred):
-                self.warmer.ask(key)
+                if key not in self.noted:
+                    self.warmer.ask(key)
+
+    def ready(self) -> set | None:
+        """The queued keys whose graphs are in the disk cache (None: all of them, no child)."""
+        return self.warmer.poll() | self.noted if self.warmer is not None else None
 
     def can_compile(self) -> bool:
         """Whether `compile_one` has something to do now."""
-        ready = self.warmer.poll() if self.warmer is not None else None
+        ready = self.ready()
         return any(ready is None or k in ready for k in (*self.state.fused_deferred, *self.state.deferred))
 
     def compile_one(self) -> bool:
-        return self.state.compile_next(self.warmer.poll() if self.warmer is not None else None)
+        """Load one graph the disk cache holds (a fused-function layout first, then the oldest shape)."""
+        return self.state.compile_next(self.ready())
 
     def in_flight(self) -> bool:
         """Whether the child is compiling shapes the server will load when they are done."""

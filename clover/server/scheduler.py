@@ -23,7 +23,8 @@
   runs eagerly and queues the shape); the queued shapes are compiled in a child process into the
   on-disk caches (`compile.warm.Background`), and with nothing to decode the loop loads one the child
   has finished (a cache hit) at a time, after IDLE_BEFORE_COMPILE_S without work, so no request waits on a compile, only (when it arrives
-  during one) on a load.
+  during one) on a load. A restarted server answers before it loads anything: the graphs an earlier
+  server left on disk are loaded the same way, one at a time while idle, their shapes eager until then.
 * Results cross to the asyncio side on the tickets' queues: the posts of one loop turn go together,
   one `loop.call_soon_threadsafe` per turn (`held_posts`), so the event loop's thread takes the GIL
   once per step instead of once per row; while that wake-up is still pending (the event loop lags
@@ -261,9 +262,9 @@ class Scheduler:
     # ---- the thread --------------------------------------------------------------------------------
     def start(self) -> None:
         if self.runner == "compiled":
-            self.compiles = Background(self.model)  # loads the graphs an earlier server left on disk
-            self.metrics.graphs_compiled += self.compiles.preloaded
+            self.compiles = Background(self.model)  # queues the graphs an earlier server left on disk
             self.compiles.sync()  # shapes met before the server started (its warm-up)
+            self.metrics.graphs_deferred = self.compiles.waiting()
         self.idle_since = time.perf_counter()  # a graph loads only after IDLE_BEFORE_COMPILE_S, from the start too
         self.thread = threading.Thread(target=self._loop, name="clover-scheduler", daemon=True)
         self.thread.start()
