@@ -49,6 +49,35 @@ struct Acts {
   int64_t K = 0, g = 0;
 };
 
+// One block of 32: a = round(x * (1 / d)) (nearest even: the default rounding mode), clamped to +-127;
+// returns sum(a). d = max|x| / 127.
+inline int quantise_block(const float* xb, float& d, int8_t* a) {
+#if defined(__AVX512F__)
+  const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  d = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+  const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtepi32_epi8(q1));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+  float amax = 0.f;
+  for (int t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(xb[t]));
+  d = amax / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  int sum = 0;
+  for (int t = 0; t < kBlock; ++t) {
+    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[t] * inv)));
+    a[t] = static_cast<int8_t>(v);
+    sum += static_cast<int>(v);
+  }
+  return sum;
+#endif
+}
+
 void quantise(const float* x, int64_t M, int64_t K, int64_t g, Acts& q) {
   const int64_t nb = K / kBlock, G = K / g, per = g / kBlock;
   q.K = K, q.g = g;
@@ -57,17 +86,8 @@ void quantise(const float* x, int64_t M, int64_t K, int64_t g, Acts& q) {
     for (int64_t gi = 0; gi < G; ++gi) {
       float zs = 0.f;
       for (int64_t b = gi * per; b < (gi + 1) * per; ++b) {
-        const float* xb = x + m * K + b * kBlock;
-        float amax = 0.f;
-        for (int t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(xb[t]));
-        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        int sum = 0;
-        for (int t = 0; t < kBlock; ++t) {
-          const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[t] * inv)));
-          q.a[m * K + b * kBlock + t] = static_cast<int8_t>(v);
-          sum += static_cast<int>(v);
-        }
-        q.d[m * nb + b] = d;
+        float& d = q.d[m * nb + b];
+        const int sum = quantise_block(x + m * K + b * kBlock, d, q.a.data() + m * K + b * kBlock);
         zs += d * static_cast<float>(sum);
       }
       q.zsum[m * G + gi] = zs;
@@ -272,7 +292,7 @@ at::Tensor int4_q8_linear(const at::Tensor& x, const at::Tensor& packed, const a
   sizes.back() = n;
   auto y = at::empty(sizes, xf.options());
   if (M > 0 && n > 0) {
-    Acts q;
+    thread_local Acts q;  // kept between calls: no allocation per call
     quantise(xf.data_ptr<float>(), M, K, group_size, q);
     float* yp = y.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
