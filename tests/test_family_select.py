@@ -118,3 +118,26 @@ def test_kept_columns_equal_the_full_step(tmp_path, model_type, keep):
     assert eager_cache.lens.tolist() == [n + 5 for n in LENGTHS]
     for layer in full_cache.key:
         torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)
+
+
+def test_sub_block_steps_ask_for_their_head(tmp_path):
+    """The engine's greedy sub-block steps ask for the sub-block head (`Forward.sub_block_head`), so
+    the compiled runner makes their graphs apart (`ShapeKey.sub_block_head`); a family without
+    sub-blocks never asks, and neither does a call of the same shape that does not ask (the seam's
+    head then covers every kept column)."""
+    from clover.compile import state_of
+    from clover.engine import DecodeConfig, Engine
+
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    seam = FamilySeam(confident(tmp_path, "Fast_dLLM_Qwen"))
+    seam.sub_block = 2
+    engine = Engine(seam, DecodeConfig(block_size=4, threshold=0.6, max_new_tokens=8, runner="compiled"))
+    engine.generate([[5, 6, 7, 8, 9]])
+    keys = [k for k in state_of(seam).replays]
+    assert any(k.sub_block_head for k in keys) and not all(k.sub_block_head for k in keys)
+    assert not any(k.sub_block_head and k.draft_len != k.shape[1] for k in keys)
+    window = torch.full((1, 4), seam.config.mask_token_id)
+    window[0, 0] = 5
+    with torch.no_grad():
+        plain = seam(window, cache=committed(seam.family_model, (4,)), block_size=4, draft_len=4, logits_to_keep=4)
+    assert bool((plain.logits != 0).all())

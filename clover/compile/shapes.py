@@ -30,13 +30,14 @@ class ShapeKey(NamedTuple):
     grad: bool
     inference: bool
     span: int = 0  # cache slots the attention reads (0: the whole capacity; `attention_span`)
+    sub_block_head: bool = False  # a sub-block step's draft (engine/batch.Forward): other columns' logits 0
 
 
 def shape_key(ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,
-              block: int, span: int = 0) -> ShapeKey:
+              block: int, span: int = 0, sub_block_head: bool = False) -> ShapeKey:
     return ShapeKey(tuple(ids.shape), ids.device, draft_len, clean_block_size, block, pad_mask is None,
                     cache.recording, cache.capacity, cache.batch_size, cache.dtype, logits_to_keep,
-                    torch.is_grad_enabled(), torch.is_inference_mode_enabled(), span)
+                    torch.is_grad_enabled(), torch.is_inference_mode_enabled(), span, sub_block_head)
 
 
 def attention_span(used: int, capacity: int) -> int:

@@ -21,14 +21,16 @@ RECOMPILE_LIMIT = 256
 
 
 def _step(model, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int, block: int,
-          span: int = 0):
+          span: int = 0, sub_block_head: bool = False):
     """One steady step, layout included: its masks and positions are a dozen small ops on the
     cache's lengths, fused into the graph here. A model behind the seam that lays out its own step
     (`graph_step`: the public families, models/family_seam.py) runs that instead, its attention
-    reading the first `span` cache slots (0: all)."""
+    reading the first `span` cache slots (0: all), a sub-block step's draft (`sub_block_head`) computing
+    only the logits that step reads."""
     graph_step = getattr(model, "graph_step", None)
     if graph_step is not None:
-        return graph_step(ids, pad_mask, cache, logits_to_keep, draft_len, clean_block_size, block, span)
+        asked = {"sub_block_head": True} if sub_block_head else {}
+        return graph_step(ids, pad_mask, cache, logits_to_keep, draft_len, clean_block_size, block, span, **asked)
     layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_block_size, block, cache,
                            pad_mask, ids.device, static=True)
     return model.head(model.model(ids, layout, cache, logits_to_keep), logits_to_keep)
@@ -109,7 +111,7 @@ class CompileState:
         self.raise_recompile_limits()  # in this thread (the step may have been made in another)
         try:
             logits = step(model, ids, pad_mask, cache, key.logits_to_keep, key.draft_len, key.clean_block_size,
-                          key.block, key.span)
+                          key.block, key.span, key.sub_block_head)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
                           "graphs) reached, new shapes now run eagerly", stacklevel=4)

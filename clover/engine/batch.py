@@ -20,13 +20,15 @@ Pending = tuple[torch.Tensor, torch.Tensor | None]  # clean ids [rows, L], left 
 class Forward(NamedTuple):
     """The forward a job plans next: [pending ; window], `draft_len` of it draft (0: all committed as
     fed), logits of the last `keep` columns (`index`: of those columns only). A window of width 0
-    commits the pending segment only."""
+    commits the pending segment only. `sub_block_head`: a sub-block step's draft (greedy: only the
+    first sub-block with masks is read), whose other columns a model may leave uncomputed."""
 
     window: torch.Tensor
     draft_len: int
     keep: int
     block_size: int | None = None
     index: torch.Tensor | None = None
+    sub_block_head: bool = False
 
 
 class RowBatch:
@@ -115,29 +117,30 @@ class RowBatch:
     # ---- model calls ------------------------------------------------------------------------------
     def run(self, need: Forward) -> torch.Tensor:
         """The logits of a planned forward."""
-        return self.forward(need.window, need.draft_len, need.keep, need.block_size, need.index)
+        return self.forward(need.window, need.draft_len, need.keep, need.block_size, need.index, need.sub_block_head)
 
     def forward(self, window: torch.Tensor, draft_len: int, keep: int, block_size: int | None = None,
-                index: torch.Tensor | None = None) -> torch.Tensor:
+                index: torch.Tensor | None = None, sub_block_head: bool = False) -> torch.Tensor:
         """One model step on [pending clean segment ; window]; the pending segment is consumed and
         every running row counts one forward. When only some rows commit (`split_commit`), those rows'
         clean columns run first in a forward of their own rows (not counted: a commit, as prefill)
         and every row's window after it, so no row pays for columns it does not need."""
         ids, pad, pending = window, None, self.pending
         self.pending = None
+        asked = {"sub_block_head": True} if sub_block_head else {}  # a model that knows no such step is not asked
         for s in self.seqs:
             s.forward_passes += 1
         whole_draft = draft_len == window.shape[1] and (index is None or keep <= draft_len)
         if pending is not None and whole_draft and (rows := self.split_commit(pending)) is not None:
-            return self._split_forward(pending, rows, window, draft_len, keep, block_size, index)
+            return self._split_forward(pending, rows, window, draft_len, keep, block_size, index, asked)
         if pending is not None:
             clean, clean_pad = pending
-            ids = torch.cat([clean, window], dim=1)
+            ids, asked = torch.cat([clean, window], dim=1), {}  # not a draft alone: one graph with the others
             if clean_pad is not None:
                 pad = torch.cat([clean_pad, clean_pad.new_zeros(window.shape)], dim=1)
         return self.runner.forward(ids, self.cache, block_size=block_size, draft_len=draft_len,
                                    clean_block_size=self.clean_block_size, pad_mask=pad, logits_to_keep=keep,
-                                   logits_index=index)
+                                   logits_index=index, **asked)
 
     def split_commit(self, pending: Pending) -> torch.Tensor | None:
         """The rows that commit a clean segment of `pending` when a split step pays (their own commit
@@ -153,7 +156,7 @@ class RowBatch:
         return commits.nonzero().squeeze(1)
 
     def _split_forward(self, pending: Pending, rows: torch.Tensor, window: torch.Tensor, draft_len: int, keep: int,
-                       block_size: int | None, index: torch.Tensor | None) -> torch.Tensor:
+                       block_size: int | None, index: torch.Tensor | None, asked: dict) -> torch.Tensor:
         """`forward` as two: rows `rows` commit their clean columns in a cache of their own rows (written
         back after), then every row runs its window. Logits of a kept clean column (the last: `keep`
         past the window) come from the commit forward, for the committing rows (zeros elsewhere)."""
@@ -169,7 +172,7 @@ class RowBatch:
         self.cache.put_rows(rows, sub)
         logits = self.runner.forward(window, self.cache, block_size=block_size, draft_len=draft_len,
                                      clean_block_size=self.clean_block_size, logits_to_keep=keep - max(extra, 0),
-                                     logits_index=index)
+                                     logits_index=index, **asked)
         if extra <= 0:
             return logits
         head = logits.new_zeros(logits.shape[0], extra, logits.shape[2]).index_copy_(0, rows, first[:, -extra:])

@@ -347,12 +347,12 @@ class DiffusionMode(Mode):
             self.cols = None
             return Forward(batch.window, B, B + 1, B)
         cols = None
+        sub_block = self.layout.sub_block if self.cfg.sampling.greedy else 0  # sampled: every masked column draws
         if not batch.runner.full_head:  # the head runs only on columns some row may fill this step; the others can't be chosen
-            sub_block = self.layout.sub_block if self.cfg.sampling.greedy else 0  # sampled: every masked column draws
             cols = fillable(st.eligible, st.filled, sub_block).any(0).nonzero().squeeze(1)
             cols = None if cols.numel() == B else cols
         self.cols = cols
-        return Forward(batch.window, B, B, B, cols)
+        return Forward(batch.window, B, B, B, cols, sub_block_head=bool(sub_block))
 
     def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
         waiting = None

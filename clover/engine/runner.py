@@ -46,12 +46,13 @@ class EagerRunner:
         return fn
 
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
-                logits_to_keep=0, logits_index=None) -> torch.Tensor:
+                logits_to_keep=0, logits_index=None, **asked) -> torch.Tensor:
         """ids [rows, L] = [clean segment ; draft window of `draft_len`]; `logits_to_keep` /
-        `logits_index` choose the columns whose logits are computed (see CloverForBlockDiffusion.forward)."""
+        `logits_index` choose the columns whose logits are computed (see CloverForBlockDiffusion.forward);
+        `asked` (`sub_block_head=True`: engine/batch.Forward) goes to the model as it is."""
         return self.model(ids, cache=cache, block_size=block_size, draft_len=draft_len,
                           clean_block_size=clean_block_size, pad_mask=pad_mask, logits_to_keep=logits_to_keep,
-                          logits_index=logits_index).logits
+                          logits_index=logits_index, **asked).logits
 
 
 class CompiledRunner(EagerRunner):
@@ -84,9 +85,9 @@ class CompiledRunner(EagerRunner):
         return Fused(fn, key, self.state, shared, defer=self.defer)
 
     def forward(self, ids, cache, *, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
-                logits_to_keep=0, logits_index=None) -> torch.Tensor:
+                logits_to_keep=0, logits_index=None, **asked) -> torch.Tensor:
         call = dict(block_size=block_size, draft_len=draft_len, clean_block_size=clean_block_size, pad_mask=pad_mask,
-                    logits_to_keep=logits_to_keep, logits_index=logits_index)
+                    logits_to_keep=logits_to_keep, logits_index=logits_index, **asked)
         num_clean = ids.shape[1] - draft_len
         ids, pad = dense(ids), dense(pad_mask)
         steady = cache is not None and is_steady(num_clean, ids.shape[1])
@@ -100,7 +101,8 @@ class CompiledRunner(EagerRunner):
         run_ids, run_pad, run_cache = pad_rows(ids, pad, cache, bucket_width(rows))
         span = attention_span(run_cache.max_len() + run_ids.shape[1], run_cache.capacity) \
             if getattr(self.model, "span_limited", False) else 0  # graphs reading only the slots in use
-        key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_block_size, block, span)
+        key = shape_key(run_ids, run_pad, run_cache, logits_to_keep, draft_len, clean_block_size, block, span,
+                        bool(asked.get("sub_block_head")))
         logits, replayed = self.state.call(key, run_ids, run_pad, run_cache, replay=self.replay, defer=self.defer)
         if logits is None:
             return self._eager(given, cache, call)

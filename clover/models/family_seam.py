@@ -29,9 +29,9 @@ class FamilySeam(nn.Module):
                                       eos_token_id=list(loaded.eos_token_ids) or None, model_type=c.model_type)
         self.decode_defaults = {"block_size": loaded.block_size, "threshold": loaded.threshold}
         self.sub_block = getattr(loaded.model, "default_sub_block_size", 0)  # Fast-dLLM v2 fills sub-blocks of 8
-        # a draft window's head on the one sub-block a sub-block step reads (`trims`); off: the seam
-        # cannot tell that step's calls from others of the same shape (self_spec's drafts, the
-        # structured paths), which read other columns
+        # every draft window's head on one sub-block (`trims`), asked or not; off: a call asks
+        # (`sub_block_head`, a sub-block step's), others of the same shape (self_spec's drafts, the
+        # structured paths) read other columns
         self.sub_block_head = False
 
     @property
@@ -60,22 +60,23 @@ class FamilySeam(nn.Module):
         return block, block
 
     def graph_step(self, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,
-                   block: int, span: int = 0):
+                   block: int, span: int = 0, sub_block_head: bool = False):
         """One compiled step: the logits of the last `logits_to_keep` columns; every column's K/V
         written into the cache in place, the attention reading its first `span` slots (0: all;
         modeling_family.static_block_step). A sub-block family's draft window (every column kept, no
-        clean segment) computes only the logits its step reads (`sub_block_columns`), the others 0."""
-        if not self.trims(ids.shape[1], draft_len, logits_to_keep):
+        clean segment) of a sub-block step (`sub_block_head`) computes only the logits that step reads
+        (`sub_block_columns`), the others 0."""
+        if not self.trims(ids.shape[1], draft_len, logits_to_keep, asked=sub_block_head):
             return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
         cols = sub_block_columns(ids, self.config.mask_token_id, self.sub_block)
         return spread(self.family_model.static_forward(ids, cache, block, pad_mask, span=span, select=cols), cols,
                       ids.shape[1])
 
-    def trims(self, width: int, draft_len: int, keep: int, index=None) -> bool:
-        """Whether a call is a sub-block family's draft window alone, every column kept, with
-        `sub_block_head` on (every such call is a sub-block step's): that step reads the logits of
-        one sub-block (`sub_block_columns`), the only ones computed (the others 0)."""
-        return (self.sub_block_head and bool(self.sub_block) and draft_len == width and keep in (0, width) and index is None
+    def trims(self, width: int, draft_len: int, keep: int, index=None, asked: bool = False) -> bool:
+        """Whether a call is a sub-block family's draft window alone, every column kept, of a
+        sub-block step (`asked`, or `sub_block_head` on for every call): that step reads the logits
+        of one sub-block (`sub_block_columns`), the only ones computed (the others 0)."""
+        return ((asked or self.sub_block_head) and bool(self.sub_block) and draft_len == width and keep in (0, width) and index is None
                 and width % self.sub_block == 0 and width > self.sub_block)
 
     span_limited = True  # its compiled steps read only the cache slots in use (compile.attention_span)
@@ -89,22 +90,33 @@ class FamilySeam(nn.Module):
         return self.family_model.new_cache(rows, capacity=capacity)
 
     def forward(self, input_ids, *, cache=None, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
-                logits_to_keep=0, logits_index=None, **_):
+                logits_to_keep=0, logits_index=None, sub_block_head=False, **_):
         """input_ids [rows, L] = [clean segment ; draft window of `draft_len`]: the clean segment is
         committed and the draft read against it, positions absolute (the family's own); logits of the
-        last `logits_to_keep` columns (0: all), `logits_index` of those."""
+        last `logits_to_keep` columns (0: all), `logits_index` of those (the last layer and the head
+        run on those only); `sub_block_head`: a sub-block step's draft (`trims`)."""
         width = input_ids.shape[1]
         block = self.block_of(block_size, clean_block_size)
+        asked_index = None if sub_block_head else logits_index  # a sub-block step's: its index slices, as a graph's
         cols = sub_block_columns(input_ids, self.config.mask_token_id, self.sub_block) \
-            if self.trims(width, draft_len, logits_to_keep, logits_index) else None
+            if self.trims(width, draft_len, logits_to_keep, asked_index, sub_block_head) else None
         keep = cols if cols is not None else tail_columns(input_ids, logits_to_keep)
+        if cols is None and _column_list(logits_index):  # the last layer and the head on the indexed columns only
+            keep = (width - (logits_to_keep or width) + logits_index).expand(input_ids.shape[0], -1)
+            logits_index = None
         hidden = self.family_model(input_ids, cache=cache, commit=width - draft_len if cache is not None else False,
                                    block_size=block, pad=pad_mask, hidden_only=True, select=keep)
         if cols is not None:
-            return SimpleNamespace(logits=spread(self.family_model.logits(hidden), cols, width))
+            logits = spread(self.family_model.logits(hidden), cols, width)
+            return SimpleNamespace(logits=logits if logits_index is None else logits[:, logits_index])
         if logits_index is not None:
             hidden = hidden[:, logits_index]
         return SimpleNamespace(logits=self.family_model.logits(hidden))
+
+
+def _column_list(index) -> bool:
+    """Whether `logits_index` is a 1-D integer tensor of columns (what `select` takes)."""
+    return torch.is_tensor(index) and index.dim() == 1 and not index.is_floating_point() and index.dtype != torch.bool
 
 
 def spread(logits: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor:
