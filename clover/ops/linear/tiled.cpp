@@ -687,15 +687,6 @@ bool use_bf16_activations(bool on) { return bf16_requested.exchange(on); }
 // Sets the multiply-adds from which a call splits over threads (parallel.h); returns the previous value.
 int64_t parallel_min_work(int64_t least) { return clover_parallel::min_work().exchange(std::max<int64_t>(0, least)); }
 
-// Whether at::parallel_for here can use more than one thread (the extension built with OpenMP).
-bool parallel_built() {
-#if defined(_OPENMP)
-  return true;
-#else
-  return false;
-#endif
-}
-
 int64_t cached_weights() {
   std::lock_guard<std::mutex> lock(cache_mutex);
   int64_t live = 0;
@@ -710,7 +701,6 @@ TORCH_LIBRARY(clover_cpu, m) {
   m.def("experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor down) -> Tensor");
   m.def("cached_weights() -> int", &cached_weights);
   m.def("parallel_min_work(int least) -> int", &parallel_min_work);
-  m.def("parallel_built() -> bool", &parallel_built);
   m.def("packed_bf16(Tensor weight) -> bool", &packed_bf16);
   m.def("use_amx(bool on) -> bool", &use_amx);
   m.def("bf16_dot() -> bool", &bf16_dot);

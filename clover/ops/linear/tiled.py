@@ -25,9 +25,11 @@ panel pair in L1 while every row tile passes over it: the weight is read once pe
   is not torch's fp32 matmul precision "medium". Read on every call, so a compiled graph follows it
   without recompiling; a CPU without bf16 products keeps the exact kernel (`bf16_dot()`).
 * Threads (parallel.h): a call whose work gives every thread at least `parallel_min_work`
-  multiply-adds (default 2^19) splits its panel pairs (the experts op: its used experts) over torch's
-  threads (`torch.set_num_threads`, `--threads`); smaller calls, such as the default model's
-  projections of a decode step, stay on the calling thread. The numbers do not depend on the split.
+  multiply-adds (default 2^19) splits its panel pairs (the experts op: its used experts) over
+  `torch.get_num_threads()` threads (`--threads`): the caller and helper threads of the extension's
+  own, which claim runs of panels from a shared counter, so a helper that starts late (a busy machine)
+  takes less and is never waited for. Smaller calls, such as the default model's projections of a
+  decode step, stay on the calling thread. The numbers do not depend on the split.
 
 The op keeps the packed copy per weight tensor (weakly: a freed weight's copy goes at the next
 miss) and repacks when the weight's version counter moves (`copy_`, `load_state_dict`, an
@@ -37,7 +39,7 @@ Eager forwards never call it; compiled CPU graphs do where `ops.linear.graph_lin
 
 The same extension holds int4.cpp (`clover_cpu::int4_linear`, see int4_linear.py),
 ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below) and ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled by torch.utils.cpp_extension
-(`-O3 -march=native -fopenmp`, cached under torch's extensions dir, rebuilt when the source changes): by
+(`-O3 -march=native`, cached under torch's extensions dir, rebuilt when the source changes): by
 `make install`, by `clover serve` before it serves and `clover generate` before it decodes (`prepare`,
 which says so when it compiles), else on the first `available()`. Where that fails (no compiler) or the CPU is not x86-64, `available()` is
 False and graphs keep torch's ops.
@@ -60,10 +62,7 @@ _SOURCE = Path(__file__).with_name("tiled.cpp")
 _MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",
                  Path(__file__).parent.parent / "greedy_pick" / "greedy_pick.cpp",
                  Path(__file__).with_name("int4.cpp"), Path(__file__).with_name("int4_q8.cpp"))
-# -fopenmp: at::parallel_for (ATen/ParallelOpenMP.h, inlined here) splits work over torch's OpenMP
-# threads only when this code is compiled with OpenMP; it links the libgomp torch already loaded
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
+_CFLAGS = ("-O3", "-march=native")  # part of the build folder's key (`_name`)
 _state: dict = {"bf16_x": os.environ.get("CLOVER_LINEAR_DTYPE", "float32") == "bfloat16"}
 LINEAR_DTYPES = ("float32", "bfloat16")  # CLOVER_LINEAR_DTYPE / --linear-dtype
 
@@ -98,7 +97,7 @@ def _name() -> str:
     """The extension's name, keyed by its sources' contents (headers included) and build flags: two checkouts or
     versions of clover on one machine build into folders of their own instead of rebuilding, under
     each other's running processes, the one library torch's extensions dir would hold."""
-    digest = hashlib.sha256(" ".join(_CFLAGS + _LDFLAGS).encode())
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
     for path in sorted((_SOURCE, *_MORE_SOURCES, *_SOURCE.parent.glob("*.h"))):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return f"clover_cpu_ops_{digest.hexdigest()[:12]}"
@@ -122,7 +121,7 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         load(name=_name(), sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=list(_CFLAGS),
-             extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=False)
+             is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch's own linear serves
         warnings.warn(f"clover: the tiled fp32 linear could not be built ({type(e).__name__}: {e}); "
                       "compiled CPU graphs keep torch's linear", stacklevel=2)
@@ -238,11 +237,6 @@ def parallel_min_work(least: int) -> int:
     previous value (-1 where the kernels are not built). For benchmarks and tests; a process's
     start value can come from CLOVER_PARALLEL_MIN_WORK (digits)."""
     return int(torch.ops.clover_cpu.parallel_min_work(int(least))) if available() else -1
-
-
-def parallel_built() -> bool:
-    """Whether the kernels were built with OpenMP, so that they can use torch's threads."""
-    return bool(torch.ops.clover_cpu.parallel_built()) if available() else False
 
 
 def use_amx(on: bool) -> bool:
