@@ -53,15 +53,25 @@ def test_layout_round_trips_and_dequantises_exactly(n, k, g):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def ties():
+    """Rows whose blocks hold exact ties after scaling (max 127, so x * (1 / d) = x): +-k.5."""
+    x = (torch.arange(2 * 64, dtype=torch.float32) % 64 - 31.5).reshape(2, 64)
+    x[:, 0], x[:, 32] = 127, -127
+    return x
+
+
 def test_activation_rounding():
     x = torch.randn(3, 4 * 32) * torch.tensor([1e-3, 1.0, 50.0, 1.0]).repeat_interleave(32)
     x[1, 96:] = 0  # a block of zeros: scale 0, codes 0
-    x[2, :32] = torch.arange(32) - 15.5  # ties after scaling: nearest even
+    x[0, :64] = ties()[0]
     a, d = naive_q8_activations(x)
     assert a.dtype == torch.int8 and d.shape == (3, 4) and a.abs().max() <= 127
     assert (a.view(3, 4, 32).abs().amax(-1)[d > 0] == 127).all() and (a[1, 96:] == 0).all() and d[1, 3] == 0
+    assert a[0, 1:4].tolist() == [-30, -30, -28] and a[0, 33:36].tolist() == [2, 2, 4]  # -30.5 -29.5 -28.5, 1.5 2.5 3.5
     err = (rounded(x) - x.double()).abs().view(3, 4, 32)
     assert (err <= d.double()[..., None] / 2 * (1 + 2**-20)).all()
+    packed, sz = q8.pack(**stored(24, 128, 32))
+    check(q8.int4_q8_linear(x, packed, sz, 32, 24), x, naive_int4_q8_weight(packed, sz, 24))  # the kernel rounds alike
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 70])
@@ -206,6 +216,8 @@ for n, k, g in ((37, 96, 32), (129, 384, 128)):
     packed, sz = q8.pack(**quantize_rtn(torch.randn(n, k, generator=gen) * 0.05, g))
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(2, rows, k, generator=gen)
+        x[0, 0, :64] = (torch.arange(64) - 31.5).float()  # exact ties after scaling: nearest even
+        x[0, 0, 0] = x[0, 0, 32] = 127
         got = torch.ops.clover_cpu.int4_q8_linear(x, packed, sz, g, n)
         torch.testing.assert_close(got, naive_int4_q8_linear(x, packed, sz, g, n), rtol=1e-5, atol=1e-5)
         alone = torch.ops.clover_cpu.int4_q8_linear(x[1, -1:], packed, sz, g, n)

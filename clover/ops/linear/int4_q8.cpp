@@ -50,7 +50,7 @@ struct Acts {
 };
 
 // One block of 32: a = round(x * (1 / d)) (nearest even: the default rounding mode), clamped to +-127;
-// returns sum(a). d = max|x| / 127.
+// returns sum(a). d = max|x| / 127. The vector versions compute the scalar one's numbers (finite x) exactly.
 inline int quantise_block(const float* xb, float& d, int8_t* a) {
 #if defined(__AVX512F__)
   const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
@@ -63,6 +63,32 @@ inline int quantise_block(const float* xb, float& d, int8_t* a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtepi32_epi8(q1));
   return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(__AVX2__)
+  __m256 v[4], m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  d = _mm_cvtss_f32(h) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i q[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    q[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv))));
+    sum = _mm256_add_epi32(sum, q[i]);
+  }
+  // int32 -> int8 (in range: no saturation); the packs work per 128-bit lane, the permute restores the order
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
 #else
   float amax = 0.f;
   for (int t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(xb[t]));
