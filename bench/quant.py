@@ -1,5 +1,5 @@
 """INT4 benchmark: size on disk and in memory, decode speed at batch 1, held-out loss and task
-accuracy for bf16, RTN and GPTQ. Prints a markdown section
+accuracy for bf16, RTN, RTN with int8 activations (the opt-in kernel "int8", ops/linear/int4_q8.py) and GPTQ. Prints a markdown section
 (`bench/update.py quant -- ...` puts the command above it in BENCHMARKS.md).
 
     python bench/quant.py                       # the default model (clover/assets/default)
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from clover.engine import DecodeConfig, Engine  # noqa: E402
 from clover.models import CloverForBlockDiffusion, preset_config  # noqa: E402
-from clover.quant.modules import Int4Weight  # noqa: E402
+from clover.quant.modules import Int4Weight, set_int4_kernel  # noqa: E402
 from clover.convert.quantize import quantize_checkpoint  # noqa: E402
 from clover.training.objectives import block_diffusion_loss  # noqa: E402
 
@@ -61,8 +61,12 @@ def bf16_quantisable_bytes(model) -> int:
     return out
 
 
-def load(folder, dtype):
+INT8 = "int4 RTN, int8 act."  # the RTN folder on the int4 x int8-activation kernel
+
+
+def load(folder, dtype, kernel="auto"):
     model = CloverForBlockDiffusion.from_pretrained(folder, dtype=dtype).eval()
+    set_int4_kernel(model, kernel)
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3, 4]]))  # builds the int4 kernel layout
     return model
@@ -171,11 +175,12 @@ def main() -> int:
 
     folders = {"bf16": src, "int4 RTN": SCRATCH / "rtn", "int4 GPTQ": SCRATCH / "gptq"}
     models = {name: load(f, torch.bfloat16) for name, f in folders.items()}
+    models[INT8] = load(folders["int4 RTN"], torch.bfloat16, "int8")
     models_fp32 = {"fp32": load(src, torch.float32), "int4 RTN, fp32 elsewhere": load(SCRATCH / "rtn", torch.float32)}
     bf16_q = bf16_quantisable_bytes(models["bf16"])
 
     # ---- speed: alternate the models, medians ------------------------------------------------
-    speed_models = {"bf16": models["bf16"], "int4 RTN": models["int4 RTN"], **models_fp32}
+    speed_models = {"bf16": models["bf16"], "int4 RTN": models["int4 RTN"], INT8: models[INT8], **models_fp32}
     prompt = prompts[0] if tok is None else tok(prompts[0]).input_ids
     for m in speed_models.values():
         decode_once(m, prompt, 8, args.block_size)  # warm up
@@ -194,8 +199,8 @@ def main() -> int:
 
     # ---- quality: weights as stored, everything else in fp32 (isolates the quantisation error) ------
     quality = {}
-    for name, folder in folders.items():
-        m = load(folder, torch.float32)
+    for name, folder in {**folders, INT8: folders["int4 RTN"]}.items():
+        m = load(folder, torch.float32, "int8" if name == INT8 else "auto")
         diff, ar = heldout_loss(m, loss_rows, args.block_size)
         if answers is not None:  # as recipes/default/evaluate.py: plain prompt, first generated line
             import clover
@@ -231,32 +236,41 @@ def main() -> int:
     print(f"Model: {what}. {torch.get_num_threads()} CPU thread(s); int4 kernel: {kernel}. GPTQ calibration: {args.calib_samples} x {seq_len} "
           f"tokens{'' if args.random else ' from the held-out split'}, {timing['gptq'][0]:.1f} s to quantise "
           f"(RTN {timing['rtn'][0]:.1f} s).\n")
-    print("| | bf16 | int4 RTN | int4 GPTQ |")
-    print("|---|---:|---:|---:|")
+    q8 = {p.kind for m in models[INT8].modules() if isinstance(m, Int4Weight) for p in m._packed or ()} == {"clover_q8"}
+    print(f"Column `{INT8}`: the RTN checkpoint on clover's int4 x int8-activation kernel "
+          f"(`set_int4_kernel(model, \"int8\")`{'' if q8 else '; NOT built on this CPU, so the same kernel as RTN'}).\n")
+    print(f"| | bf16 | int4 RTN | int4 GPTQ | {INT8} |")
+    print("|---|---:|---:|---:|---:|")
     d = {k: disk_bytes(f) for k, f in folders.items()}
     print(f"| checkpoint on disk (MB) | {d['bf16'] / 1e6:.2f} | {d['int4 RTN'] / 1e6:.2f} ({d['int4 RTN'] / d['bf16']:.2f}x) "
-          f"| {d['int4 GPTQ'] / 1e6:.2f} ({d['int4 GPTQ'] / d['bf16']:.2f}x) |")
+          f"| {d['int4 GPTQ'] / 1e6:.2f} ({d['int4 GPTQ'] / d['bf16']:.2f}x) | as RTN |")
     s = timing["rtn"][1]
     print(f"| quantised layers on disk (MB) | {s['src_bytes_quantized'] / 1e6:.2f} | {s['quantized_bytes'] / 1e6:.2f} "
-          f"({s['quantized_bytes'] / s['src_bytes_quantized']:.3f}x) | same |")
+          f"({s['quantized_bytes'] / s['src_bytes_quantized']:.3f}x) | same | same |")
     mem = {k: memory(m) for k, m in models.items()}
     print(f"| model in memory (MB) | {mem['bf16'][0] / 1e6:.2f} | {mem['int4 RTN'][0] / 1e6:.2f} "
-          f"({mem['int4 RTN'][0] / mem['bf16'][0]:.2f}x) | {mem['int4 GPTQ'][0] / 1e6:.2f} |")
+          f"({mem['int4 RTN'][0] / mem['bf16'][0]:.2f}x) | {mem['int4 GPTQ'][0] / 1e6:.2f} | {mem[INT8][0] / 1e6:.2f} |")
     print(f"| quantised layers in memory (MB) | {bf16_q / 1e6:.2f} | {mem['int4 RTN'][1] / 1e6:.2f} "
-          f"({mem['int4 RTN'][1] / bf16_q:.3f}x) | same |")
+          f"({mem['int4 RTN'][1] / bf16_q:.3f}x) | same | {mem[INT8][1] / 1e6:.2f} |")
     print(f"| decode tok/s, batch 1 ({args.new_tokens} tokens, block {args.block_size}) | {speed['bf16'][0]:.1f} | "
-          f"{speed['int4 RTN'][0]:.1f} ({speed['int4 RTN'][0] / speed['bf16'][0]:.2f}x) | same kernels as RTN |")
+          f"{speed['int4 RTN'][0]:.1f} ({speed['int4 RTN'][0] / speed['bf16'][0]:.2f}x) | same kernels as RTN | "
+          f"{speed[INT8][0]:.1f} ({speed[INT8][0] / speed['bf16'][0]:.2f}x) |")
     print(f"| ms per forward (TPF) | {speed['bf16'][2]:.1f} ({args.new_tokens / speed['bf16'][1]:.2f}) | "
-          f"{speed['int4 RTN'][2]:.1f} ({args.new_tokens / speed['int4 RTN'][1]:.2f}) | |")
+          f"{speed['int4 RTN'][2]:.1f} ({args.new_tokens / speed['int4 RTN'][1]:.2f}) | | "
+          f"{speed[INT8][2]:.1f} ({args.new_tokens / speed[INT8][1]:.2f}) |")
     print(f"| held-out block-diffusion loss, every token (block {args.block_size}; fp32 compute) | " + " | ".join(f"{quality[k][0]:.4f}" for k in models) + " |")
     print("| held-out AR loss, every token (fp32 compute) | " + " | ".join(f"{quality[k][1]:.4f}" for k in models) + " |")
     if answers is not None:
         print(f"| task accuracy ({len(answers)} held-out prompts, greedy) | " +
               " | ".join(f"{100 * quality[k][2]:.1f}%" for k in models) + " |")
     if args.random:
-        print("| (random weights: near-flat logits, so any perturbation flips the argmax; losses ~ ln(vocab)) | | | |")
+        print("| (random weights: near-flat logits, so any perturbation flips the argmax; losses ~ ln(vocab)) | | | | |")
     print("| generated tokens equal to bf16's | 100% | " +
-          " | ".join(f"{100 * agreement(quality[k][3]):.1f}%" for k in ("int4 RTN", "int4 GPTQ")) + " |")
+          " | ".join(f"{100 * agreement(quality[k][3]):.1f}%" for k in ("int4 RTN", "int4 GPTQ", INT8)) + " |")
+    same = sum(x == y for a, b in zip(quality[INT8][3], quality["int4 RTN"][3]) for x, y in zip(a, b))
+    total = sum(len(b) for b in quality["int4 RTN"][3])
+    print(f"| generated tokens equal to int4 RTN's (fp32 activations) | | 100% | | "
+          f"{100 * same / max(1, total):.1f}% ({same} of {total}) |")
     print("\nDecode speed by model dtype (the dtype of everything but the int4 matmuls, whose activations are "
           f"{'fp32' if kinds == {'clover'} else 'bf16'} whatever it is); `clover.load` picks fp32 on CPU:\n")
     print("| model | tok/s | ms per forward | vs bf16 | vs fp32 |")
