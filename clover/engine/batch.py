@@ -130,7 +130,7 @@ class RowBatch:
         asked = {"sub_block_head": True} if sub_block_head else {}  # a model that knows no such step is not asked
         for s in self.seqs:
             s.forward_passes += 1
-        whole_draft = draft_len == window.shape[1] and (index is None or keep <= draft_len)
+        whole_draft = 0 < draft_len == window.shape[1] and (index is None or keep <= draft_len)
         if pending is not None and whole_draft and (rows := self.split_commit(pending)) is not None:
             return self._split_forward(pending, rows, window, draft_len, keep, block_size, index, asked)
         if pending is not None:

@@ -301,6 +301,7 @@ class DiffusionMode(Mode):
         self.eos_t = torch.tensor(sorted(self.eos), dtype=torch.long, device=device)
         self.state: BlockState | None = None
         self.cols: torch.Tensor | None = None  # the head's columns of the forward planned last (None: all)
+        self.commit_only = False  # the forward planned last commits the pending segment alone (no draft)
         self.awaiting: torch.Tensor | None = None  # [rows]: the window's first column comes from this forward's clean pass
         # `advance`, `sample_and_score`, `pick_and_advance` as the runner calls them (`fuse`), made when first used
         self._advance = self._scored = self._pick_advance = None
@@ -343,8 +344,12 @@ class DiffusionMode(Mode):
 
     def plan(self, batch: RowBatch) -> Forward:
         B, st = self.block_size, self.state
+        self.commit_only = False
         if self.awaiting is not None and bool(self.awaiting.any()):  # + the last clean column's logits
             self.cols = None
+            if bool(self.awaiting.all()) and batch.pending is not None:  # nothing to draft yet: the clean pass alone
+                self.commit_only = True
+                return Forward(batch.window[:, :0], 0, 1, B)
             return Forward(batch.window, B, B + 1, B)
         cols = None
         sub_block = self.layout.sub_block if self.cfg.sampling.greedy else 0  # sampled: every masked column draws
@@ -355,6 +360,8 @@ class DiffusionMode(Mode):
         return Forward(batch.window, B, B, B, cols, sub_block_head=bool(sub_block))
 
     def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        if self.commit_only:  # every row waited: its window's first column, nothing drafted
+            return self._first_columns(batch, self.awaiting, self.tokens(logits[:, -1:])[:, 0])
         waiting = None
         if logits.shape[1] == self.block_size + 1:  # rows waiting for their first column: the clean pass's token
             waiting, first, logits = self.awaiting, self.tokens(logits[:, :1])[:, 0], logits[:, 1:]
