@@ -58,6 +58,21 @@ def test_compiled_int4_equals_eager_int4(model, mode):
 
 
 @pytest.mark.timeout(1800)
+def test_compiled_int4_int8_activations_equals_eager(model):
+    """The int4 x int8-activation kernel (Int4Weight kernel "int8") inside the graph: `clover_cpu::int4_q8_linear`
+    and `int4_q8_experts` on the layout held as buffers."""
+    from clover.ops.linear import int4_q8
+    from clover.quant.modules import Int4Weight, set_int4_kernel
+
+    if not int4_q8.available():
+        pytest.skip("the clover CPU kernels are not built here")
+    q = quantize_rtn_in_place(copy.deepcopy(model), G)
+    set_int4_kernel(q, "int8")
+    close_decodes(q, "ar")
+    assert {p.kind for m in q.modules() if isinstance(m, Int4Weight) for p in m._packed or ()} == {"clover_q8"}
+
+
+@pytest.mark.timeout(1800)
 def test_compiled_bf16_equals_eager_bf16(model):
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no bf16 products on this CPU")
