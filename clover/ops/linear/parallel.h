@@ -58,12 +58,15 @@ inline Pool& pool() {
   return *p;
 }
 
-// A helper: spins a little after each job (the next one often follows at once), then sleeps.
+// A helper: spins a little after each job (the next one may follow at once), then sleeps. Short:
+// a spinning helper holds a core that torch's own threads (its ops between ours) may want.
+constexpr int kSpins = 1024;
+
 inline void helper(int index) {
   Pool& p = pool();
   uint32_t seen = p.generation.load();
   for (;;) {
-    for (int i = 0; i < 4096 && p.generation.load(std::memory_order_acquire) == seen; ++i) relax();
+    for (int i = 0; i < kSpins && p.generation.load(std::memory_order_acquire) == seen; ++i) relax();
     p.generation.wait(seen);
     seen = p.generation.load();
     if (!p.open.load()) continue;  // done already: the usual case for a helper that woke late
