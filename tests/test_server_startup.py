@@ -281,3 +281,16 @@ def test_a_note_is_never_half_written(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in noted.folder.iterdir()} == before
     (noted.folder / "abcd.tmp").write_text('{"shape": [1, ')  # a killed writer's leftover
     assert noted.keys() == [first]
+
+
+def test_the_first_requests_imports_are_made_at_start_up():
+    """What a server's first request would import (anyio's backend, at its first disconnect check)
+    is imported when the app is made, not beside that request's decode."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from clover.server import app; names = app.FIRST_REQUEST_IMPORTS; "
+            "before = [n in sys.modules for n in names]; app.import_ahead(); "
+            "print(before, [n in sys.modules for n in names])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["[False]", "[True]"]

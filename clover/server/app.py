@@ -7,6 +7,7 @@ large prompt."""
 from __future__ import annotations
 
 import hmac
+import importlib
 from dataclasses import dataclass, fields
 
 from fastapi import FastAPI
@@ -28,6 +29,9 @@ __all__ = ["Choice", "Settings", "create_app", "tool_call_deltas", "warm_up"]
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/decide")
 MAX_BODY_BYTES = 4 * 2**20  # default request-body limit: many times what fills a 32k-token context
 DRAIN_BYTES = 64 * 2**20  # of a body over the limit, read (and dropped) this much more before the 413
+# imported by the first request otherwise (anyio's backend, at a request's first disconnect check):
+# an import holds the GIL, so the decode running beside it waits too
+FIRST_REQUEST_IMPORTS = ("anyio._backends._asyncio",)
 
 
 @dataclass(init=False)
@@ -142,6 +146,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
 
     if not prepared:
         prepare(model)  # the C++ CPU kernels and int4 packing before the first request, never inside one
+    import_ahead()
     metrics = Metrics()
     scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics,
                           settings.decode.runner)
@@ -160,6 +165,15 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     add_error_handlers(app)
     routes.register(app)
     return app
+
+
+def import_ahead() -> None:
+    """The modules a server's first request would import (FIRST_REQUEST_IMPORTS), imported now."""
+    for name in FIRST_REQUEST_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another anyio layout: its first request imports what it needs
+            pass
 
 
 def warm_up(app: FastAPI, tokenizer) -> None:
