@@ -10,9 +10,9 @@ Every figure is a median of thread CPU time (the time the scheduler gave other p
 turn (interleaved) in `--rounds` rounds; a ratio is the ratio of the medians over all rounds, and
 its spread [min, max] the same ratio per round. Outputs are checked against the dequantised
 reference first. Load average before and after each table. At 2 threads thread CPU time counts the
-calling thread's share only: torch's int4 kernel splits large products over its pool, while
-clover's kernels run on the calling thread (the extension is built without OpenMP, so
-at::parallel_for runs inline), so there its ratio favours torch's by up to its pool's share.
+calling thread's share only: torch's int4 kernel splits large products over its pool and clover's
+kernels over helper threads of their own (ops/linear/parallel.h), so there the ratios leave out both
+pools' shares (bench/linear.py --scaling times the kernels' threads in wall time).
 
     python bench/update.py int4-linear -- python bench/int4_linear.py --size large --threads 1 --rows 1,4,8,32 --step
 """
