@@ -199,6 +199,31 @@ def test_gptq_checkpoint_via_cli(ckpt, rtn_ckpt, capsys):
         assert torch.isfinite(q(torch.tensor([[3, 4, 5, 6]])).logits).all()
 
 
+def test_int8_activations_are_a_property_of_the_checkpoint(ckpt, rtn_ckpt, capsys):
+    """`clover quantize --activations int8` records it in quantization_config; loading puts every int4
+    layer on the int4 x int8 kernel (its outputs near the exact-activation reference); a bad value is refused."""
+    root, _ = ckpt
+    dst = root / "rtn-int8"
+    assert cli(["quantize", str(root / "src"), str(dst), "--group-size", "32", "--activations", "int8", "--json"]) == 0
+    capsys.readouterr()
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["quantization_config"]["activations"] == "int8"
+    assert json.loads((rtn_ckpt / "config.json").read_text())["quantization_config"]["activations"] == "float32"
+    q = CloverForBlockDiffusion.from_pretrained(dst).eval()
+    layers = [m for m in q.modules() if isinstance(m, Int4Weight)]
+    assert layers and {m.kernel for m in layers} == {"int8"}
+    ids = torch.randint(0, 120, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fast = q(ids, block_size=8, draft_len=8).logits.float()
+        set_int4_kernel(q, "reference")
+        ref = q(ids, block_size=8, draft_len=8).logits.float()
+    assert (fast - ref).abs().max() < 0.05 * ref.abs().max()
+    cfg["quantization_config"]["activations"] = "int3"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="activations must be one of float32, int8"):
+        CloverForBlockDiffusion.from_pretrained(dst)
+
+
 def _cli_fails(args, capsys, match):
     rc = cli(["quantize", *args])
     err = capsys.readouterr().err

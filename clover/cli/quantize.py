@@ -22,6 +22,9 @@ def register(sub) -> None:
                    "or .txt (default: the default model's held-out slice)")
     p.add_argument("--calib-samples", type=int, default=64, help="calibration rows (default 64)")
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration row (default 256)")
+    p.add_argument("--activations", choices=["float32", "int8"], default="float32",
+                   help="int8: the products round activations to int8 per block of 32 (as llama.cpp's q4_0), on "
+                        "clover's int4 x int8 CPU kernel; float32: exact activations (default)")
     p.add_argument("--quantize-head", action="store_true", help="also quantise lm_head (default: kept bf16)")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default 2GB)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
@@ -58,7 +61,7 @@ def run(args) -> int:
         summary = quantize_checkpoint(
             args.src, args.dst, group_size=args.group_size, method=args.method, calib=args.calib,
             calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, quantize_head=args.quantize_head,
-            force=args.force, max_shard_bytes=parse_size(args.max_shard_size), **quiet,
+            force=args.force, max_shard_bytes=parse_size(args.max_shard_size), activations=args.activations, **quiet,
         )
     except QuantizationError as e:
         raise UserError(str(e)) from None

@@ -18,7 +18,6 @@ to DST and renamed into place only when complete.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 from ..quant.gptq import Hessian, gptq_quantize
 from ..quant.int4 import GROUP_SIZES, check_group_size, dequantize, quantize_rtn
-from ..quant.modules import DEFAULT_NOT_QUANTIZED, QUANT_METHOD, quantized_targets
+from ..quant.modules import ACTIVATIONS, DEFAULT_NOT_QUANTIZED, QUANT_METHOD, quantized_targets
 from ..utils.checkpoint_io import SafetensorsSource, ShardWriter
 from ..utils.files import staged_folder
 
@@ -193,7 +192,7 @@ class _Output:
 def quantize_checkpoint(
     src, dst, *, group_size: int = 128, method: str = "rtn", calib=None, calib_samples: int = 64,
     calib_seq_len: int = 256, quantize_head: bool = False, force: bool = False,
-    max_shard_bytes: int = 2 * 10**9, notice=_notice,
+    max_shard_bytes: int = 2 * 10**9, activations: str = "float32", notice=_notice,
 ) -> dict:
     """Quantise checkpoint SRC into DST; returns a summary dict. Raises QuantizationError (or
     FileNotFoundError for a missing calibration file) before writing anything on bad input."""
@@ -210,6 +209,8 @@ def quantize_checkpoint(
         raise QuantizationError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
     if group_size not in GROUP_SIZES:
         raise QuantizationError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    if activations not in ACTIVATIONS:
+        raise QuantizationError(f"--activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if calib_samples < 1 or calib_seq_len < 2:
         raise QuantizationError("--calib-samples must be >= 1 and the calibration length >= 2")
     if dst.exists() and not force:
@@ -220,7 +221,7 @@ def quantize_checkpoint(
         if method != "rtn" or calib is not None:
             raise QuantizationError("a public family is quantised with --method rtn (gptq calibrates in Clover's "
                                     "training layout)")
-        return quantize_family(src, dst, raw, group_size, quantize_head, max_shard_bytes, notice)
+        return quantize_family(src, dst, raw, group_size, quantize_head, max_shard_bytes, activations, notice)
     config = CloverConfig.from_pretrained(src)
     if quantize_head and config.tie_word_embeddings:
         raise QuantizationError("--quantize-head needs an untied lm_head (this model ties it to the embeddings)")
@@ -251,7 +252,7 @@ def quantize_checkpoint(
         writer = ShardWriter(tmp, max_shard_bytes)
         stats = _quantize_into(source, writer, config, targets, group_size, method, calib_ids, notice)
         shards = writer.close()
-        qc = _quantization_config(group_size, method, not_quantized)
+        qc = _quantization_config(group_size, method, not_quantized, activations)
         if calib_ids is not None:
             name = calib_path.name if calib_path is not None else "clover.data held-out split (seed 1)"
             qc["calibration"] = {"file": name, "samples": int(calib_ids.shape[0]),
@@ -262,10 +263,12 @@ def quantize_checkpoint(
     return {"dst": str(dst), "method": method, "group_size": group_size, "shards": shards, **stats}
 
 
-def _quantization_config(group_size: int, method: str, not_quantized) -> dict:
+def _quantization_config(group_size: int, method: str, not_quantized, activations: str = "float32") -> dict:
+    """config.json's `quantization_config`; `activations` "int8" runs the products on the int4 x int8 kernel
+    (activations rounded per block of 32, as llama.cpp's q4_0 does), "float32" on the exact one."""
     return {
         "quant_method": QUANT_METHOD, "bits": 4, "group_size": group_size, "method": method,
-        "modules_not_quantized": list(not_quantized),
+        "activations": activations, "modules_not_quantized": list(not_quantized),
         "format": "qweight uint8 [..., N, K/2] (low nibble = even column), scales bf16 and qzeros uint8 "
                   "[..., N, K/group_size]; W = (q - qzeros) * scales",
     }
@@ -306,7 +309,7 @@ def _check_shapes(state: dict, model_class, config, src: Path) -> None:
 
 
 def quantize_family(src: Path, dst: Path, raw: dict, group_size: int, quantize_head: bool, max_shard_bytes: int,
-                    notice=_notice) -> dict:
+                    activations: str = "float32", notice=_notice) -> dict:
     """A public family's folder -> int4 (RTN): the same modules as Clover's (every linear layer but
     the routers and, unless `quantize_head`, the head; every routed-experts stack), written under
     Clover's names (per-expert tensors stacked: `mlp.experts.gate_up_proj.qweight`); the other
@@ -342,7 +345,8 @@ def quantize_family(src: Path, dst: Path, raw: dict, group_size: int, quantize_h
             del t
         shards = out.writer.close()
         notice(f"{len(targets)} modules quantised (rtn)")
-        _finish_folder(tmp, src, {**raw, "quantization_config": _quantization_config(group_size, "rtn", not_quantized)})
+        _finish_folder(tmp, src, {**raw, "quantization_config": _quantization_config(group_size, "rtn", not_quantized,
+                                                                                         activations)})
     return {"dst": str(dst), "method": "rtn", "group_size": group_size, "shards": shards, **out.stats}
 
 
@@ -358,7 +362,7 @@ def _quantize_into(source, writer, config, targets, g, method, calib_ids, notice
 
     wm = source.weight_map
     gptq = method == "gptq"
-    hidden = layout = None
+    hidden = None
     if gptq:
         embed = source.get("model.embed_tokens.weight").float()
         noisy = noisy_copy(calib_ids, config.mask_token_id, config.block_size)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.linear.int4_q8 import ACTIVATIONS
 from ..ops.moe import segmented_experts
 from .int4 import CLOVER_KINDS, PackedInt4, check_group_size, kernel_kind, packed_matmul, reference_matmul
 
@@ -303,12 +304,16 @@ def check_quantization_config(qc: dict) -> dict:
         raise ValueError(f"unsupported quantization_config {qc!r} (expected quant_method {QUANT_METHOD!r})")
     if qc.get("bits", 4) != 4:
         raise ValueError(f"{QUANT_METHOD}: only 4 bits are supported, got {qc.get('bits')}")
+    if qc.get("activations", "float32") not in ACTIVATIONS:
+        raise ValueError(f"{QUANT_METHOD}: activations must be one of {', '.join(ACTIVATIONS)}, got {qc.get('activations')!r}")
     return qc
 
 
 def apply_quantization(model: nn.Module, quantization_config: dict) -> nn.Module:
-    """Replace the covered layers of `model` by int4 twins with empty (to be loaded) buffers."""
+    """Replace the covered layers of `model` by int4 twins with empty (to be loaded) buffers; where the
+    config asks for int8 activations (`clover quantize --activations int8`), on the int4 x int8 kernel."""
     qc = check_quantization_config(quantization_config)
+    kernel = "int8" if qc.get("activations") == "int8" else "auto"
     g = int(qc["group_size"])
     not_quantized = qc.get("modules_not_quantized", DEFAULT_NOT_QUANTIZED)
     for name, module in quantized_targets(model, not_quantized):
@@ -320,6 +325,7 @@ def apply_quantization(model: nn.Module, quantization_config: dict) -> nn.Module
         else:
             e, two_i, h = module.gate_up_proj.shape
             new = Int4Experts(e, h, two_i // 2, g, device=module.gate_up_proj.device)
+        set_int4_kernel(new, kernel)
         setattr(parent, attr, new)
     return model
 
