@@ -94,13 +94,16 @@ def assert_help_and_unknown_flag(capsys, argv: list, flag: str) -> None:
 @contextlib.contextmanager
 def split_over_threads(threads: int = 2):
     """torch at `threads` threads and the C++ kernels splitting every call of two or more units of
-    work over them (tiled.parallel_min_work(0)), both restored after."""
+    work over them (tiled.parallel_min_work(0)), the helper threads running every unit (so a result
+    that differs on a helper thread shows), all restored after."""
     from clover.ops.linear import tiled
 
     was_threads, was_least = torch.get_num_threads(), tiled.parallel_min_work(0)
+    was_helpers = tiled.parallel_helpers_only(True)
     torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(was_threads)
         tiled.parallel_min_work(was_least)
+        tiled.parallel_helpers_only(was_helpers)

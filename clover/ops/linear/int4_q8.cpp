@@ -318,7 +318,8 @@ at::Tensor int4_q8_linear(const at::Tensor& x, const at::Tensor& packed, const a
   sizes.back() = n;
   auto y = at::empty(sizes, xf.options());
   if (M > 0 && n > 0) {
-    thread_local Acts q;  // kept between calls: no allocation per call
+    thread_local Acts mine;  // kept between calls: no allocation per call
+    Acts& q = mine;  // the caller's, named so: in the lambda below `mine` would be each helper thread's own (empty)
     quantise(xf.data_ptr<float>(), M, K, group_size, q);
     float* yp = y.data_ptr<float>();
     const uint8_t* wp = w.data_ptr<uint8_t>();

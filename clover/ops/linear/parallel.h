@@ -28,6 +28,13 @@ inline std::atomic<int64_t>& min_work() {
   return least;
 }
 
+// Tests only (clover_cpu::parallel_helpers_only): the caller claims no work and waits while the
+// helpers run every unit, so a test sees what a helper thread computes (its thread_local state).
+inline std::atomic<bool>& helpers_only() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
 inline void relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -62,9 +69,9 @@ inline Pool& pool() {
 // a spinning helper holds a core that torch's own threads (its ops between ours) may want.
 constexpr int kSpins = 1024;
 
-inline void helper(int index) {
+// `seen`: the generation before the job that started it, so a helper started for a job takes part in it.
+inline void helper(int index, uint32_t seen) {
   Pool& p = pool();
-  uint32_t seen = p.generation.load();
   for (;;) {
     for (int i = 0; i < kSpins && p.generation.load(std::memory_order_acquire) == seen; ++i) relax();
     p.generation.wait(seen);
@@ -85,14 +92,17 @@ inline void split(int64_t units, int64_t unit_work, const Fn& fn) {
   Pool& p = pool();
   std::unique_lock<std::mutex> lock(p.caller, std::defer_lock);
   if (threads < 2 || at::in_parallel_region() || !lock.try_lock()) return fn(int64_t{0}, units);
-  for (; p.started < threads - 1; ++p.started) std::thread(helper, p.started).detach();
+  for (; p.started < threads - 1; ++p.started) std::thread(helper, p.started, p.generation.load()).detach();
   p.units = units, p.run = std::max<int64_t>(1, units / (4 * threads)), p.helpers = static_cast<int>(threads - 1);
   p.fn = &fn, p.call = [](const void* f, int64_t begin, int64_t end) { (*static_cast<const Fn*>(f))(begin, end); };
   p.next.store(0);
   p.open.store(true);
   p.generation.fetch_add(1);
   p.generation.notify_all();
-  p.claim();
+  if (helpers_only().load(std::memory_order_relaxed))
+    while (p.next.load() < units) std::this_thread::yield();
+  else
+    p.claim();
   p.open.store(false);
   for (int i = 0; p.active.load() != 0; ++i) i < 4096 ? relax() : std::this_thread::yield();
 }

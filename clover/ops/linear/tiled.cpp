@@ -686,6 +686,7 @@ bool use_bf16_activations(bool on) { return bf16_requested.exchange(on); }
 
 // Sets the multiply-adds from which a call splits over threads (parallel.h); returns the previous value.
 int64_t parallel_min_work(int64_t least) { return clover_parallel::min_work().exchange(std::max<int64_t>(0, least)); }
+bool parallel_helpers_only(bool on) { return clover_parallel::helpers_only().exchange(on); }
 
 int64_t cached_weights() {
   std::lock_guard<std::mutex> lock(cache_mutex);
@@ -701,6 +702,7 @@ TORCH_LIBRARY(clover_cpu, m) {
   m.def("experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor down) -> Tensor");
   m.def("cached_weights() -> int", &cached_weights);
   m.def("parallel_min_work(int least) -> int", &parallel_min_work);
+  m.def("parallel_helpers_only(bool on) -> bool", &parallel_helpers_only);
   m.def("packed_bf16(Tensor weight) -> bool", &packed_bf16);
   m.def("use_amx(bool on) -> bool", &use_amx);
   m.def("bf16_dot() -> bool", &bf16_dot);

@@ -239,6 +239,12 @@ def parallel_min_work(least: int) -> int:
     return int(torch.ops.clover_cpu.parallel_min_work(int(least))) if available() else -1
 
 
+def parallel_helpers_only(on: bool) -> bool:
+    """Tests only: a call that splits leaves every unit to the helper threads (the caller claims none),
+    so what a helper computes is what the test sees; returns the previous setting."""
+    return bool(torch.ops.clover_cpu.parallel_helpers_only(on)) if available() else False
+
+
 def use_amx(on: bool) -> bool:
     """Turn the AMX path of bf16 panels (4+ rows) on or off; returns whether it was in use (False
     where the CPU, the compiler or the OS offers no AMX tiles)."""
