@@ -107,3 +107,29 @@ def split_over_threads(threads: int = 2):
         torch.set_num_threads(was_threads)
         tiled.parallel_min_work(was_least)
         tiled.parallel_helpers_only(was_helpers)
+
+
+def int4_stored(n, k, g, seed=0):
+    """A random [n, k] weight in quant/int4.py's stored format (RTN, group g)."""
+    from clover.quant.int4 import quantize_rtn
+
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_rtn(torch.randn(n, k, generator=gen) * 0.05, g)
+
+
+def check_int4(y, x, w, activations=None):
+    """|y - x' W^T| within K + 1 fp32 roundings of the summed |products| (fp64 reference), x' = x or,
+    for the int8-activation kernel, `activations(x)` (the rounded activations it multiplies, fp64)."""
+    xq = x.reshape(-1, x.shape[-1]).double() if activations is None else activations(x.reshape(-1, x.shape[-1]))
+    ref = xq @ w.double().T
+    bound = (xq.abs() @ w.abs().double().T) * (x.shape[-1] + 1) * 2.0**-24
+    err = (y.reshape(ref.shape).double() - ref).abs()
+    assert (err <= bound + 1e-30).all(), err.max().item()
+
+
+def q8_rounded(x):
+    """The activations the int8-activation int4 kernel multiplies: d * a, exact in fp64."""
+    from clover.ops.linear.naive import naive_q8_activations
+
+    a, d = naive_q8_activations(x)
+    return (a.double().unflatten(-1, (-1, 32)) * d.double()[..., None]).flatten(-2)

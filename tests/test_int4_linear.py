@@ -9,90 +9,103 @@ the summed |products| (plus the output's own rounding), against an fp64 referenc
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from clover.ops.linear import int4_linear as il, tiled
-from clover.ops.linear.naive import naive_int4_linear, naive_int4_weight
+from clover.ops.linear import int4_linear as il, int4_q8 as q8, tiled
+from clover.ops.linear.naive import naive_int4_linear, naive_int4_q8_linear, naive_int4_q8_weight, naive_int4_weight
 from clover.quant.int4 import dequantize, quantize_rtn
 
 pytestmark = pytest.mark.skipif(not tiled.available(), reason="the clover CPU kernels are not built here")
 
 
-def stored(n, k, g, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return quantize_rtn(torch.randn(n, k, generator=gen) * 0.05, g)
+from helpers import check_int4 as check, int4_stored as stored, q8_rounded  # noqa: E402
 
 
-def check(y, x, w):
-    """|y - x W^T| within K + 1 fp32 roundings of the summed |products| (fp64 reference)."""
-    ref = x.double() @ w.double().T
-    bound = (x.abs().double() @ w.abs().double().T) * (x.shape[-1] + 1) * 2.0**-24
-    assert ((y.double() - ref).abs() <= bound + 1e-30).all(), (y.double() - ref).abs().max().item()
+# Both int4 kernels, fp32 activations (int4.cpp) and int8 activations (int4_q8.cpp): pack, unpack, op,
+# the references, the packed shape, the complaint about an input of the wrong width, the activations.
+KERNELS = {
+    "int4": SimpleNamespace(pack=il.pack, unpack=il.unpack, op=il.int4_linear, weight=naive_int4_weight,
+                            linear=naive_int4_linear, shape=lambda n, k: (-(-n // 16), k // 2, 16),
+                            wrong_width="features", activations=None),
+    "int4_q8": SimpleNamespace(pack=q8.pack, unpack=q8.unpack, op=q8.int4_q8_linear, weight=naive_int4_q8_weight,
+                               linear=naive_int4_q8_linear, shape=lambda n, k: (-(-n // 16), k // 8, 16, 4),
+                               wrong_width="K / 8", activations=q8_rounded),
+}
 
 
+@pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("n,k", [(1, 128), (17, 256), (200, 384), (513, 128)])
-def test_layout_round_trips_and_dequantises_exactly(n, k, g):
-    st = stored(n, k, g)
-    packed, sz = il.pack(**st)
-    assert packed.shape == (-(-n // 16), k // 2, 16) and sz.shape == (-(-n // 16), k // g, 2, 16)
-    assert torch.equal(naive_int4_weight(packed, sz, n), dequantize(**st))
-    for got, want in zip(il.unpack(packed, sz, n), (st["qweight"], st["scales"], st["qzeros"])):
+def test_layout_round_trips_and_dequantises_exactly(kind, n, k, g):
+    kn, st = KERNELS[kind], stored(n, k, g)
+    packed, sz = kn.pack(**st)
+    assert packed.shape == kn.shape(n, k) and sz.shape == (-(-n // 16), k // g, 2, 16)
+    assert torch.equal(kn.weight(packed, sz, n), dequantize(**st))
+    for got, want in zip(kn.unpack(packed, sz, n), (st["qweight"], st["scales"], st["qzeros"])):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 33, 64, 70])
-@pytest.mark.parametrize("n,k,g", [(37, 64, 32), (16, 128, 64), (250, 256, 128), (1, 96, 32), (129, 512, 128)])
-def test_kernel_equals_reference(rows, n, k, g):
-    packed, sz = il.pack(**stored(n, k, g, seed=rows))
+@pytest.mark.parametrize("n,k,g", [(37, 64, 32), (16, 128, 64), (250, 384, 128), (1, 160, 32), (129, 640, 128)])
+def test_kernel_equals_reference(kind, rows, n, k, g):
+    kn = KERNELS[kind]
+    packed, sz = kn.pack(**stored(n, k, g, seed=rows))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 1))
-    y = il.int4_linear(x, packed, sz, g, n)
+    y = kn.op(x, packed, sz, g, n)
     assert y.shape == (rows, n) and y.dtype == torch.float32
-    check(y, x, naive_int4_weight(packed, sz, n))
-    torch.testing.assert_close(y, naive_int4_linear(x, packed, sz, g, n), rtol=1e-5, atol=1e-5)
+    check(y, x, kn.weight(packed, sz, n), kn.activations)
+    torch.testing.assert_close(y, kn.linear(x, packed, sz, g, n), rtol=1e-5, atol=1e-5)
 
 
-def test_batched_and_bf16_inputs_and_odd_group_counts():
-    n, k, g = 45, 96, 32  # three groups
-    packed, sz = il.pack(**stored(n, k, g))
-    w = naive_int4_weight(packed, sz, n)
+@pytest.mark.parametrize("kind", KERNELS)
+def test_batched_bf16_and_not_contiguous_inputs(kind):
+    kn, (n, k, g) = KERNELS[kind], (45, 96, 32)  # three groups
+    packed, sz = kn.pack(**stored(n, k, g))
+    w = kn.weight(packed, sz, n)
     x = torch.randn(3, 5, k)
-    y = il.int4_linear(x, packed, sz, g, n)
+    y = kn.op(x, packed, sz, g, n)
     assert y.shape == (3, 5, n)
-    check(y.reshape(15, n), x.reshape(15, k), w)
+    check(y, x, w, kn.activations)
     xb = x.bfloat16()
-    yb = il.int4_linear(xb, packed, sz, g, n)
-    assert yb.dtype == torch.bfloat16
-    assert torch.equal(yb, il.int4_linear(xb.float(), packed, sz, g, n).bfloat16())
-    assert il.int4_linear(x[:, :0], packed, sz, g, n).shape == (3, 0, n)
+    yb = kn.op(xb, packed, sz, g, n)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, kn.op(xb.float(), packed, sz, g, n).bfloat16())
+    assert kn.op(x[:, :0], packed, sz, g, n).shape == (3, 0, n)
     xt = torch.randn(k, 7).t()  # not contiguous
-    check(il.int4_linear(xt, packed, sz, g, n), xt, w)
+    check(kn.op(xt, packed, sz, g, n), xt, w, kn.activations)
 
 
-def test_a_rows_result_does_not_depend_on_its_neighbours():
-    n, k, g = 100, 256, 64
-    packed, sz = il.pack(**stored(n, k, g))
+@pytest.mark.parametrize("kind", KERNELS)
+def test_a_rows_result_does_not_depend_on_its_neighbours(kind):
+    kn, (n, k, g) = KERNELS[kind], (100, 256, 64)
+    packed, sz = kn.pack(**stored(n, k, g))
     x = torch.randn(70, k)
-    alone = torch.cat([il.int4_linear(x[i:i + 1], packed, sz, g, n) for i in range(70)])
-    for rows in (2, 7, 13, 70):
-        assert torch.equal(il.int4_linear(x[:rows], packed, sz, g, n), alone[:rows])
+    alone = torch.cat([kn.op(x[i:i + 1], packed, sz, g, n) for i in range(70)])
+    for rows in (2, 5, 7, 13, 70):
+        assert torch.equal(kn.op(x[:rows], packed, sz, g, n), alone[:rows])
 
 
-def test_shape_mistakes_are_refused():
-    packed, sz = il.pack(**stored(32, 128, 32))
-    with pytest.raises(RuntimeError, match="features"):
-        il.int4_linear(torch.randn(2, 64), packed, sz, 32, 32)
+@pytest.mark.parametrize("kind", KERNELS)
+def test_shape_mistakes_are_refused(kind):
+    kn = KERNELS[kind]
+    packed, sz = kn.pack(**stored(32, 128, 32))
+    with pytest.raises(RuntimeError, match=kn.wrong_width):
+        kn.op(torch.randn(2, 64), packed, sz, 32, 32)
     with pytest.raises(RuntimeError, match="sz"):
-        il.int4_linear(torch.randn(2, 128), packed, sz, 64, 32)
+        kn.op(torch.randn(2, 128), packed, sz, 64, 32)
 
 
-def test_traced_by_torch_compile():
+@pytest.mark.parametrize("kind", KERNELS)
+def test_traced_by_torch_compile(kind):
+    pack, op = KERNELS[kind].pack, KERNELS[kind].op
     n, k, g = 40, 128, 32
-    packed, sz = il.pack(**stored(n, k, g))
-    fn = torch.compile(lambda x, p, s: torch.relu(il.int4_linear(x, p, s, g, n)), backend="aot_eager", fullgraph=True)
+    packed, sz = pack(**stored(n, k, g))
+    fn = torch.compile(lambda x, p, s: torch.relu(op(x, p, s, g, n)), backend="aot_eager", fullgraph=True)
     x = torch.randn(3, k)
-    assert torch.equal(fn(x, packed, sz), torch.relu(il.int4_linear(x, packed, sz, g, n)))
+    assert torch.equal(fn(x, packed, sz), torch.relu(op(x, packed, sz, g, n)))
 
 
 def test_int4_model_logits_match_the_reference_path():

@@ -2,7 +2,8 @@
 activations) against their references on random inputs: the layout's round trip, the activations'
 rounding, odd group counts, output counts not a multiple of 16, rows 1..70, batch dims, bf16 in and
 out, a row's result independent of its neighbours, the builds of CPUs without AVX-512 / VNNI, the
-int4 modules' opt-in, and the op traced by torch.compile.
+int4 modules' opt-in (the layout's round trip, the kernel against its reference on a grid, shape
+mistakes and the traced op: test_int4_linear.py, for both int4 kernels).
 
 Tolerances: the kernel's integer dot products are exact, so against `naive_int4_q8_linear` (fp64 on
 the same rounded activations) it is within K + 1 fp32 roundings of the summed |products|. Against the
@@ -22,35 +23,12 @@ from clover.quant.int4 import dequantize, quantize_rtn
 pytestmark = pytest.mark.skipif(not tiled.available() or not q8.available(), reason="the clover CPU kernels are not built here")
 
 
-def stored(n, k, g, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return quantize_rtn(torch.randn(n, k, generator=gen) * 0.05, g)
-
-
-def rounded(x):
-    """The activations the kernel multiplies: d * a, exact in fp64."""
-    a, d = naive_q8_activations(x)
-    return (a.double().unflatten(-1, (-1, 32)) * d.double()[..., None]).flatten(-2)
+from helpers import check_int4, int4_stored as stored, q8_rounded as rounded  # noqa: E402
 
 
 def check(y, x, w):
-    """|y - xq W^T| within K + 1 fp32 roundings of the summed |products| (fp64 reference, xq the rounded x)."""
-    xq = rounded(x.reshape(-1, x.shape[-1]))
-    ref = xq @ w.double().T
-    bound = (xq.abs() @ w.abs().double().T) * (x.shape[-1] + 1) * 2.0**-24
-    err = (y.reshape(ref.shape).double() - ref).abs()
-    assert (err <= bound + 1e-30).all(), err.max().item()
-
-
-@pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("n,k", [(1, 128), (17, 384), (200, 640), (513, 128)])
-def test_layout_round_trips_and_dequantises_exactly(n, k, g):
-    st = stored(n, k, g)
-    packed, sz = q8.pack(**st)
-    assert packed.shape == (-(-n // 16), k // 8, 16, 4) and sz.shape == (-(-n // 16), k // g, 2, 16)
-    assert torch.equal(naive_int4_q8_weight(packed, sz, n), dequantize(**st))
-    for got, want in zip(q8.unpack(packed, sz, n), (st["qweight"], st["scales"], st["qzeros"])):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    """|y - xq W^T| within K + 1 fp32 roundings of the summed |products| (xq the rounded x)."""
+    check_int4(y, x, w, rounded)
 
 
 def ties():
@@ -72,42 +50,6 @@ def test_activation_rounding():
     assert (err <= d.double()[..., None] / 2 * (1 + 2**-20)).all()
     packed, sz = q8.pack(**stored(24, 128, 32))
     check(q8.int4_q8_linear(x, packed, sz, 32, 24), x, naive_int4_q8_weight(packed, sz, 24))  # the kernel rounds alike
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 33, 70])
-@pytest.mark.parametrize("n,k,g", [(37, 96, 32), (16, 128, 64), (250, 384, 128), (1, 160, 32), (129, 640, 128)])
-def test_kernel_equals_reference(rows, n, k, g):
-    packed, sz = q8.pack(**stored(n, k, g, seed=rows))
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 1))
-    y = q8.int4_q8_linear(x, packed, sz, g, n)
-    assert y.shape == (rows, n) and y.dtype == torch.float32
-    check(y, x, naive_int4_q8_weight(packed, sz, n))
-    torch.testing.assert_close(y, naive_int4_q8_linear(x, packed, sz, g, n), rtol=1e-5, atol=1e-5)
-
-
-def test_batched_bf16_and_not_contiguous_inputs():
-    n, k, g = 45, 96, 32
-    packed, sz = q8.pack(**stored(n, k, g))
-    w = naive_int4_q8_weight(packed, sz, n)
-    x = torch.randn(3, 5, k)
-    y = q8.int4_q8_linear(x, packed, sz, g, n)
-    assert y.shape == (3, 5, n)
-    check(y, x, w)
-    xb = x.bfloat16()
-    yb = q8.int4_q8_linear(xb, packed, sz, g, n)
-    assert yb.dtype == torch.bfloat16 and torch.equal(yb, q8.int4_q8_linear(xb.float(), packed, sz, g, n).bfloat16())
-    assert q8.int4_q8_linear(x[:, :0], packed, sz, g, n).shape == (3, 0, n)
-    xt = torch.randn(k, 7).t()
-    check(q8.int4_q8_linear(xt, packed, sz, g, n), xt, w)
-
-
-def test_a_rows_result_does_not_depend_on_its_neighbours():
-    n, k, g = 100, 256, 64
-    packed, sz = q8.pack(**stored(n, k, g))
-    x = torch.randn(70, k)
-    alone = torch.cat([q8.int4_q8_linear(x[i:i + 1], packed, sz, g, n) for i in range(70)])
-    for rows in (2, 5, 13, 70):
-        assert torch.equal(q8.int4_q8_linear(x[:rows], packed, sz, g, n), alone[:rows])
 
 
 @pytest.mark.parametrize("rows", [1, 8, 33])
@@ -181,22 +123,10 @@ def test_int4_modules_opt_in():
         layer.set_kernel("int9")
 
 
-def test_shape_mistakes_are_refused():
+def test_a_group_must_hold_whole_blocks():  # the other shape mistakes and the traced op: test_int4_linear.py
     packed, sz = q8.pack(**stored(32, 128, 32))
-    with pytest.raises(RuntimeError, match="K / 8"):
-        q8.int4_q8_linear(torch.randn(2, 64), packed, sz, 32, 32)
-    with pytest.raises(RuntimeError, match="sz"):
-        q8.int4_q8_linear(torch.randn(2, 128), packed, sz, 64, 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         q8.int4_q8_linear(torch.randn(2, 128), packed, sz, 16, 32)
-
-
-def test_traced_by_torch_compile():
-    n, k, g = 40, 128, 32
-    packed, sz = q8.pack(**stored(n, k, g))
-    fn = torch.compile(lambda x, p, s: torch.relu(q8.int4_q8_linear(x, p, s, g, n)), backend="aot_eager", fullgraph=True)
-    x = torch.randn(3, k)
-    assert torch.equal(fn(x, packed, sz), torch.relu(q8.int4_q8_linear(x, packed, sz, g, n)))
 
 
 _OTHER_BUILD = r'''

@@ -26,8 +26,8 @@
 #include <immintrin.h>
 #endif
 
+#include "int4_ops.h"
 #include "parallel.h"
-#include "routed_experts.h"
 #include "row_tiles.h"
 
 namespace {
@@ -35,17 +35,7 @@ namespace {
 constexpr int64_t kPanel = 16;
 
 #if defined(__AVX512F__)
-// A tile's R x P accumulators to y's rows, the columns from n0 (a last panel past N masked).
-template <int R, int P>
-inline void store_tile(const __m512 (&acc)[R][P], float* y, int64_t ldy, int64_t n0, int64_t N) {
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = n0 + p * kPanel;
-    if (n >= N) break;
-    const int64_t left = N - n;
-    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
-  }
-}
+using clover_tiles::store_tile;
 
 // R rows x P panels over k in [0, K): panel p's bytes at w + p * (K/2) * 16, its (s, -zs) at sz + p * G * 32.
 template <int R, int P>
@@ -282,26 +272,14 @@ at::Tensor int4_experts(const at::Tensor& x, const at::Tensor& top_idx, const at
   TORCH_CHECK(gate_up.size(2) * 2 == H && down.size(2) * 2 == I && down.size(0) == E && H % group_size == 0 &&
                   I % group_size == 0 && gate_up.size(1) * kPanel >= I2 && down.size(1) * kPanel >= H,
               "clover_cpu::int4_experts: shapes disagree");
-  const auto gu = gate_up.contiguous(), gs = gate_up_sz.contiguous(), dn = down.contiguous(), ds = down_sz.contiguous();
-  const int64_t gu_p = gu.size(1), dn_p = dn.size(1);
-  const int64_t gu_n = gu.numel() / E, gs_n = gs.numel() / E, dn_n = dn.numel() / E, ds_n = ds.numel() / E;
-  auto y = clover_experts::routed_experts(x, top_idx, top_w, E, I, "clover_cpu::int4_experts",
-                                          [&](int64_t e, int which, const float* in, int64_t n, float* out) {
-    if (which == 0)
-      panels(in, n, H, group_size, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n, out, I2, 0, gu_p);
-    else
-      panels(in, n, I, group_size, dn.data_ptr<uint8_t>() + e * dn_n, ds.data_ptr<float>() + e * ds_n, out, H, 0, dn_p);
-  });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return clover_int4::experts("clover_cpu::int4_experts", x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, inter,
+                              [&](const float* in, int64_t rows, int64_t K, const uint8_t* w, const float* sz, float* out,
+                                  int64_t N, int64_t np) { panels(in, rows, K, group_size, w, sz, out, N, 0, np); });
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor sz, int group_size, int n) -> Tensor");
-  m.def("int4_experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor gate_up_sz, Tensor down, "
-        "Tensor down_sz, int group_size, int inter) -> Tensor");
-}
+TORCH_LIBRARY_FRAGMENT(clover_cpu, m) { clover_int4::define_ops(m, "int4"); }
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
   m.impl("int4_linear", &int4_linear);

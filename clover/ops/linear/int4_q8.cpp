@@ -30,8 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "int4_ops.h"
 #include "parallel.h"
-#include "routed_experts.h"
 #include "row_tiles.h"
 
 namespace {
@@ -178,13 +178,7 @@ __attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __
         acc[r][p] = _mm512_fmadd_ps(zs, _mm512_set1_ps(zsum[r * G + gi]), _mm512_fmadd_ps(fg[r][p], s, acc[r][p]));
     }
   }
-  for (int p = 0; p < P; ++p) {
-    const int64_t n = n0 + p * kPanel;
-    if (n >= N) break;
-    const int64_t left = N - n;
-    const __mmask16 m = left >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
-  }
+  clover_tiles::store_tile<R, P>(acc, y, ldy, n0, N);
 }
 constexpr int kMaxRows = 4, kPanels = 2, kOneRowPanels = 4;  // 3 x 8 accumulators + 2 x 2 code vectors of 32 registers
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -343,29 +337,18 @@ at::Tensor int4_q8_experts(const at::Tensor& x, const at::Tensor& top_idx, const
   check_layout(op, gate_up, gate_up_sz, H, group_size, 1);
   check_layout(op, down, down_sz, I, group_size, 1);
   TORCH_CHECK(down.size(0) == E && gate_up.size(1) * kPanel >= I2 && down.size(1) * kPanel >= H, op, ": shapes disagree");
-  const auto gu = gate_up.contiguous(), gs = gate_up_sz.contiguous(), dn = down.contiguous(), ds = down_sz.contiguous();
-  const int64_t gu_n = gu.numel() / E, gs_n = gs.numel() / E, dn_n = dn.numel() / E, ds_n = ds.numel() / E;
-  auto y = clover_experts::routed_experts(x, top_idx, top_w, E, I, op,
-                                          [&](int64_t e, int which, const float* in, int64_t rows, float* out) {
-    thread_local Acts q;  // experts may run on several threads (routed_experts.h)
-    if (which == 0) {
-      quantise(in, rows, H, group_size, q);
-      panels(q, rows, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n, out, I2, 0, gu.size(1));
-    } else {
-      quantise(in, rows, I, group_size, q);
-      panels(q, rows, dn.data_ptr<uint8_t>() + e * dn_n, ds.data_ptr<float>() + e * ds_n, out, H, 0, dn.size(1));
-    }
+  return clover_int4::experts(op, x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, inter,
+                              [&](const float* in, int64_t rows, int64_t K, const uint8_t* w, const float* sz, float* out,
+                                  int64_t N, int64_t np) {
+    thread_local Acts q;  // experts may run on several threads (routed_experts.h): each its own
+    quantise(in, rows, K, group_size, q);
+    panels(q, rows, w, sz, out, N, 0, np);
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
-  m.def("int4_q8_linear(Tensor x, Tensor packed, Tensor sz, int group_size, int n) -> Tensor");
-  m.def("int4_q8_experts(Tensor x, Tensor top_idx, Tensor top_w, Tensor gate_up, Tensor gate_up_sz, Tensor down, "
-        "Tensor down_sz, int group_size, int inter) -> Tensor");
-}
+TORCH_LIBRARY_FRAGMENT(clover_cpu, m) { clover_int4::define_ops(m, "int4_q8"); }
 
 TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
   m.impl("int4_q8_linear", &int4_q8_linear);

@@ -37,13 +37,8 @@ _state: dict = {"int8": os.environ.get("CLOVER_INT4_ACTIVATIONS", "float32") == 
 
 
 def available() -> bool:
-    """Whether the kernel is built with vector tiles for this CPU (registers its fakes once)."""
-    if not int4_linear.available():
-        return False
-    if "fakes" not in _state:
-        _register_fakes()
-        _state["fakes"] = True
-    return True
+    """Whether the kernel is built with vector tiles for this CPU (its fakes: tiled.py's)."""
+    return int4_linear.available()
 
 
 def use_int8_activations(on: bool) -> bool:
@@ -56,16 +51,6 @@ def use_int8_activations(on: bool) -> bool:
 def int8_activations() -> bool:
     """Whether int8 activations are asked for (they run where `available()`)."""
     return _state["int8"]
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("clover_cpu::int4_q8_linear")
-    def _(x, packed, sz, group_size, n):
-        return x.new_empty(*x.shape[:-1], n)
-
-    @torch.library.register_fake("clover_cpu::int4_q8_experts")
-    def _(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter):
-        return torch.empty_like(x)
 
 
 def pack(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace clover_tiles {
 
@@ -31,5 +34,20 @@ inline void row_tiles(int64_t M, Fn&& fn) {
     m += r;
   }
 }
+
+#if defined(__AVX512F__)
+// A tile's R x P accumulators (panels of 16 columns) to y's rows, the columns from n0 (a last panel
+// past N masked).
+template <int R, int P>
+inline void store_tile(const __m512 (&acc)[R][P], float* y, int64_t ldy, int64_t n0, int64_t N) {
+  for (int p = 0; p < P; ++p) {
+    const int64_t n = n0 + p * 16;
+    if (n >= N) break;
+    const int64_t left = N - n;
+    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, m, acc[r][p]);
+  }
+}
+#endif
 
 }  // namespace clover_tiles

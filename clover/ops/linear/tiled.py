@@ -145,13 +145,15 @@ def _load() -> bool:
     def _(x, top_idx, top_w, gate_up, down):
         return torch.empty_like(x)
 
-    @torch.library.register_fake("clover_cpu::int4_linear")
-    def _(x, packed, sz, group_size, n):
+    def int4_linear(x, packed, sz, group_size, n):
         return x.new_empty(*x.shape[:-1], n)
 
-    @torch.library.register_fake("clover_cpu::int4_experts")
-    def _(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter):
+    def int4_experts(x, top_idx, top_w, gate_up, gate_up_sz, down, down_sz, group_size, inter):
         return torch.empty_like(x)
+
+    for kind in ("int4", "int4_q8"):  # int4.cpp, int4_q8.cpp: the same signatures
+        torch.library.register_fake(f"clover_cpu::{kind}_linear", int4_linear)
+        torch.library.register_fake(f"clover_cpu::{kind}_experts", int4_experts)
 
     @torch.library.register_fake("clover_cpu::unit_lower_solve")
     def _(system, rhs):
