@@ -126,125 +126,113 @@ inline int32_t four(const int8_t* a) {
   return v;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u, s);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-#endif
-}
+// The vector operations the tile below needs, stamped for a width: X the intrinsics' prefix (_mm512_,
+// _mm256_), SI their integer vectors' suffix (si512, si256); F and I the float and integer vector types.
+#define CLOVER_VEC_OPS(X, SI)                                                                 \
+  static F fzero() { return X##setzero_ps(); }                                                \
+  static I izero() { return X##setzero_##SI(); }                                              \
+  static I codes(const uint8_t* p) { return X##loadu_##SI(reinterpret_cast<const I*>(p)); }   \
+  static I low(I v) { return X##and_##SI(v, X##set1_epi8(0x0F)); }                           \
+  static I high(I v) { return X##and_##SI(X##srli_epi16(v, 4), X##set1_epi8(0x0F)); }         \
+  static I four(const int8_t* a) { return X##set1_epi32(::four(a)); }                         \
+  static F fma(F a, F b, F c) { return X##fmadd_ps(a, b, c); }                                \
+  static F to_float(I v) { return X##cvtepi32_ps(v); }                                        \
+  static F set1(float x) { return X##set1_ps(x); }                                            \
+  static F load(const float* p) { return X##loadu_ps(p); }                                     \
+  /* u8 x s8 4-way dot products added to acc without VNNI (a VNNI build's dot4 hides this one) */ \
+  template <typename = void>                                                                  \
+  static I dot4(I acc, I u, I s) { return X##add_epi32(acc, X##madd_epi16(X##maddubs_epi16(u, s), X##set1_epi16(1))); }
 
-// R rows (activations from row m0 of q) x P panels (bytes at w, panel stride 8K; (s, -zs) at sz, stride G * 32).
-template <int R, int P>
-__attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __restrict w, const float* __restrict sz,
-                                    float* y, int64_t ldy, int64_t n0, int64_t N) {
-  const int64_t K = q.K, g = q.g, G = K / g, nb = K / kBlock, stride = K * kPanel / 2;
-  const int8_t* a = q.a.data() + m0 * K;
-  const float* d = q.d.data() + m0 * nb;
-  const float* zsum = q.zsum.data() + m0 * G;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < G; ++gi) {
-    __m512 fg[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) fg[r][p] = _mm512_setzero_ps();
-    for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += kBlock) {
-      __m512i ia[R][P];
-      for (int r = 0; r < R; ++r)
-        for (int p = 0; p < P; ++p) ia[r][p] = _mm512_setzero_si512();
-      for (int64_t k = k0; k < k0 + kBlock; k += kChunk) {
-        __m512i lo[P], hi[P];
-        for (int p = 0; p < P; ++p) {
-          const __m512i v = _mm512_loadu_si512(w + p * stride + k * kPanel / 2);
-          lo[p] = _mm512_and_si512(v, low);
-          hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m512i x0 = _mm512_set1_epi32(four(a + r * K + k)), x1 = _mm512_set1_epi32(four(a + r * K + k + 4));
-          for (int p = 0; p < P; ++p) ia[r][p] = dot4(dot4(ia[r][p], lo[p], x0), hi[p], x1);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 db = _mm512_set1_ps(d[r * nb + k0 / kBlock]);
-        for (int p = 0; p < P; ++p) fg[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][p]), db, fg[r][p]);
-      }
-    }
-    for (int p = 0; p < P; ++p) {
-      const __m512 s = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel), zs = _mm512_loadu_ps(sz + (p * G + gi) * 2 * kPanel + kPanel);
-      for (int r = 0; r < R; ++r)
-        acc[r][p] = _mm512_fmadd_ps(zs, _mm512_set1_ps(zsum[r * G + gi]), _mm512_fmadd_ps(fg[r][p], s, acc[r][p]));
-    }
-  }
-  clover_tiles::store_tile<R, P>(acc, y, ldy, n0, N);
-}
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 fp32 lanes: a panel of 16 columns at once.
+struct Vec {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int kHalves = 1, kLanes = 16;  // a panel in kHalves passes of kLanes columns
+  CLOVER_VEC_OPS(_mm512_, si512)
+#if defined(__AVX512VNNI__)
+  static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#endif
+  template <int R, int P>
+  static constexpr auto store = clover_tiles::store_tile<R, P>;
+};
 constexpr int kMaxRows = 4, kPanels = 2, kOneRowPanels = 4;  // 3 x 8 accumulators + 2 x 2 code vectors of 32 registers
 #elif defined(__AVX2__) && defined(__FMA__)
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+// The same on 8 lanes: a panel in two halves, each in turn (both at once would spill the 16 registers).
+struct Vec {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int kHalves = 2, kLanes = 8;
+  CLOVER_VEC_OPS(_mm256_, si256)
 #if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  static I dot4(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #endif
-}
-
-// The same tile on 8-lane halves, each half in turn (both at once would spill the 16 registers).
-template <int R, int P>
-__attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __restrict w, const float* __restrict sz,
-                                    float* y, int64_t ldy, int64_t n0, int64_t N) {
-  const int64_t K = q.K, g = q.g, G = K / g, nb = K / kBlock, stride = K * kPanel / 2;
-  const int8_t* a = q.a.data() + m0 * K;
-  const float* d = q.d.data() + m0 * nb;
-  const float* zsum = q.zsum.data() + m0 * G;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R][P];
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < G; ++gi) {
-      __m256 fg[R][P];
-      for (int r = 0; r < R; ++r)
-        for (int p = 0; p < P; ++p) fg[r][p] = _mm256_setzero_ps();
-      for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += kBlock) {
-        __m256i ia[R][P];
-        for (int r = 0; r < R; ++r)
-          for (int p = 0; p < P; ++p) ia[r][p] = _mm256_setzero_si256();
-        for (int64_t k = k0; k < k0 + kBlock; k += kChunk) {
-          __m256i lo[P], hi[P];
-          for (int p = 0; p < P; ++p) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * stride + k * kPanel / 2 + 32 * h));
-            lo[p] = _mm256_and_si256(v, low);
-            hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          }
-          for (int r = 0; r < R; ++r) {
-            const __m256i x0 = _mm256_set1_epi32(four(a + r * K + k)), x1 = _mm256_set1_epi32(four(a + r * K + k + 4));
-            for (int p = 0; p < P; ++p) ia[r][p] = dot4(dot4(ia[r][p], lo[p], x0), hi[p], x1);
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m256 db = _mm256_set1_ps(d[r * nb + k0 / kBlock]);
-          for (int p = 0; p < P; ++p) fg[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][p]), db, fg[r][p]);
-        }
-      }
-      for (int p = 0; p < P; ++p) {
-        const float* at = sz + (p * G + gi) * 2 * kPanel + 8 * h;
-        const __m256 s = _mm256_loadu_ps(at), zs = _mm256_loadu_ps(at + kPanel);
-        for (int r = 0; r < R; ++r)
-          acc[r][p] = _mm256_fmadd_ps(zs, _mm256_set1_ps(zsum[r * G + gi]), _mm256_fmadd_ps(fg[r][p], s, acc[r][p]));
-      }
-    }
+  template <int R, int P>
+  static void store(const F (&acc)[R][P], float* y, int64_t ldy, int64_t n0, int64_t N) {
     for (int p = 0; p < P; ++p) {
-      const int64_t n = n0 + p * kPanel + 8 * h;
+      const int64_t n = n0 + p * kPanel;
       if (n >= N) break;
       const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(N - n, 8))),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       for (int r = 0; r < R; ++r) _mm256_maskstore_ps(y + r * ldy + n, m, acc[r][p]);
     }
   }
-}
+};
 constexpr int kMaxRows = 2, kPanels = 1, kOneRowPanels = 2;
+#endif
+
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+// R rows (activations from row m0 of q) x P panels (bytes at w, panel stride 8K; (s, -zs) at sz, stride
+// G * 32): per group the blocks' integer dot products (exact), each scaled by its block's d, then by
+// the group's s, plus -z s times the group's sum of rounded activations.
+template <int R, int P>
+__attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __restrict w, const float* __restrict sz,
+                                    float* y, int64_t ldy, int64_t n0, int64_t N) {
+  using F = Vec::F;
+  using I = Vec::I;
+  const int64_t K = q.K, g = q.g, G = K / g, nb = K / kBlock, stride = K * kPanel / 2;
+  const int8_t* a = q.a.data() + m0 * K;
+  const float* d = q.d.data() + m0 * nb;
+  const float* zsum = q.zsum.data() + m0 * G;
+  for (int h = 0; h < Vec::kHalves; ++h) {
+    F acc[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = Vec::fzero();
+    for (int64_t gi = 0; gi < G; ++gi) {
+      F fg[R][P];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) fg[r][p] = Vec::fzero();
+      for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += kBlock) {
+        I ia[R][P];
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < P; ++p) ia[r][p] = Vec::izero();
+        for (int64_t k = k0; k < k0 + kBlock; k += kChunk) {
+          I lo[P], hi[P];
+          for (int p = 0; p < P; ++p) {
+            const I v = Vec::codes(w + p * stride + k * kPanel / 2 + 4 * Vec::kLanes * h);
+            lo[p] = Vec::low(v);
+            hi[p] = Vec::high(v);
+          }
+          for (int r = 0; r < R; ++r) {
+            const I x0 = Vec::four(a + r * K + k), x1 = Vec::four(a + r * K + k + 4);
+            for (int p = 0; p < P; ++p) ia[r][p] = Vec::dot4(Vec::dot4(ia[r][p], lo[p], x0), hi[p], x1);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const F db = Vec::set1(d[r * nb + k0 / kBlock]);
+          for (int p = 0; p < P; ++p) fg[r][p] = Vec::fma(Vec::to_float(ia[r][p]), db, fg[r][p]);
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        const float* at = sz + (p * G + gi) * 2 * kPanel + Vec::kLanes * h;
+        const F s = Vec::load(at), zs = Vec::load(at + kPanel);
+        for (int r = 0; r < R; ++r)
+          acc[r][p] = Vec::fma(zs, Vec::set1(zsum[r * G + gi]), Vec::fma(fg[r][p], s, acc[r][p]));
+      }
+    }
+    Vec::store<R, P>(acc, y, ldy, n0 + Vec::kLanes * h, N);
+  }
+}
 #else
 template <int R, int P>
 void tile(const Acts& q, int64_t m0, const uint8_t* w, const float* sz, float* y, int64_t ldy, int64_t n0, int64_t N) {
