@@ -103,7 +103,7 @@ HEADLINE = [
          "e": ({"source": "overall"}, "cut"), "f": ({"source": "overall"}, "refused")}, readme=True),
     Row("Serving against llama-server, large random model (167M), 1 / 32 streaming clients: aggregate tokens/s",
         "serve-peer", "compiled fp32 {a} / {b}, compiled int4 {c} / {d}", "llama-server f32 {e} / {f}, q4_0 {g} / {h}",
-        {key: ({"#table": "1", "clients": clients, "server": server}, "aggregate tokens/s")
+        {key: ({"#table": "0", "clients": clients, "server": server}, "aggregate tokens/s")
          for key, clients, server in (("a", "1", "clover compiled fp32"), ("b", "32", "clover compiled fp32"),
                                       ("c", "1", "clover compiled int4"), ("d", "32", "clover compiled int4"),
                                       ("e", "1", "llama-server f32"), ("f", "32", "llama-server f32"),
