@@ -126,10 +126,3 @@ def check_int4(y, x, w, activations=None):
     err = (y.reshape(ref.shape).double() - ref).abs()
     assert (err <= bound + 1e-30).all(), err.max().item()
 
-
-def q8_rounded(x):
-    """The activations the int8-activation int4 kernel multiplies: d * a, exact in fp64."""
-    from clover.ops.linear.naive import naive_q8_activations
-
-    a, d = naive_q8_activations(x)
-    return (a.double().unflatten(-1, (-1, 32)) * d.double()[..., None]).flatten(-2)

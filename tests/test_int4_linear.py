@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from clover.ops.linear import int4_linear as il, int4_q8 as q8, tiled
-from clover.ops.linear.naive import naive_int4_linear, naive_int4_q8_linear, naive_int4_q8_weight, naive_int4_weight
+from clover.ops.linear.naive import (naive_int4_linear, naive_int4_q8_linear, naive_int4_q8_weight, naive_int4_weight,
+                                     naive_q8_rounded)
 from clover.quant.int4 import dequantize, quantize_rtn
 
 pytestmark = pytest.mark.skipif(not tiled.available(), reason="the clover CPU kernels are not built here")
 
 
-from helpers import check_int4 as check, int4_stored as stored, q8_rounded  # noqa: E402
+from helpers import check_int4 as check, int4_stored as stored  # noqa: E402
 
 
 # Both int4 kernels, fp32 activations (int4.cpp) and int8 activations (int4_q8.cpp): pack, unpack, op,
@@ -32,7 +33,7 @@ KERNELS = {
                             wrong_width="features", activations=None),
     "int4_q8": SimpleNamespace(pack=q8.pack, unpack=q8.unpack, op=q8.int4_q8_linear, weight=naive_int4_q8_weight,
                                linear=naive_int4_q8_linear, shape=lambda n, k: (-(-n // 16), k // 8, 16, 4),
-                               wrong_width="K / 8", activations=q8_rounded),
+                               wrong_width="K / 8", activations=naive_q8_rounded),
 }
 
 

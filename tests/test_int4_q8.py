@@ -18,12 +18,13 @@ import torch
 
 from clover.ops.linear import int4_linear as il, int4_q8 as q8, tiled
 from clover.ops.linear.naive import naive_int4_q8_linear, naive_int4_q8_weight, naive_q8_activations
+from clover.ops.linear.naive import naive_q8_rounded as rounded
 from clover.quant.int4 import dequantize, quantize_rtn
 
 pytestmark = pytest.mark.skipif(not tiled.available() or not q8.available(), reason="the clover CPU kernels are not built here")
 
 
-from helpers import check_int4, int4_stored as stored, q8_rounded as rounded  # noqa: E402
+from helpers import check_int4, int4_stored as stored  # noqa: E402
 
 
 def check(y, x, w):

@@ -150,9 +150,7 @@ class PackedInt4:
         n, k = qweight.shape[0], qweight.shape[1] * 2
         g = k // scales.shape[-1]
         if kind in CLOVER_KINDS:
-            from ..ops.linear import int4_linear, int4_q8
-
-            return cls(kind, *(int4_linear if kind == "clover" else int4_q8).pack(qweight, scales, qzeros), n, k, g)
+            return cls(kind, *clover_layout(kind).pack(qweight, scales, qzeros), n, k, g)
         if kind == "cpu":
             rows = -(-n // CPU_N_MULTIPLE) * CPU_N_MULTIPLE
             q = unpack_int4(qweight).to(torch.int32)
@@ -188,9 +186,7 @@ class PackedInt4:
         """Recover the stored format exactly (for saving after the stored copy was released): the
         kernel itself multiplies an identity by the weight with scale 1 and zero 8, giving q."""
         if self.kind in CLOVER_KINDS:
-            from ..ops.linear import int4_linear, int4_q8
-
-            return (int4_linear if self.kind == "clover" else int4_q8).unpack(self.weight, self.sz, self.n)
+            return clover_layout(self.kind).unpack(self.weight, self.sz, self.n)
         if self.kind != "cpu":
             raise RuntimeError("only the CPU layout releases the stored copy")
         groups = self.sz.shape[0]
@@ -200,6 +196,14 @@ class PackedInt4:
         q = q[:, : self.n].t().round().to(torch.uint8)
         scales, qzeros = stored_from_tinygemm(self.sz, self.n)
         return pack_int4(q), scales, qzeros
+
+
+def clover_layout(kind: str):
+    """The module of a clover CPU kernel's layout (`pack`, `unpack`): ops/linear/int4_linear.py for
+    "clover", int4_q8.py for "clover_q8"."""
+    from ..ops.linear import int4_linear, int4_q8
+
+    return int4_linear if kind == "clover" else int4_q8
 
 
 def packed_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,

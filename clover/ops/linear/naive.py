@@ -35,6 +35,12 @@ def naive_q8_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     return a.flatten(-2).to(torch.int8), d
 
 
+def naive_q8_rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The activations the int4 x int8 kernel multiplies: d * a of `naive_q8_activations`, exact in fp64."""
+    a, d = naive_q8_activations(x, block)
+    return (a.double().unflatten(-1, (-1, block)) * d.double()[..., None]).flatten(-2)
+
+
 def naive_int4_q8_weight(packed: torch.Tensor, sz: torch.Tensor, n: int) -> torch.Tensor:
     """W [n, K] fp32 of int4_q8.py's layout: uint8 [P, K/8, 16, 4], byte [p, c, j, t] holding codes
     k = 8c + t (low nibble) and 8c + 4 + t (high) of column 16p + j; sz as `naive_int4_weight`'s."""
@@ -48,6 +54,4 @@ def naive_int4_q8_weight(packed: torch.Tensor, sz: torch.Tensor, n: int) -> torc
 def naive_int4_q8_linear(x, packed, sz, group_size: int, n: int):
     """What `clover_cpu::int4_q8_linear(x, packed, sz, group_size, n)` computes, in x's dtype:
     F.linear(d * a, W) (the int8 activations dequantised, the dequantised weight), in fp64."""
-    a, d = naive_q8_activations(x.float())
-    xq = (a.double().unflatten(-1, (-1, 32)) * d.double()[..., None]).flatten(-2)
-    return F.linear(xq, naive_int4_q8_weight(packed, sz, n).double()).to(x.dtype)
+    return F.linear(naive_q8_rounded(x), naive_int4_q8_weight(packed, sz, n).double()).to(x.dtype)
