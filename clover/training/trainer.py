@@ -26,9 +26,9 @@ and only rank 0 prints and writes files. With one process nothing of this runs.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -61,10 +61,6 @@ def block_sizes_at(step: int, max_steps: int, schedule: list) -> list[int]:
         if frac < until:
             return [int(s) for s in sizes]
     return [int(s) for s in schedule[-1][1]]
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    atomic_write(path, text)
 
 
 class Trainer:
@@ -244,7 +240,7 @@ class Trainer:
         return final
 
     def _point_latest(self, name: str, final: Path) -> None:
-        _atomic_write(self.ckdir / "latest", name)
+        atomic_write(self.ckdir / "latest", name)
         checkpoints.prune(self.ckdir, self.cfg.keep_ckpts, final)
 
     def _apply_resume_options(self, ck: Path) -> None:
@@ -548,8 +544,7 @@ def plot_metrics(metrics: Path, png: Path) -> Path | None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    data = io.BytesIO()
+    fig.savefig(data, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, png)
-    return png
+    return atomic_write(png, data.getvalue())
