@@ -41,13 +41,15 @@ def long_prompts(tokenizer, prompts: int, prompt_tokens: int) -> list[list[int]]
 
 def settings():
     """The decoders compared: ar, self_spec at block 8 (lossless: its diffusion draft, and the lookup
-    draft) and low_confidence at block 8 / 0.95 (the most accurate parallel setting, BENCHMARKS
-    `pareto`)."""
+    draft, also at block 16: a lookup draft costs no forward, so a longer one pays where the output
+    repeats its context) and low_confidence at block 8 / 0.95 (the most accurate parallel setting,
+    BENCHMARKS `pareto`)."""
     from ..engine import DecodeConfig
 
     return {"ar": DecodeConfig(mode="ar", block_size=1),
             "self_spec 8": DecodeConfig(mode="self_spec", block_size=8),
             "self_spec lookup 8": DecodeConfig(mode="self_spec", block_size=8, draft="lookup"),
+            "self_spec lookup 16": DecodeConfig(mode="self_spec", block_size=16, draft="lookup"),
             "low_confidence 8 / 0.95": DecodeConfig(block_size=8, threshold=0.95)}
 
 
