@@ -42,7 +42,7 @@ from .engine import DecodeConfig, Engine
 from .family_grammar import decode_blocks_task
 from .runner import make_runner
 from .sequence import sequences
-from .slots import Forward, SlotJob, drive
+from .slots import Forward, SlotJob, drive, left_padded
 
 _PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
 _MASKS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(name, size): bool mask})
@@ -372,15 +372,10 @@ def _finished_window(rows: list[Row], w: int, mask: int, anchors: list[int], dev
     """The finished window [anchor, region[:-1]] of every row, left-padded: the pending segment
     committed with the next forward, and its clean window size (its width). Moves the anchors."""
     regions = [r.region(w, mask)[0] for r in rows]
-    width = max(map(len, regions))
-    clean = torch.zeros(len(rows), width, dtype=torch.long)
-    pad = torch.ones(len(rows), width, dtype=torch.bool)
+    clean = [[a] + tokens[:-1] if tokens else [] for a, tokens in zip(anchors, regions)]
     for i, tokens in enumerate(regions):
-        if tokens:
-            clean[i, width - len(tokens):] = torch.tensor([anchors[i]] + tokens[:-1])
-            pad[i, width - len(tokens):] = False
-            anchors[i] = tokens[-1]
-    return (clean.to(device), pad.to(device) if bool(pad.any()) else None), width
+        anchors[i] = tokens[-1] if tokens else anchors[i]
+    return left_padded(clean, device), max(map(len, regions))
 
 
 # ---- constrained left-to-right decoding (the grammar path) ------------------------------------------------

@@ -107,10 +107,97 @@ def forward(group: list[SlotJob]) -> list[torch.Tensor]:
     bs = next((b for b in (j.clean_block_size() for j in group) if b is not None), group[0].batch.clean_block_size)
     batches = [j.batch for j in group]
     merged = merge(batches, bs)
+    if not batches[0].layout.absolute:
+        share_prefixes(merged)
     window = torch.cat([j.need.window for j in group])
     logits = merged.forward(window, need.draft_len, need.keep, need.block_size)
     split(merged, batches)
     return list(logits.split([len(b.seqs) for b in batches]))
+
+
+def share_prefixes(batch: RowBatch) -> None:
+    """Before a forward of a merged batch: rows with nothing committed yet whose pending contexts start with
+    the same tokens up to a clean window boundary of each (windows of `clean_block_size` anchored at the
+    context's end: the same length modulo it) commit that prefix once, in a forward of one row per group (not
+    counted: a commit, as prefill), copied into each row's cache; their pending segments keep the rest. The
+    layout is unchanged, so each row computes what it would have alone (up to rounding). Only when the
+    forward saves at least `split_min_saved` columns (padding included) beyond the prefixes' own."""
+    if batch.pending is None or batch.split_min_saved is None:
+        return
+    clean, pad = batch.pending
+    width, rows = batch.clean_block_size, _pending_rows(clean, pad)
+    lens = batch.cache.lens.tolist()
+    groups = prefix_groups([c if n == 0 else None for c, n in zip(rows, lens)], width)
+    if not groups:
+        return
+    cut = {r: b for members, b in groups for r in members}
+    rest = [c[cut.get(r, 0):] for r, c in enumerate(rows)]
+    longest = max(b for _, b in groups)
+    saved = len(rows) * (clean.shape[1] - max(map(len, rest))) - len(groups) * longest
+    cap = batch.runner.prefill_chunk
+    if saved < max(batch.split_min_saved, 1) or (cap and longest > cap):
+        return
+    ids, ids_pad = left_padded([rows[members[0]][:b] for members, b in groups], clean.device)
+    cache = batch.runner.new_cache(len(groups), capacity=batch.cache.capacity)
+    batch.runner.forward(ids, cache, clean_block_size=width, pad_mask=ids_pad, logits_to_keep=1)
+    for g, (members, _) in enumerate(groups):
+        batch.cache.put_rows(members, cache.copy_rows([g] * len(members)))
+    ids, ids_pad = left_padded(rest, clean.device)
+    batch.pending = (ids, ids_pad) if ids.shape[1] and (ids_pad is None or not bool(ids_pad.all())) else None
+
+
+def prefix_groups(rows: list[list[int] | None], width: int) -> list[tuple[list[int], int]]:
+    """Of contexts laid out in clean windows of `width` anchored at their ends (None: a row left out), the
+    groups that share their first b tokens, b a window boundary of each: [(rows, b)]. A row that shares
+    no such prefix with a row of its phase (its length modulo `width`) is a group of its own, b the boundary
+    below what it shares with any row: committed apart, it leaves the shared forward only its tail.
+    Rows sorted by their tokens meet their longest common prefixes side by side."""
+    live = [r for r, c in enumerate(rows) if c]
+    reach = {r: max([_common(rows[r], rows[o]) for o in live if o != r] + [0]) for r in live}
+    phases: dict[int, list[int]] = {}
+    for r in live:
+        phases.setdefault(len(rows[r]) % width, []).append(r)
+    out = []
+    for phase, members in phases.items():
+        members.sort(key=lambda r: rows[r])
+        run, common = [members[0]], 0
+        for r in members[1:] + [None]:
+            shared = 0 if r is None else _boundary(_common(rows[run[-1]], rows[r]), phase, width)
+            if shared and shared >= common // 2:
+                run, common = run + [r], min(common, shared) if len(run) > 1 else shared
+                continue
+            b = common if len(run) > 1 else _boundary(reach[run[0]], phase, width)
+            if b:
+                out.append((run, b))
+            run, common = [r], 0
+    return out
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _boundary(n: int, phase: int, width: int) -> int:
+    """The largest window boundary <= n of a context whose length is `phase` modulo `width` (0: none)."""
+    b = n - (n - phase) % width
+    return max(b, 0)
+
+
+def _pending_rows(clean: torch.Tensor, pad: torch.Tensor | None) -> list[list[int]]:
+    return [row[~p].tolist() if p is not None else row.tolist()
+            for row, p in zip(clean, pad if pad is not None else [None] * len(clean))]
+
+
+def left_padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token lists as [rows, longest] ids left-padded with 0, and the padding (None: none)."""
+    width = max(map(len, rows), default=0)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pad = torch.ones(len(rows), width, dtype=torch.bool)
+    for r, c in enumerate(rows):
+        if c:
+            ids[r, width - len(c):] = torch.tensor(c)
+            pad[r, width - len(c):] = False
+    return ids.to(device), pad.to(device) if bool(pad.any()) else None
 
 
 class SlotMode:
