@@ -9,13 +9,13 @@ the hot case); the two bf16-panel columns each switch AMX on or off before their
 
     python bench/linear.py [--model DIR] [--threads 1] [--rows 1,8,16,32,64]
 
-`--scaling`: the C++ kernels (fp32 tiles, int4 tiles, routed experts fp32 and int4) at 1 and 2
-threads (wall time: a split call uses both), at the projection shapes of `bench/serve_peer.py`'s
-sizes; rounds interleave the thread counts (order alternating), each round times a batch of calls at
-each; the table gives each count's median over rounds, the ratio of those medians (1 thread / 2:
-above 1, two threads are faster) and the spread of the per-round ratios (min-max), whether the call
-splits at the kernels' default work threshold (`tiled.parallel_min_work`; `--min-work` sets another
-for the run, 0: every call splits), and the load average before and after.
+`--scaling`: the C++ kernels (fp32 tiles, int4 tiles on fp32 and on int8 activations, routed experts in
+each) at 1 and 2 threads (wall time: a split call uses both), at the projection shapes of
+`bench/serve_peer.py`'s sizes; rounds interleave the thread counts (order alternating), each round times
+a batch of calls at each; the table gives each count's median over rounds, the ratio of those medians (1
+thread / 2: above 1, two threads are faster) and the spread of the per-round ratios (min-max), whether
+the call splits at the kernels' default work threshold (`tiled.parallel_min_work`; `--min-work` sets
+another for the run, 0: every call splits), and the load average before and after.
 
     python bench/linear.py --scaling [--sizes default,large] [--rows 1,4,16] [--rounds 15] [--min-work N]
 """
@@ -29,6 +29,9 @@ import sys
 import time
 
 import torch
+
+
+INT8_MACS_PER_FP32 = 3  # the int8 multiply-adds parallel.h counts as one fp32 one (kInt8MacsPerFp32)
 
 
 def shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -81,27 +84,30 @@ def main() -> None:
 
 def kernel_cases(cfg, rows: int) -> dict:
     """{label: (call, multiply-adds)} of the C++ kernels at the config's shapes and `rows` rows (tokens)."""
-    from clover.ops.linear import int4_linear as il, tiled
+    from clover.ops.linear import int4_linear as il, int4_q8 as q8, tiled
     from clover.quant.int4 import quantize_rtn
 
     torch.manual_seed(0)
     cases = {}
     for name, (n, k) in shapes(cfg).items():
         w, x = torch.randn(n, k) * k**-0.5, torch.randn(rows, k)
-        packed, sz = il.pack(**quantize_rtn(w, 128))
+        stored = quantize_rtn(w, 128)
+        (packed, sz), (p8, s8) = il.pack(**stored), q8.pack(**stored)
         cases[f"{name} {n} x {k} fp32"] = (lambda x=x, w=w: tiled.tiled_linear(x, w), rows * n * k)
         cases[f"{name} {n} x {k} int4"] = (lambda x=x, p=packed, s=sz, n=n: il.int4_linear(x, p, s, 128, n), rows * n * k)
+        cases[f"{name} {n} x {k} int4 x int8"] = (lambda x=x, p=p8, s=s8, n=n: q8.int4_q8_linear(x, p, s, 128, n), rows * n * k)
     e, h, i, top = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     gu, dn = torch.randn(e, 2 * i, h) * h**-0.5, torch.randn(e, h, i) * i**-0.5
     x = torch.randn(rows, h)
     top_w, top_idx = torch.softmax(torch.randn(rows, e), -1).topk(top, dim=-1)
-    (gp, gs), (dp, ds) = (il.pack(**quantize_rtn(m.reshape(-1, m.shape[-1]), 128)) for m in (gu, dn))
-    gp, gs, dp, ds = (t.reshape(e, -1, *t.shape[1:]) for t in (gp, gs, dp, ds))
-    work = rows * top * 3 * h * i
-    cases[f"experts {e} x [{2 * i} x {h}, {h} x {i}] top {top} fp32"] = (
-        lambda: tiled.tiled_experts(x, top_idx, top_w, gu, dn), work)
-    cases[f"experts {e} x [{2 * i} x {h}, {h} x {i}] top {top} int4"] = (
-        lambda: il.int4_experts(x, top_idx, top_w, gp, gs, dp, ds, 128, i), work)
+    stored = [quantize_rtn(m.reshape(-1, m.shape[-1]), 128) for m in (gu, dn)]
+    (gp, gs), (dp, ds) = (il.pack(**st) for st in stored)
+    (gp8, gs8), (dp8, ds8) = (q8.pack(**st) for st in stored)
+    gp, gs, dp, ds, gp8, gs8, dp8, ds8 = (t.reshape(e, -1, *t.shape[1:]) for t in (gp, gs, dp, ds, gp8, gs8, dp8, ds8))
+    work, label = rows * top * 3 * h * i, f"experts {e} x [{2 * i} x {h}, {h} x {i}] top {top}"
+    cases[f"{label} fp32"] = (lambda: tiled.tiled_experts(x, top_idx, top_w, gu, dn), work)
+    cases[f"{label} int4"] = (lambda: il.int4_experts(x, top_idx, top_w, gp, gs, dp, ds, 128, i), work)
+    cases[f"{label} int4 x int8"] = (lambda: q8.int4_q8_experts(x, top_idx, top_w, gp8, gs8, dp8, ds8, 128, i), work)
     return cases
 
 
@@ -152,7 +158,8 @@ def scaling(argv: list[str]) -> None:
             for rows in [int(r) for r in args.rows.split(",")]:
                 for label, (fn, work) in kernel_cases(size_config(size), rows).items():
                     one, two, ratios = compare_threads(fn, args.rounds)
-                    print(f"| {size} | {label} | {rows} | {work:,} | {'yes' if work >= 2 * least else 'no'} | "
+                    counted = work // INT8_MACS_PER_FP32 if label.endswith("int8") else work
+                    print(f"| {size} | {label} | {rows} | {work:,} | {'yes' if counted >= 2 * least else 'no'} | "
                           f"{1e6 * one:.1f} | {1e6 * two:.1f} | {one / two:.2f}x | {min(ratios):.2f}-{max(ratios):.2f} |",
                           flush=True)
     print(f"\nLoad average (1 min) {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after.")

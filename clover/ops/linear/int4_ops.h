@@ -20,11 +20,12 @@ inline void define_ops(torch::Library& m, const std::string& kind) {
 
 // Routed SwiGLU experts (routed_experts.h) on int4 stacks gate_up [E, 2I panels..] and down (the
 // layout's tensors and their sz with a leading expert dim): project(in, rows, K, w, sz, out, N, panels)
-// runs one expert's projection of `rows` rows of K columns into N outputs on its packed weight.
+// runs one expert's projection of `rows` rows of K columns into N outputs on its packed weight;
+// `macs_per_work` as routed_experts'.
 template <typename Project>
 at::Tensor experts(const char* op, const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w,
                    const at::Tensor& gate_up, const at::Tensor& gate_up_sz, const at::Tensor& down,
-                   const at::Tensor& down_sz, int64_t inter, Project&& project) {
+                   const at::Tensor& down_sz, int64_t inter, Project&& project, int64_t macs_per_work = 1) {
   const int64_t H = x.size(1), E = gate_up.size(0), I = inter;
   const auto gu = gate_up.contiguous(), gs = gate_up_sz.contiguous(), dn = down.contiguous(), ds = down_sz.contiguous();
   const int64_t gu_n = gu.numel() / E, gs_n = gs.numel() / E, dn_n = dn.numel() / E, ds_n = ds.numel() / E;
@@ -34,7 +35,7 @@ at::Tensor experts(const char* op, const at::Tensor& x, const at::Tensor& top_id
       project(in, rows, H, gu.data_ptr<uint8_t>() + e * gu_n, gs.data_ptr<float>() + e * gs_n, out, 2 * I, gu.size(1));
     else
       project(in, rows, I, dn.data_ptr<uint8_t>() + e * dn_n, ds.data_ptr<float>() + e * ds_n, out, H, dn.size(1));
-  });
+  }, macs_per_work);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 

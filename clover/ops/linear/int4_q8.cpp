@@ -139,6 +139,7 @@ inline int32_t four(const int8_t* a) {
   static F to_float(I v) { return X##cvtepi32_ps(v); }                                        \
   static F set1(float x) { return X##set1_ps(x); }                                            \
   static F load(const float* p) { return X##loadu_ps(p); }                                     \
+  static void put(float* p, F v) { X##storeu_ps(p, v); }                                      \
   /* u8 x s8 4-way dot products added to acc without VNNI (a VNNI build's dot4 hides this one) */ \
   template <typename = void>                                                                  \
   static I dot4(I acc, I u, I s) { return X##add_epi32(acc, X##madd_epi16(X##maddubs_epi16(u, s), X##set1_epi16(1))); }
@@ -156,7 +157,7 @@ struct Vec {
   template <int R, int P>
   static constexpr auto store = clover_tiles::store_tile<R, P>;
 };
-constexpr int kMaxRows = 4, kPanels = 2, kOneRowPanels = 4;  // 3 x 8 accumulators + 2 x 2 code vectors of 32 registers
+constexpr int kMaxRows = 6, kPanels = 2, kOneRowPanels = 4;  // 2 x 6 x 2 sums + 2 x 2 code vectors of 32 registers
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same on 8 lanes: a panel in two halves, each in turn (both at once would spill the 16 registers).
 struct Vec {
@@ -184,20 +185,23 @@ constexpr int kMaxRows = 2, kPanels = 1, kOneRowPanels = 2;
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
 // R rows (activations from row m0 of q) x P panels (bytes at w, panel stride 8K; (s, -zs) at sz, stride
 // G * 32): per group the blocks' integer dot products (exact), each scaled by its block's d, then by
-// the group's s, plus -z s times the group's sum of rounded activations.
+// the group's s, plus -z s times the group's sum of rounded activations. Registers hold a block's
+// integer sums and the group's scaled sums; the running totals over groups wait in `acc` (L1), read
+// and written once a group, which leaves the registers to more rows sharing each unpacked code vector.
 template <int R, int P>
 __attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __restrict w, const float* __restrict sz,
                                     float* y, int64_t ldy, int64_t n0, int64_t N) {
   using F = Vec::F;
   using I = Vec::I;
+  constexpr int L = Vec::kLanes;
   const int64_t K = q.K, g = q.g, G = K / g, nb = K / kBlock, stride = K * kPanel / 2;
   const int8_t* a = q.a.data() + m0 * K;
   const float* d = q.d.data() + m0 * nb;
   const float* zsum = q.zsum.data() + m0 * G;
+  alignas(64) float acc[R][P][L];
   for (int h = 0; h < Vec::kHalves; ++h) {
-    F acc[R][P];
     for (int r = 0; r < R; ++r)
-      for (int p = 0; p < P; ++p) acc[r][p] = Vec::fzero();
+      for (int p = 0; p < P; ++p) Vec::put(acc[r][p], Vec::fzero());
     for (int64_t gi = 0; gi < G; ++gi) {
       F fg[R][P];
       for (int r = 0; r < R; ++r)
@@ -206,10 +210,12 @@ __attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __
         I ia[R][P];
         for (int r = 0; r < R; ++r)
           for (int p = 0; p < P; ++p) ia[r][p] = Vec::izero();
-        for (int64_t k = k0; k < k0 + kBlock; k += kChunk) {
+#pragma GCC unroll 4
+        for (int c = 0; c < kBlock / kChunk; ++c) {
+          const int64_t k = k0 + c * kChunk;
           I lo[P], hi[P];
           for (int p = 0; p < P; ++p) {
-            const I v = Vec::codes(w + p * stride + k * kPanel / 2 + 4 * Vec::kLanes * h);
+            const I v = Vec::codes(w + p * stride + k * kPanel / 2 + 4 * L * h);
             lo[p] = Vec::low(v);
             hi[p] = Vec::high(v);
           }
@@ -224,13 +230,16 @@ __attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __
         }
       }
       for (int p = 0; p < P; ++p) {
-        const float* at = sz + (p * G + gi) * 2 * kPanel + Vec::kLanes * h;
+        const float* at = sz + (p * G + gi) * 2 * kPanel + L * h;
         const F s = Vec::load(at), zs = Vec::load(at + kPanel);
         for (int r = 0; r < R; ++r)
-          acc[r][p] = Vec::fma(zs, Vec::set1(zsum[r * G + gi]), Vec::fma(fg[r][p], s, acc[r][p]));
+          Vec::put(acc[r][p], Vec::fma(zs, Vec::set1(zsum[r * G + gi]), Vec::fma(fg[r][p], s, Vec::load(acc[r][p]))));
       }
     }
-    Vec::store<R, P>(acc, y, ldy, n0 + Vec::kLanes * h, N);
+    F out[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) out[r][p] = Vec::load(acc[r][p]);
+    Vec::store<R, P>(out, y, ldy, n0 + L * h, N);
   }
 }
 #else
@@ -307,7 +316,7 @@ at::Tensor int4_q8_linear(const at::Tensor& x, const at::Tensor& packed, const a
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* sp = s.data_ptr<float>();
     const int64_t np = (n + kPanel - 1) / kPanel, pairs = (np + 1) / 2;
-    clover_parallel::split(pairs, M * K * 2 * kPanel, [&](int64_t g0, int64_t g1) {  // parallel.h
+    clover_parallel::split(pairs, M * K * 2 * kPanel / clover_parallel::kInt8MacsPerFp32, [&](int64_t g0, int64_t g1) {
       panels(q, M, wp, sp, yp, n, 2 * g0, std::min<int64_t>(2 * g1, np));
     });
   }
@@ -331,7 +340,7 @@ at::Tensor int4_q8_experts(const at::Tensor& x, const at::Tensor& top_idx, const
     thread_local Acts q;  // experts may run on several threads (routed_experts.h): each its own
     quantise(in, rows, K, group_size, q);
     panels(q, rows, w, sz, out, N, 0, np);
-  });
+  }, clover_parallel::kInt8MacsPerFp32);
 }
 
 }  // namespace

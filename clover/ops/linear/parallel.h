@@ -83,7 +83,12 @@ inline void helper(int index, uint32_t seen) {
   }
 }
 
-// fn(begin, end) over [0, units), each unit `unit_work` multiply-adds.
+// An int8 multiply-add (int4_q8.cpp's 4-way dot products: four times the products of an fp32 FMA per
+// instruction) takes a fraction of an fp32 one's time: `split`'s work counts this many as one
+// (bench/linear.py --scaling).
+constexpr int64_t kInt8MacsPerFp32 = 3;
+
+// fn(begin, end) over [0, units), each unit `unit_work` fp32 multiply-adds (or their equivalent in time).
 template <typename Fn>
 inline void split(int64_t units, int64_t unit_work, const Fn& fn) {
   const int64_t least = min_work().load(std::memory_order_relaxed);

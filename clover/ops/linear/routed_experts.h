@@ -17,9 +17,10 @@
 
 namespace clover_experts {
 
+// `macs_per_work`: multiply-adds per unit of parallel.h's work (clover_parallel::kInt8MacsPerFp32 for int8 ones).
 template <typename Project>
 at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& top_idx, const at::Tensor& top_w, int64_t E, int64_t I,
-                          const char* op, Project&& project) {
+                          const char* op, Project&& project, int64_t macs_per_work = 1) {
   const int64_t T = x.size(0), k = top_idx.size(1), H = x.size(1), I2 = 2 * I;
   const auto xc = x.to(at::kFloat).contiguous();
   const auto idx = top_idx.to(at::kLong).contiguous();
@@ -52,7 +53,7 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& top_idx, const 
   // the used experts over threads (parallel.h), each expert's rows and pair outputs its own: one
   // expert's average work per unit
   const int64_t units = static_cast<int64_t>(used.size());
-  clover_parallel::split(units, units ? T * k * 3 * I * H / units : 0, [&](int64_t u0, int64_t u1) {
+  clover_parallel::split(units, units ? T * k * 3 * I * H / units / macs_per_work : 0, [&](int64_t u0, int64_t u1) {
     std::vector<float> xs, h, a, o;
     for (int64_t u = u0; u < u1; ++u) run(used[u], xs, h, a, o);
   });
