@@ -113,6 +113,23 @@ def cache_savings(firsts: list[tuple]) -> tuple[int, int]:
     return within, sum(max([p for p in range(len(c) % w or w, shared + 1, w)] + [0]) for w, c in firsts)
 
 
+def step_savings(reqs: list[list[tuple]]) -> int:
+    """Tokens the jobs of a sequential pass (each request's records) would not feed if run concurrently in
+    step (the k-th job of every request beside each other) with every prefix shared that exact layouts allow:
+    rows of one window width and phase (length modulo it) share up to a window boundary of each
+    (`slots.prefix_groups`, as `slots.share_prefixes` does, whatever it pays)."""
+    from clover.engine.slots import prefix_groups
+
+    jobs = [[r[5] for r in req if r[5] is not None] for req in reqs]
+    saved = 0
+    for k in range(max(map(len, jobs))):
+        firsts = [j[k] for j in jobs if len(j) > k]
+        for w in {w for w, _ in firsts}:
+            rows = [list(c) for v, c in firsts if v == w]
+            saved += sum((len(members) - 1) * b for members, b in prefix_groups(rows, w))
+    return saved
+
+
 def call_cost(model, window: int = 9, repeats: int = 7) -> tuple[float, float]:
     """(seconds per model call, per token fed): least squares over the medians of one-row calls of a job's
     first forward (a fresh cache, a clean context of 0 to 256 tokens and a draft window), sizes interleaved."""
@@ -180,7 +197,7 @@ def rounds(one, n: int, meter: Meter, solo: list) -> tuple[list, list, bool, lis
 
 def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: int, taken: float) -> str:
     """What the cost of a model call (`call_cost`: a + b x tokens) lets the ratio reach, concurrent model time
-    over sequential, both ways feeding the same tokens: as now (no two jobs share a context's work), less
+    over sequential, both ways feeding the same tokens: as the sequential pass feeds (no job shares another's work), less
     what an exact prefix cache would save (`cache_savings`, both ways alike), each request's prompt fed
     once and then only its draft windows (no job re-feeding its request's context), or only the draft
     windows (every context cached: an exact replay); in the fewest forwards concurrency could take (the
@@ -191,7 +208,7 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
     saved = [cache_savings([r[5] for req in reqs for r in req if r[5] is not None]) for reqs in passes]
     once = statistics.mean(sum(len(req[0][5][1]) for req in reqs if req and req[0][5]) for reqs in passes) + drafts
     within, shared = statistics.mean(t[0] for t in saved), statistics.mean(t[1] for t in saved)
-    cases = [("as now: no two jobs share a context's work", fed),
+    cases = [("as the sequential pass feeds: no job shares another's work", fed),
              ("an exact prefix cache, from empty each pass", fed - within),
              ("the same, the shared system prompt cached at every alignment", fed - shared),
              ("each request's prompt fed once, then its draft windows", once),
@@ -204,6 +221,11 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
     for what, tokens in cases:
         lines.append(f"| {what} | {tokens:.0f} | {(chain * a + tokens * b) / (n * a + tokens * b):.2f}x | "
                      f"{(taken * a + tokens * b) / (n * a + tokens * b):.2f}x |")
+    step = statistics.mean(step_savings(reqs) for reqs in passes)
+    lines.append(f"\nConcurrency alone (the sequential pass feeding all {fed:.0f}) saves at most the work jobs in step share: "
+                 f"{step:.0f} tokens in prefixes of one window width and phase, so at best "
+                 f"{(chain * a + (fed - step) * b) / (n * a + fed * b):.2f}x in {chain} forwards, "
+                 f"{(taken * a + (fed - step) * b) / (n * a + fed * b):.2f}x in {taken:.0f}.")
     lines.append("\nA job lays its context out in clean windows of its first window's width, anchored at the context's "
                  "end: a snapshot after P tokens serves only a later job of that width whose window boundaries fall on P.")
     return "\n".join(lines)

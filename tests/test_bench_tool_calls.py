@@ -35,3 +35,13 @@ def test_model_and_size_large_together_are_a_one_line_usage_error(monkeypatch, c
     with pytest.raises(SystemExit) as e:
         tool_calls.main()
     assert e.value.code == 2 and "give one" in capsys.readouterr().err
+
+
+def test_jobs_in_step_share_only_prefixes_of_one_width_and_phase():
+    """The k-th jobs of the requests, side by side: rows of one width and phase share up to a boundary of each."""
+    rec = lambda w, ctx: (1, len(ctx), 0, w, 0.0, (w, tuple(ctx)))  # noqa: E731 - a job's first forward
+    a, b, c = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 9, 9, 9, 9], [1, 2, 3, 8]
+    assert tool_calls.step_savings([[rec(2, a)], [rec(2, b)]]) == 5  # one phase modulo 2: 5 tokens once
+    assert tool_calls.step_savings([[rec(4, a)], [rec(4, b)]]) == 0  # phases 3 and 1 modulo 4
+    assert tool_calls.step_savings([[rec(2, a)], [rec(3, b)]]) == 0  # two widths
+    assert tool_calls.step_savings([[rec(2, c), rec(2, a)], [rec(2, a), rec(2, b)]]) == 5  # second jobs only
