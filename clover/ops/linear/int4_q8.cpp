@@ -150,6 +150,7 @@ struct Vec {
   using F = __m512;
   using I = __m512i;
   static constexpr int kHalves = 1, kLanes = 16;  // a panel in kHalves passes of kLanes columns
+  static constexpr int kUnroll = 4;  // a block's chunks as straight code: no register copies between them
   CLOVER_VEC_OPS(_mm512_, si512)
 #if defined(__AVX512VNNI__)
   static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -164,6 +165,7 @@ struct Vec {
   using F = __m256;
   using I = __m256i;
   static constexpr int kHalves = 2, kLanes = 8;
+  static constexpr int kUnroll = 1;  // a loop: unrolled, it ran slower on 16 registers (bench/linear.py)
   CLOVER_VEC_OPS(_mm256_, si256)
 #if defined(__AVXVNNI__)
   static I dot4(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
@@ -179,7 +181,7 @@ struct Vec {
     }
   }
 };
-constexpr int kMaxRows = 2, kPanels = 1, kOneRowPanels = 2;
+constexpr int kMaxRows = 4, kPanels = 1, kOneRowPanels = 2;  // 2 x 4 sums + 2 code vectors of 16 registers
 #endif
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
@@ -210,7 +212,7 @@ __attribute__((noinline)) void tile(const Acts& q, int64_t m0, const uint8_t* __
         I ia[R][P];
         for (int r = 0; r < R; ++r)
           for (int p = 0; p < P; ++p) ia[r][p] = Vec::izero();
-#pragma GCC unroll 4
+#pragma GCC unroll Vec::kUnroll
         for (int c = 0; c < kBlock / kChunk; ++c) {
           const int64_t k = k0 + c * kChunk;
           I lo[P], hi[P];
