@@ -311,3 +311,27 @@ def test_clover_train_stopped_in_the_teacher_phase_exits_cleanly(setup, tmp_path
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["stopped"] and "3 of 3 parts to go" in out["reason"]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_interpolate_is_elementwise_between_base_and_tuned():
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(3, 5, generator=g), "h": torch.randn(7, generator=g).to(torch.bfloat16),
+            "i": torch.arange(4)}
+    tuned = {"w": torch.randn(3, 5, generator=g), "h": torch.randn(7, generator=g).to(torch.bfloat16),
+             "i": torch.arange(4) + 1}
+    assert torch.equal(D.interpolate(base, tuned, 0.0)["w"], base["w"])
+    assert torch.equal(D.interpolate(base, tuned, 1.0)["w"], tuned["w"])
+    half = D.interpolate(base, tuned, 0.25)
+    for r in range(3):
+        for c in range(5):
+            b, t = base["w"][r, c].item(), tuned["w"][r, c].item()
+            assert half["w"][r, c].item() == pytest.approx(b + 0.25 * (t - b), rel=1e-6, abs=1e-7)
+    assert half["h"].dtype == torch.bfloat16
+    assert torch.equal(half["h"], (base["h"].float() * 0.75 + tuned["h"].float() * 0.25).to(torch.bfloat16))
+    assert torch.equal(half["i"], tuned["i"])  # integer tensors are not averaged
+    with pytest.raises(ValueError, match="shape"):
+        D.interpolate(base, {**tuned, "w": torch.zeros(5, 3)}, 0.5)
+    with pytest.raises(ValueError, match="different tensors"):
+        D.interpolate(base, {"w": tuned["w"]}, 0.5)
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        D.interpolate(base, tuned, 1.5)

@@ -179,3 +179,22 @@ def teacher_data(cfg, tok, device, progress: bool = True, after_part=None,
                                meta["teacher"], eos_ids(model, tok), progress, after_part, deadline)
     del model
     return teacher_stream(recs)
+
+
+def interpolate(base: dict, tuned: dict, alpha: float) -> dict:
+    """Weights `base + alpha * (tuned - base)` (WiSE-FT, Wortsman et al. 2022: a fine-tuned model
+    averaged with its start keeps the start's skills better than either alone): after distillation,
+    the student moved part of the way back to its teacher, so block size 1 loses less of what the
+    teacher did while the block paths keep part of their gain. Computed in float32, cast back to
+    each tensor's dtype; the two state dicts must hold the same names and shapes."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"merge weight must be in [0, 1], got {alpha}")
+    if base.keys() != tuned.keys():
+        raise ValueError(f"different tensors: {sorted(base.keys() ^ tuned.keys())[:3]}")
+    out = {}
+    for name, t in tuned.items():
+        b = base[name]
+        if b.shape != t.shape:
+            raise ValueError(f"{name}: shape {tuple(b.shape)} against {tuple(t.shape)}")
+        out[name] = torch.lerp(b.float(), t.float(), alpha).to(t.dtype) if t.is_floating_point() else t.clone()
+    return out

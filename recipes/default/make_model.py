@@ -246,6 +246,27 @@ def distill(rec: dict, args, common: dict, export_dir: Path) -> Path:
     return cfg
 
 
+def merged(teacher: Path, student: Path, alpha: float, prov: dict) -> Path:
+    """The student moved back toward its teacher: teacher + alpha * (student - teacher)
+    (clover.training.distill.interpolate), in a folder beside the student; the student itself when
+    alpha is 1."""
+    from clover.models import CloverForBlockDiffusion
+    from clover.training.distill import interpolate
+    from clover.utils.files import staged_folder
+
+    prov["distill_merge"] = alpha
+    if alpha == 1.0:
+        return student
+    model = CloverForBlockDiffusion.from_pretrained(str(student), dtype=torch.float32)
+    base = CloverForBlockDiffusion.from_pretrained(str(teacher), dtype=torch.float32)
+    model.load_state_dict(interpolate(base.state_dict(), model.state_dict(), alpha))
+    out = student.with_name(f"merged_{alpha:g}")
+    with staged_folder(out) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    log(f"distill: {out} = teacher + {alpha:g} x (student - teacher)")
+    return out
+
+
 def stopped_or(run, *a) -> dict:
     """run(*a)'s summary, or {"stopped": True, "step": 0} where the stage stopped at its --stop-after
     while still making its teacher cache (the finished parts kept for --resume)."""
@@ -313,7 +334,7 @@ def main(argv=None) -> int:
                 f"continue with `make distill RESUME=1` (make_model.py --distill --resume)")
             return 0
         prov["stage"], tok_dir = "distill", Path(cfg.teacher)
-        final = Path(cfg.out_dir) / "final"
+        final = merged(Path(cfg.teacher), Path(cfg.out_dir) / "final", float(rec["distill"].get("merge", 1.0)), prov)
     elif args.cont:
         prov, first, init = continued(rec, rounds, export_dir, data, tok_dir)
     else:
