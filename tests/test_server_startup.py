@@ -113,17 +113,26 @@ def test_a_compiled_server_answers_while_its_graphs_compile(loaded, tmp_path, mo
     assert bool(state_of(model).fused_deferred) == (mode != "ar")
 
 
+def _no_trace(*args, **kwargs):
+    raise AssertionError("a graph was traced in the server")
+
+
 def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path, monkeypatch):
-    """`warm.cache_dir` is where graphs go: the child's compile of a deferred shape writes it there, and
-    the server's own compile of the shape is then a hit on that disk cache."""
+    """`warm.cache_dir` is where graphs go: the child's compile of a deferred shape writes it there
+    with the key that loads it, and the server loads the graph by that key, without tracing it, to
+    the eager forward's logits; a restart loads the noted graph the same way at start-up."""
+    from clover.compile.state import CompileState
+    from clover.engine.runner import EagerRunner
+
     monkeypatch.setenv(warm.CACHE_ENV, str(tmp_path / "unused"))
     monkeypatch.setenv(warm.NICE_ENV, "0")  # this test waits for the child
     path = warm.cache_dir(tmp_path / "graphs")
     assert os.environ[warm.CACHE_ENV] == str(path)
     model = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     runner = CompiledRunner(model, defer=True)
+    ids = torch.randint(0, 100, (1, 4))
     with torch.inference_mode():
-        runner.forward(torch.randint(0, 100, (1, 4)), runner.new_cache(1, 64), draft_len=4, block_size=4)
+        runner.forward(ids, runner.new_cache(1, 64), draft_len=4, block_size=4)
     assert runner.eager_calls == 1 and state_of(model).waiting() == 1
     background = warm.Background(model)
     try:
@@ -131,27 +140,40 @@ def test_the_child_compiles_into_the_disk_cache_and_the_server_loads_it(tmp_path
         deadline = time.time() + 900
         while background.in_flight() and time.time() < deadline:
             time.sleep(0.2)
-        assert not background.in_flight() and background.can_compile()
+        assert not background.in_flight() and background.can_load() and not background.can_compile()
         assert any((path / "fxgraph").rglob("*"))
-        hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+        monkeypatch.setattr(CompileState, "through_dynamo", _no_trace)
         with torch.inference_mode():
-            assert background.compile_one()
-        assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
-        assert background.waiting() == 0
+            assert background.load_one()
+            got = runner.forward(ids, runner.new_cache(1, 64), draft_len=4, block_size=4)
+            want = EagerRunner(model).forward(ids, runner.new_cache(1, 64), draft_len=4, block_size=4)
+        assert background.waiting() == 0 and runner.replayed_calls == 1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         background.close()
-    # a restart: a model built the same way queues the noted graph, ready to load from the disk cache
+    # a restart: a model built the same way loads the noted graph at start-up, by its key
     (key,) = warm.Compiled.of(model).keys()
     again = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     restarted = warm.Background(again, child=False)
     assert restarted.noted == {key} and key in state_of(again).deferred and key not in state_of(again).replays
+    with torch.inference_mode():
+        assert restarted.load_noted() == 1
+    assert key in state_of(again).replays and restarted.waiting() == 0
+    other = tiny_model(7, num_hidden_layers=2, layer_types=["full_attention", "full_attention"])
+    assert warm.Compiled.of(other).keys() == [] and not warm.Background(other, child=False).noted
+    monkeypatch.undo()
+    # a note without its load key (an older server's) is compiled by the server, a disk cache hit
+    monkeypatch.setenv(warm.CACHE_ENV, str(path))
+    for graph in warm.Compiled.of(model).folder.glob("*.graph"):
+        graph.unlink()
+    third = tiny_model(7, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    restarted = warm.Background(third, child=False)
+    assert restarted.load_noted() == 0 and restarted.can_compile() and not restarted.can_load()
     hits = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
     with torch.inference_mode():
         assert restarted.compile_one()
-    assert key in state_of(again).replays and restarted.waiting() == 0
+    assert key in state_of(third).replays and restarted.waiting() == 0
     assert torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"] > hits
-    other = tiny_model(7, num_hidden_layers=2, layer_types=["full_attention", "full_attention"])
-    assert warm.Compiled.of(other).keys() == [] and not warm.Background(other, child=False).noted
 
 
 def test_the_noted_shapes_are_whole_files_under_the_model_fingerprint(tmp_path, monkeypatch):
@@ -294,3 +316,26 @@ def test_the_first_requests_imports_are_made_at_start_up():
             "print(before, [n in sys.modules for n in names])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split() == ["[False]", "[True]"]
+
+
+def test_a_loaded_graph_that_does_not_fit_a_call_runs_eagerly_never_traced_in_a_request(monkeypatch):
+    """A graph loaded by its cache key has no dynamo graph behind it: where its Replay refuses a call
+    (another layout), a deferring runner runs that call eagerly and queues the shape again, instead
+    of tracing and compiling it inside the request."""
+    from clover.compile.shapes import ShapeKey
+    from clover.compile.state import CompileState
+
+    state = CompileState(tiny_model(7, num_hidden_layers=1, layer_types=["full_attention"]))
+    key = ShapeKey((1, 4), torch.device("cpu"), 4, 1, 4, True, False, 256, 1, torch.float32, 0, False, True, 0)
+    class Refusing:
+        def current(self):
+            return True
+
+        def __call__(self, *args):
+            return None  # another layout than the call's
+
+    state.replays[key] = Refusing()
+    state.untraced.add(key)
+    monkeypatch.setattr(CompileState, "through_dynamo", _no_trace)
+    assert state.call(key, None, None, None, defer=True) == (None, False)
+    assert key in state.deferred and key not in state.replays and key not in state.untraced

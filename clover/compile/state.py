@@ -48,6 +48,7 @@ class CompileState:
         self.step_fn = None
         self.captures: list = []  # graphs the backend compiled in the current call (CPU)
         self.replays: dict = {}  # ShapeKey -> Replay, or None (compiled, called through dynamo)
+        self.untraced: set = set()  # keys whose Replay was loaded from the disk cache: dynamo has no graph of them
         self.deferred: dict = {}  # ShapeKey -> None, oldest first: ran eagerly, wait for `compile_next`
         self.full = False  # the step hit dynamo's recompile limit: new shapes run eagerly
         self.fused_graphs: dict = {}  # (key, input layouts, mode flags) -> compiled graph
@@ -99,6 +100,10 @@ class CompileState:
         logits = found(ids, pad_mask, cache) if found is not None else None
         if logits is not None:
             return logits, True
+        if key in self.untraced:  # a loaded graph that does not fit this call: no dynamo graph behind it
+            self.untraced.discard(key)
+            del self.replays[key]
+            return self.call(key, ids, pad_mask, cache, replay, defer)
         return self.through_dynamo(key, ids, pad_mask, cache), False
 
     def through_dynamo(self, key: ShapeKey, ids, pad_mask, cache) -> torch.Tensor | None:
@@ -122,6 +127,28 @@ class CompileState:
         else:
             self.replays.setdefault(key, None)
         return logits
+
+    def load(self, key, graph: dict) -> bool:
+        """Take a graph the compiling child finished, loaded by its cache key without a trace
+        (`stored`): a shape's Replay or a fused-function layout's graph. False where it does not
+        load so: the key stays queued."""
+        from .stored import load, load_replay
+
+        self.step()  # what a trace would have set up first: the kernels the graphs call, the weights' graph layouts
+        if key in self.fused_deferred:
+            try:
+                self.fused_graphs[key] = load(graph["aot"])
+            except Exception:  # noqa: BLE001 - gone from the cache: compiled the traced way
+                return False
+            del self.fused_deferred[key]
+            return True
+        replay = load_replay(self.model(), graph)
+        if replay is None:
+            return False
+        self.deferred.pop(key, None)
+        self.replays[key] = replay
+        self.untraced.add(key)
+        return True
 
     def compile_shape(self, key: ShapeKey) -> None:
         """Compile the graph of a shape key on a cache and ids of its own (zeros: only the layouts

@@ -1,5 +1,5 @@
 """Compiling a server's new shapes away from its requests: in a child process, into inductor's
-on-disk caches, which the server then loads from when it has nothing to decode.
+on-disk caches, from which the server then loads the finished graphs.
 
 Why a process: a compile is dynamo tracing and inductor lowering, Python holding the GIL, so a
 compile thread beside the scheduler slows its eager steps at every op; and tracing patches
@@ -7,18 +7,18 @@ module calls process-wide, which breaks a forward running in another thread. A c
 the model is loaded shares its weights (copy on write), runs at the lowest CPU priority (unless
 $CLOVER_COMPILE_NICE says otherwise: a benchmark waiting for its graphs on a busy machine) on one
 thread, compiles each shape (and fused-function layout) it is sent, the same graph the server would
-make (`CompileState.compile_shape`, `Fused.compile`), and reports it. The server's own compile of it
-is then a cache hit: a trace and the cached graph's load, no inductor lowering or C++ compile.
+make (`CompileState.compile_shape`, `Fused.compile`), and reports it.
 
 Where the caches live: `cache_dir` (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor), so
 they outlive a reboot's /tmp and a restarted server loads its graphs instead of compiling them.
-The child also notes each shape it compiled there (`Compiled`: one file per shape, under a
-fingerprint of the model's structure and the torch version). A restarted server opens its port
-without loading those graphs: their shapes run eagerly, as new ones do, and the server loads their
-graphs (cache hits: a trace and a load each, no inductor lowering) one at a time when it has
-nothing to decode, without asking the child (`Background.noted`). Not in a thread beside the
-requests: a trace holds the GIL and sets torch's process-wide "compiling" flag, which changes the
-ops an eager forward in another thread runs.
+The child reports, with each shape it compiled, the cache key that loads its graph without a
+trace and how its Replay fetches its inputs (`stored`), and notes both there (`Compiled`: one file
+per shape, under a fingerprint of the model's structure and the torch version). The server loads
+each reported graph by that key (milliseconds, no dynamo trace), between its decoding turns; a
+restarted server loads the noted ones at start-up. A graph without a key (a note of an older
+server) is compiled by the server itself, a cache hit (a trace and a load), only when it has had
+nothing to decode for a while. Not in a thread beside the requests: a trace holds the GIL and sets
+torch's process-wide "compiling" flag, which changes the ops an eager forward in another thread runs.
 """
 
 from __future__ import annotations
@@ -66,27 +66,45 @@ class Compiled:
         root = os.environ.get(CACHE_ENV)
         return cls(Path(root) / "clover-shapes" / fingerprint(model)) if root else None
 
-    def add(self, key) -> None:
+    def add(self, key, graph: dict | None = None) -> None:
+        """Note `key`, with what loads its graph without a trace (`stored.shape_info`) when given."""
         self.folder.mkdir(parents=True, exist_ok=True)
         data = json.dumps(key_to_json(key), sort_keys=True).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.folder / (hashlib.sha256(data).hexdigest()[:32] + ".key"))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        name = hashlib.sha256(data).hexdigest()[:32]
+        if graph is not None:  # before the key: a note found is whole with its graph
+            _write_whole(self.folder / (name + ".graph"), json.dumps(graph, sort_keys=True).encode())
+        _write_whole(self.folder / (name + ".key"), data)
 
     def keys(self) -> list:
-        found = []
+        return list(self.graphs())
+
+    def graphs(self) -> dict:
+        """The noted keys, each with what loads its graph (None: noted without it, or unreadable)."""
+        found = {}
         for path in sorted(self.folder.glob("*.key")) if self.folder.is_dir() else ():
             try:
-                found.append(key_from_json(json.loads(path.read_bytes())))
+                key = key_from_json(json.loads(path.read_bytes()))
             except (OSError, ValueError, TypeError, KeyError, AttributeError):
                 continue  # unreadable (another version's note): that shape compiles as a new one
+            try:
+                graph = json.loads(path.with_suffix(".graph").read_bytes())
+            except (OSError, ValueError):
+                graph = None
+            found[key] = graph if isinstance(graph, dict) else None
         return found
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """`data` at `path`, written to a temporary file and renamed: never seen half written."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def key_to_json(key: ShapeKey) -> dict:
@@ -127,6 +145,7 @@ class Warmer:
         child.close()
         self.asked: set = set()
         self.done: set = set()
+        self.graphs: dict = {}  # finished key -> what loads its graph without a trace (`stored`), when the child had it
 
     def ask(self, key, fused=None) -> None:
         """Compile the model shape `key` (a ShapeKey), or with `fused` (a Fused) that function's layout `key`."""
@@ -138,10 +157,13 @@ class Warmer:
                 self.done.add(key)  # the child is gone, or the function cannot be sent: the server compiles it itself
 
     def poll(self) -> set:
-        """The keys the child has finished so far."""
+        """The keys the child has finished so far (with `graphs` of theirs)."""
         try:
             while self.conn.poll():
-                self.done.add(self.conn.recv())
+                key, graph = self.conn.recv()
+                self.done.add(key)
+                if graph is not None:
+                    self.graphs[key] = graph
         except (EOFError, OSError):
             self.done |= self.asked
         return self.done
@@ -165,7 +187,6 @@ def _start(parent_end, *args) -> None:
 
 
 def _child(model, c_shims: bool, conn) -> None:
-    from .fused import Fused
     from .state import CompileState
 
     os.nice(int(os.environ.get(NICE_ENV, "19")))
@@ -176,41 +197,67 @@ def _child(model, c_shims: bool, conn) -> None:
             key, fused = conn.recv()
         except (EOFError, OSError):
             return
+        graph = None
         try:
-            if fused is None:
-                state.compile_shape(key)
-                if noted is not None and key in state.replays:  # compiled (not past dynamo's limit)
-                    noted.add(key)
-            else:
-                Fused(fused[0], fused[1], state, fused[2]).compile(key)
+            graph = _compile(state, key, fused)
+            if fused is None and noted is not None and key in state.replays:  # compiled (not past dynamo's limit)
+                noted.add(key, graph)
         except Exception:  # noqa: BLE001 - the server's own compile of the shape meets it again
             traceback.print_exc()
-        conn.send(key)
+        conn.send((key, graph))
+
+
+def _compile(state, key, fused) -> dict | None:
+    """(In the child) compile a model shape (`fused` None) or a fused-function layout; what loads
+    its graph without a trace (`stored`), or None."""
+    from .fused import Fused
+    from .stored import recording, shape_info
+
+    with recording() as aot:
+        if fused is None:
+            state.compile_shape(key)
+        else:
+            Fused(fused[0], fused[1], state, fused[2]).compile(key)
+    if fused is None:
+        return shape_info(state.replays.get(key), aot)
+    return {"aot": aot[0]} if len(aot) == 1 else None
 
 
 class Background:
     """A server's compile policy for one model's deferring runners: every shape they ran eagerly is
     (and every fused-function layout) sent to a `Warmer` child (CPU models; `child=False`, or another
-    device: none); with nothing to decode, the server compiles one graph the child has finished (a
-    cache hit: `compile_one`). No request waits on a graph the child is still compiling. The shapes
-    an earlier server's child noted in the disk cache (`noted`) wait like the others, ready to load
-    from the start: none is loaded before the server answers, none is sent to the child."""
+    device: none). A graph the child finished is loaded by its cache key (`load_one`: no trace,
+    milliseconds); one the child could not describe so (`stored`) is compiled by the server, a
+    cache hit (`compile_one`: a trace and a load, seconds holding the GIL), only with nothing to
+    decode. No request waits on a graph the child is still compiling. The shapes an earlier
+    server's child noted in the disk cache (`noted`) are loaded by key at start-up (`load_noted`),
+    or, noted without their key, wait for `compile_one` like the others; none is sent to the child."""
 
     def __init__(self, model, child: bool = True):
         from .state import state_of
 
         self.state = state_of(model)
+        self.graphs: dict = {}  # key -> what loads its graph without a trace (`stored`)
         self.noted = self.note_ready(model) if model.device.type == "cpu" else frozenset()
         self.warmer = Warmer(self.state) if child and model.device.type == "cpu" else None
 
     def note_ready(self, model) -> frozenset:
         """The shapes noted in the disk cache for this model that have no graph here yet, queued for
-        `compile_one` (each a cache hit there: a trace and a load)."""
+        `load_one` / `compile_one`."""
         noted = Compiled.of(model)
-        ready = [k for k in (noted.keys() if noted is not None else ()) if k not in self.state.replays]
-        for key in ready:
+        ready = {k: g for k, g in (noted.graphs() if noted is not None else {}).items() if k not in self.state.replays}
+        for key, graph in ready.items():
             self.state.deferred.setdefault(key, None)
+            if graph is not None:
+                self.graphs[key] = graph
         return frozenset(ready)
+
+    def load_noted(self) -> int:
+        """Load every noted graph that loads without a trace (start-up); how many were loaded."""
+        from .stored import import_ahead
+
+        import_ahead()
+        return sum(self.load_one(among=self.noted) for _ in range(len(self.noted.intersection(self.graphs))))
 
     def sync(self) -> None:
         """Send the shapes queued since the last call to the child."""
@@ -223,16 +270,42 @@ class Background:
 
     def ready(self) -> set | None:
         """The queued keys whose graphs are in the disk cache (None: all of them, no child)."""
-        return self.warmer.poll() | self.noted if self.warmer is not None else None
+        if self.warmer is None:
+            return None
+        done = self.warmer.poll()
+        self.graphs.update(self.warmer.graphs)
+        self.warmer.graphs.clear()
+        return done | self.noted
+
+    def _queued(self) -> list:
+        return [*self.state.fused_deferred, *self.state.deferred]
+
+    def can_load(self) -> bool:
+        """Whether `load_one` has a graph to load now."""
+        ready = self.ready()
+        return any(k in self.graphs and (ready is None or k in ready) for k in self._queued())
+
+    def load_one(self, among=None) -> bool:
+        """Load one finished graph by its cache key (a fused-function layout first, then the oldest
+        shape; among the keys `among` when given); whether one was loaded. A graph that does not
+        load so is left to `compile_one`."""
+        ready = self.ready()
+        key = next((k for k in self._queued() if k in self.graphs and (ready is None or k in ready)
+                    and (among is None or k in among)), None)
+        if key is None:
+            return False
+        return self.state.load(key, self.graphs.pop(key))  # False: it stays queued, for `compile_one`
 
     def can_compile(self) -> bool:
         """Whether `compile_one` has something to do now."""
         ready = self.ready()
-        return any(ready is None or k in ready for k in (*self.state.fused_deferred, *self.state.deferred))
+        return any((ready is None or k in ready) and k not in self.graphs for k in self._queued())
 
     def compile_one(self) -> bool:
-        """Load one graph the disk cache holds (a fused-function layout first, then the oldest shape)."""
-        return self.state.compile_next(self.ready())
+        """Compile one finished graph the server has no key of (a cache hit: a trace and a load)."""
+        ready = self.ready()
+        ready = {k for k in (self._queued() if ready is None else ready) if k not in self.graphs}
+        return self.state.compile_next(ready)
 
     def in_flight(self) -> bool:
         """Whether the child is compiling shapes the server will load when they are done."""

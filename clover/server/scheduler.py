@@ -21,10 +21,12 @@
   cancelled task's job leaves between steps and the task ends with `Cancelled`.
 * `--runner compiled`: the engines and the slot jobs defer compiling (a step of a shape with no graph
   runs eagerly and queues the shape); the queued shapes are compiled in a child process into the
-  on-disk caches (`compile.warm.Background`), and with nothing to decode the loop loads one the child
-  has finished (a cache hit) at a time, after IDLE_BEFORE_COMPILE_S without work, so no request waits on a compile, only (when it arrives
-  during one) on a load. A restarted server answers before it loads anything: the graphs an earlier
-  server left on disk are loaded the same way, one at a time while idle, their shapes eager until then.
+  on-disk caches (`compile.warm.Background`), which reports the cache key of each graph it finished;
+  the loop loads such a graph by its key between turns (no trace: milliseconds, `compile.stored`),
+  so no request waits on a compile. A graph the child could not give a key for is compiled here
+  (a trace and a cache hit, seconds) only after IDLE_BEFORE_COMPILE_S without work; a request that
+  arrives during that waits for it. A restarted server loads the graphs an earlier server's child
+  noted on disk by their keys at start-up, before it answers.
 * Results cross to the asyncio side on the tickets' queues: the posts of one loop turn go together,
   one `loop.call_soon_threadsafe` per turn (`held_posts`), so the event loop's thread takes the GIL
   once per step instead of once per row; while that wake-up is still pending (the event loop lags
@@ -263,6 +265,7 @@ class Scheduler:
     def start(self) -> None:
         if self.runner == "compiled":
             self.compiles = Background(self.model)  # queues the graphs an earlier server left on disk
+            self.metrics.graphs_compiled += self.compiles.load_noted()  # by their cache keys: no trace
             self.compiles.sync()  # shapes met before the server started (its warm-up)
             self.metrics.graphs_deferred = self.compiles.waiting()
         self.idle_since = time.perf_counter()  # a graph loads only after IDLE_BEFORE_COMPILE_S, from the start too
@@ -292,7 +295,7 @@ class Scheduler:
                     self.cv.wait(timeout=wait)
                 idle = not self._busy()
             if idle:  # nothing to decode: load one graph the child compiled (or a fused layout)
-                self._compile_one()
+                self._compile_one(traced=True)
                 continue
             with self.cv:
                 if self.stopping:
@@ -313,6 +316,8 @@ class Scheduler:
             if self.compiles is not None:
                 self.compiles.sync()  # the shapes new in this turn go to the compiling child
                 self.metrics.graphs_deferred = self.compiles.waiting()
+                if self.compiles.can_load():  # between turns: a graph loaded by its key takes milliseconds
+                    self._compile_one(traced=False)
         with self.cv, torch.inference_mode():  # nothing is left pending: every request gets its answer
             self._fail_all("the server is shutting down", waiting=True)
 
@@ -322,6 +327,8 @@ class Scheduler:
         work, so back-to-back requests do not wait for one."""
         if self.compiles is None:
             return None
+        if self.compiles.can_load():
+            return 0.0
         if self.compiles.can_compile():
             return max(0.0, self.idle_since + IDLE_BEFORE_COMPILE_S - time.perf_counter())
         return COMPILE_POLL_S if self.compiles.in_flight() else None
@@ -339,15 +346,16 @@ class Scheduler:
         self.metrics.queue_length = len(keep)
         return admit
 
-    def _compile_one(self) -> None:
-        """One deferred graph the child has compiled (`Background.compile_one`: a cache hit), while no
-        request is running; a request that arrives meanwhile waits for it, once per shape. A failed
-        compile leaves that shape eager."""
+    def _compile_one(self, traced: bool) -> None:
+        """One deferred graph the child has compiled: loaded by its cache key (`Background.load_one`,
+        milliseconds, between turns too), else with `traced` (only while no request runs: a request
+        that arrives meanwhile waits for it, once per shape) compiled here (`compile_one`: a trace and
+        a cache hit). A failed compile leaves that shape eager."""
         t0, done = time.perf_counter(), False
         self.compiling = True
         try:
             with torch.inference_mode():
-                done = self.compiles.compile_one()
+                done = self.compiles.load_one() or (traced and self.compiles.compile_one())
         except Exception:  # noqa: BLE001 - the shape keeps running eagerly, as it did
             traceback.print_exc()
         finally:
