@@ -5,9 +5,13 @@ its first replies against its steady ones, and (`--runner compiled`) when its gr
 
 Each round starts an eager and a compiled server, one after the other, on empty caches: the
 compile cache (`--compile-cache`) a fresh temporary folder; the C++ kernels' build folder
-(TORCH_EXTENSIONS_DIR) fresh in round 1 (its start-up builds them), reused after. Once both answer
-/health they get --requests non-streamed completions each, taking turns (the same prompt,
---max-tokens tokens, ignore_eos): the first reply and the median of the others. In the last round
+(TORCH_EXTENSIONS_DIR) fresh in round 1 (its start-up builds them), reused after. Each gets
+--requests non-streamed completions once it answers /health (the same prompt, --max-tokens tokens,
+ignore_eos): the eager server first, then the compiled one while its child compiles (not in turns:
+the child runs while its own server is idle, i.e. during the other server's turn); the first reply
+and the median of the others. The compiling child runs at niceness 0 here
+(CLOVER_COMPILE_NICE, unless set: on a busy shared machine the default lowest priority starves it
+and the bench would wait for its graphs for many minutes). In the last round
 the bench then waits until the compiled server has every graph it deferred
 (`clover_graphs_deferred` 0) and times --requests more on each (steady), then restarts the compiled
 server --restarts times on the caches it filled: each restart's first replies against eager's taken
@@ -94,15 +98,18 @@ def settle(url: str, t0: float) -> float:
 
 
 def one_round(args, tmp: Path, r: int, last: bool) -> dict:
-    """An eager and a compiled server (empty compile cache; in round 0 empty kernel folders too), their
-    first replies in turn; in the last round also their steady replies and a restart of the compiled one."""
+    """An eager and a compiled server (empty compile cache; in round 0 empty kernel folders too): the
+    eager server's replies first, alone, then the compiled server's while its child compiles (not in
+    turns: a compiling child runs while its own server is idle, which would be the eager server's
+    turn); in the last round also their steady replies and restarts of the compiled one."""
     out = {}
     eager, url_e, out["start_e"] = launch(args, "eager", tmp / "ext-eager", tmp / "unused")
     try:
+        (out["first_e"],) = replies([url_e], args.max_tokens, args.requests)
         comp, url_c, out["start_c"] = launch(args, "compiled", tmp / "ext-compiled", tmp / f"compile-{r}")
         t0 = time.perf_counter() - out["start_c"]
         try:
-            out["first_e"], out["first_c"] = replies([url_e, url_c], args.max_tokens, args.requests)
+            (out["first_c"],) = replies([url_c], args.max_tokens, args.requests)
             if last:
                 out["ready_c"] = settle(url_c, t0)
                 out["steady_e"], out["steady_c"] = replies([url_e, url_c], args.max_tokens, args.requests)
@@ -140,7 +147,9 @@ def med(rounds: list[dict], key: str, pick=lambda xs: xs[0]) -> float:
 def print_table(args, rounds: list[dict]) -> None:
     last, nxt = rounds[-1], (lambda xs: statistics.median(xs[1:]))
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, --threads {args.threads}, "
-          f"{args.max_tokens}-token replies, {len(rounds)} rounds, load average {os.getloadavg()[0]:.2f} at the end\n")
+          f"{args.max_tokens}-token replies, {len(rounds)} rounds, load average {os.getloadavg()[0]:.2f} at the end, "
+          f"compiling child at niceness {os.environ['CLOVER_COMPILE_NICE']}, share while decoding "
+          f"{os.environ.get('CLOVER_COMPILE_SHARE', '0.2')}\n")
     print("| server | caches | start-up s (round 1 / later) | first reply s | next replies s | graphs in use "
           "at s | graphs | steady reply s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -178,6 +187,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.requests < 2 or args.rounds < 1 or args.restarts < 1:
         raise SystemExit("bench/serve_start.py: --requests must be >= 2, --rounds and --restarts >= 1")
+    os.environ.setdefault("CLOVER_COMPILE_NICE", "0")
     with tempfile.TemporaryDirectory(prefix="clover-start-") as tmp:
         rounds = [one_round(args, Path(tmp), r, r == args.rounds - 1) for r in range(args.rounds)]
     print_table(args, rounds)

@@ -339,3 +339,58 @@ def test_a_loaded_graph_that_does_not_fit_a_call_runs_eagerly_never_traced_in_a_
     monkeypatch.setattr(CompileState, "through_dynamo", _no_trace)
     assert state.call(key, None, None, None, defer=True) == (None, False)
     assert key in state.deferred and key not in state.replays and key not in state.untraced
+
+
+class _Pauses:
+    def __init__(self):
+        self.paused = []
+
+    def pause(self, paused):
+        self.paused.append(paused)
+
+
+def test_the_child_runs_while_idle_and_only_its_share_while_the_server_decodes(loaded, monkeypatch):
+    """`pace`: idle, the child runs; decoding, it is stopped for the first (1 - share) of every
+    period (the first replies never share the CPU with it) and runs the rest."""
+    model, _ = loaded
+    monkeypatch.setenv(warm.SHARE_ENV, "0.25")
+    background = warm.Background(model, child=False)
+    background.warmer = _Pauses()
+    period = warm.SHARE_PERIOD_S
+    for now, decoding in ((0.0, False), (10.0, True), (10.0 + 0.7 * period, True), (10.0 + 0.8 * period, True),
+                          (10.0 + 1.1 * period, True), (10.0 + 1.9 * period, True), (20.0, False)):
+        background.pace(decoding, now=now)
+    assert background.warmer.paused == [False, True, True, False, True, False, False]
+    monkeypatch.setenv(warm.SHARE_ENV, "not a number")
+    assert warm.compile_share() == 0.2
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_state(pid, wanted):
+    deadline = time.time() + 30
+    while _state(pid) not in wanted and time.time() < deadline:
+        time.sleep(0.02)
+    return _state(pid)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_pausing_stops_the_child_and_close_ends_a_stopped_one(loaded, monkeypatch):
+    model, _ = loaded
+    monkeypatch.setattr(warm, "_child", _never_done)
+    warmer = warm.Warmer(state_of(model))
+    try:
+        deadline = time.time() + 30
+        while os.getpgid(warmer.proc.pid) != warmer.proc.pid and time.time() < deadline:
+            time.sleep(0.02)  # the child makes its own process group first thing
+        warmer.pause(True)
+        assert warmer.paused and _wait_state(warmer.proc.pid, "T") == "T"
+        warmer.pause(False)
+        assert not warmer.paused and _wait_state(warmer.proc.pid, "SR") in "SR"
+        warmer.pause(True)
+    finally:
+        warmer.close()
+    assert not warmer.proc.is_alive()

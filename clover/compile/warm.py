@@ -6,7 +6,8 @@ compile thread beside the scheduler slows its eager steps at every op; and traci
 module calls process-wide, which breaks a forward running in another thread. A child forked after
 the model is loaded shares its weights (copy on write), runs at the lowest CPU priority (unless
 $CLOVER_COMPILE_NICE says otherwise: a benchmark waiting for its graphs on a busy machine) on one
-thread, compiles each shape (and fused-function layout) it is sent, the same graph the server would
+thread, is stopped while the server decodes but for a share of the time (`Background.pace`: a
+lower priority does not keep a compile off the other core of a 2-core machine), compiles each shape (and fused-function layout) it is sent, the same graph the server would
 make (`CompileState.compile_shape`, `Fused.compile`), and reports it.
 
 Where the caches live: `cache_dir` (TORCHINDUCTOR_CACHE_DIR, else ~/.cache/clover/inductor), so
@@ -28,7 +29,9 @@ import json
 import multiprocessing
 import os
 import pickle
+import signal
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -38,6 +41,8 @@ from .shapes import ShapeKey
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 NICE_ENV = "CLOVER_COMPILE_NICE"  # the compiling child's niceness increment (default 19: the lowest priority)
+SHARE_ENV = "CLOVER_COMPILE_SHARE"  # the share of the time the child runs while the server decodes (default 0.2)
+SHARE_PERIOD_S = 2.0  # while the server decodes, the child runs the last share of every period this long
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
@@ -143,6 +148,7 @@ class Warmer:
                                 name="clover-compile")
         self.proc.start()
         child.close()
+        self.paused = False
         self.asked: set = set()
         self.done: set = set()
         self.graphs: dict = {}  # finished key -> what loads its graph without a trace (`stored`), when the child had it
@@ -171,7 +177,18 @@ class Warmer:
     def busy(self) -> bool:
         return bool(self.asked - self.poll())
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue the child and whatever it started (its process group: the C++
+        compiler), so that its compile leaves the CPU to the server's requests while it is stopped."""
+        if paused != self.paused and hasattr(signal, "SIGSTOP"):
+            try:
+                os.killpg(self.proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except OSError:  # gone, or not (yet) a group of its own
+                return
+            self.paused = paused
+
     def close(self) -> None:
+        self.pause(False)  # a stopped child cannot see its pipe close
         self.conn.close()  # the child ends at the end of its pipe
         self.proc.join(timeout=2)
         if self.proc.is_alive():
@@ -179,10 +196,20 @@ class Warmer:
             self.proc.join(timeout=2)
 
 
+def compile_share() -> float:
+    """$CLOVER_COMPILE_SHARE as a share in [0, 1] (a bad value: the default)."""
+    try:
+        share = float(os.environ.get(SHARE_ENV, "0.2"))
+    except ValueError:
+        return 0.2
+    return min(max(share, 0.0), 1.0)
+
+
 def _start(parent_end, *args) -> None:
     """The child: without its copy of the server's end of the pipe, so that the server's end closing
     (or the server dying) ends it, and the listening socket it inherited with it."""
     parent_end.close()
+    os.setpgid(0, 0)  # a group of its own, with the compilers it starts: `Warmer.pause` stops them all
     _child(*args)
 
 
@@ -191,6 +218,9 @@ def _child(model, c_shims: bool, conn) -> None:
 
     os.nice(int(os.environ.get(NICE_ENV, "19")))
     torch.set_num_threads(1)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1  # no pool of compile workers: one process group, one core
     state, noted = CompileState(model, c_shims=c_shims), Compiled.of(model)
     while True:
         try:
@@ -240,6 +270,8 @@ class Background:
         self.graphs: dict = {}  # key -> what loads its graph without a trace (`stored`)
         self.noted = self.note_ready(model) if model.device.type == "cpu" else frozenset()
         self.warmer = Warmer(self.state) if child and model.device.type == "cpu" else None
+        self.share = compile_share()
+        self.decoding_since: float | None = None  # when the server began decoding (None: idle)
 
     def note_ready(self, model) -> frozenset:
         """The shapes noted in the disk cache for this model that have no graph here yet, queued for
@@ -306,6 +338,21 @@ class Background:
         ready = self.ready()
         ready = {k for k in (self._queued() if ready is None else ready) if k not in self.graphs}
         return self.state.compile_next(ready)
+
+    def pace(self, decoding: bool, now: float | None = None) -> None:
+        """The child's turn: it runs while the server has nothing to decode; while it decodes, only
+        the last $CLOVER_COMPILE_SHARE (default 0.2) of every SHARE_PERIOD_S since decoding began, so
+        requests share the CPU with a compile at most that share of the time (the first
+        (1 - share) x SHARE_PERIOD_S not at all) and a server that never idles still gets its graphs."""
+        if self.warmer is None:
+            return
+        now = time.perf_counter() if now is None else now
+        if not decoding:
+            self.decoding_since = None
+        elif self.decoding_since is None:
+            self.decoding_since = now
+        into = 0.0 if self.decoding_since is None else (now - self.decoding_since) % SHARE_PERIOD_S
+        self.warmer.pause(decoding and into < (1 - self.share) * SHARE_PERIOD_S)
 
     def in_flight(self) -> bool:
         """Whether the child is compiling shapes the server will load when they are done."""
