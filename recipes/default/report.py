@@ -46,7 +46,10 @@ def main(argv=None) -> int:
     names = [("ar", "AR (`ar.toml`)"), ("bd", "block diffusion (`bd.toml`)")]
     names += [(focus_name(i), f"focus round {i}: {_focus_mix(prov, rounds, i)} (`focus.toml`)")
               for i in range(1, recorded_rounds(prov) + 1)]
-    names.append(("distill", "self-distillation on the model's own greedy answers (`distill.toml`, `make distill`)"))
+    merge = prov.get("distill_merge", 1.0)
+    names.append(("distill", "self-distillation on the model's own greedy answers (`distill.toml`, `make distill`)"
+                  + (f"; exported as teacher + {merge:g} x (student - teacher), `recipe.toml [distill] merge`"
+                     if merge != 1.0 else "")))
     stages = [(name, prov[f"{key}_stage"]) for key, name in names if f"{key}_stage" in prov]
     ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").exists() else None
     cfg = json.loads((ROOT / "clover" / "assets" / "default" / "config.json").read_text())
