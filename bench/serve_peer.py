@@ -1,7 +1,7 @@
 """`clover serve` against stock llama.cpp's `llama-server`, side by side on one CPU, 1-32 clients.
 
     python bench/serve_peer.py [--sizes default,large] [--clients 1,4,16,32] [--requests 2]
-                               [--max-tokens 64] [--rounds 3] [--threads N] [--servers NAME,...]
+                               [--max-tokens 64] [--rounds 3] [--threads N] [--default-threads 1] [--servers NAME,...]
                                [--large-rounds 1] [--large-requests 1] [--large-max-tokens N]
                                [--large-servers NAME,...] [--llama-server PATH] [--settle-timeout S]
                                [--mode ar] [--block-size 8] [--threshold 0.9]
@@ -14,7 +14,9 @@ folder (`--runner eager|compiled`, fp32, and an int4 RTN copy made by `clover qu
 activations as q4_0 has unless --int4-activations float32);
 llama-server serves its GGUF exports (`clover export-gguf`: f32, bf16, q8_0, q4_0), built by
 `make llama-server`. Every server of a size is up at once, each with its best settings for this
-machine: --threads N (default: every core) for both, llama-server with one slot per client of the
+machine: the same threads for both (--threads N at the large size, default every core; --default-threads
+at the default size, default 1: there its ops take microseconds and a second thread's wait at the
+end of every op costs more than it brings on a shared 2-core machine), llama-server with one slot per client of the
 largest level (`--parallel`), continuous batching (`-cb`) and a context of that many slots; clover
 batches up to that many rows (`--max-batch`).
 
@@ -70,6 +72,7 @@ class Server:
     url: str | None = None
     runs: dict = field(default_factory=dict)
     error: str | None = None  # why it stopped taking part (a failed request), if it did
+    log: Path | None = None  # llama-server's output
     unready: str | None = None  # a compiled server whose graphs were not all loaded before its rounds
     ready_s: float = 0.0  # seconds waited for a compiled server's graphs
 
@@ -149,10 +152,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_llama(cmd: list[str], timeout: float = 600.0):
-    """llama-server in a subprocess: (process, url or None once /health answers 200)."""
+def start_llama(cmd: list[str], log: Path | None = None, timeout: float = 600.0):
+    """llama-server in a subprocess, its output to `log` (a failure's report quotes its end): (process,
+    url or None once /health answers 200)."""
     port = free_port()
-    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "w") if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout and proc.poll() is None:
@@ -232,16 +237,18 @@ def slot_context(prompts: list[str], max_tokens: int) -> int:
     return -(-(longest + max_tokens + 16) // 256) * 256
 
 
-def start(s: Server, args, files: dict, slots: int, slot_ctx: int) -> None:
-    """Start `s` on the size's files; s.url stays None when it did not start."""
+def start(s: Server, args, files: dict, slots: int, slot_ctx: int, threads: int) -> None:
+    """Start `s` on the size's files with `threads`; s.url stays None when it did not start."""
     from types import SimpleNamespace
 
     if s.kind == "clover":
-        opts = SimpleNamespace(threads=args.threads, block_size=args.block_size, threshold=args.threshold,
+        opts = SimpleNamespace(threads=threads, block_size=args.block_size, threshold=args.threshold,
                                mode=args.mode, model=str(files[s.precision]))
         s.proc, s.url = start_server(opts, slots, s.runner)
     else:
-        s.proc, s.url = start_llama(llama_command(files[s.precision], args.threads, slots, slot_ctx, args.llama_server))
+        log = files["fp32"].parent / f"{s.name.replace(' ', '-')}.log"
+        s.proc, s.url = start_llama(llama_command(files[s.precision], threads, slots, slot_ctx, args.llama_server), log)
+        s.log = log
     if s.url is None:
         print(f"bench/serve_peer.py: {s.name} did not start", file=sys.stderr)
 
@@ -261,7 +268,7 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
     slot_ctx = slot_context(prompts, plan.max_tokens)
     try:
         for s in servers:
-            start(s, args, files, max(levels), slot_ctx)
+            start(s, args, files, max(levels), slot_ctx, plan.threads)
         for n in levels:
             for s in servers:  # untimed: a compiled server meets this level's shapes, then loads their graphs
                 if attempt(s, n, prompts, 1, plan.max_tokens) and s.runner == "compiled":
@@ -283,9 +290,10 @@ def size_plan(args, size: str):
     from types import SimpleNamespace
 
     if size == "large":
-        return SimpleNamespace(rounds=args.large_rounds, requests=args.large_requests,
+        return SimpleNamespace(rounds=args.large_rounds, requests=args.large_requests, threads=args.threads,
                                max_tokens=args.large_max_tokens or args.max_tokens)
-    return SimpleNamespace(rounds=args.rounds, requests=args.requests, max_tokens=args.max_tokens)
+    return SimpleNamespace(rounds=args.rounds, requests=args.requests, max_tokens=args.max_tokens,
+                           threads=args.default_threads)
 
 
 def ready(s: Server, timeout: float) -> None:
@@ -321,6 +329,8 @@ def attempt(s: Server, n: int, prompts: list[str], requests: int, max_tokens: in
     except Exception as e:  # noqa: BLE001  (any client or server failure: reported in the table)
         s.error = f"{n} clients: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         print(f"bench/serve_peer.py: {s.name} failed at {s.error}", file=sys.stderr)
+        if s.log is not None and s.log.exists():  # what the server said last
+            print("".join(s.log.read_text(errors="replace").splitlines(True)[-20:]), file=sys.stderr)
         return None
 
 
@@ -418,17 +428,17 @@ def dry_run(servers: dict, args) -> None:
     for size, group in servers.items():
         plan = size_plan(args, size)
         print(f"{size}: clients {levels}; {plan.requests} requests per client, {plan.max_tokens} tokens each; "
-              f"{plan.rounds} rounds; {args.threads} threads; clover --mode {args.mode} --block-size {args.block_size} "
+              f"{plan.rounds} rounds; {plan.threads} threads; clover --mode {args.mode} --block-size {args.block_size} "
               f"--threshold {args.threshold}; servers: {', '.join(s.name for s in group)}")
     binary = args.llama_server
     print(f"llama-server: {binary} ({'built' if binary.exists() else 'NOT built: make llama-server'})")
     slots = max(int(x) for x in levels.split(","))
     for s in {s.name: s for group in servers.values() for s in group}.values():
         if s.kind == "clover":
-            print(f"{s.name}: clover serve --runner {s.runner} --threads {args.threads} --max-batch {slots} "
+            print(f"{s.name}: clover serve --runner {s.runner} --threads THREADS --max-batch {slots} "
                   f"--mode {args.mode} --model SIZE-{s.precision}/")
         else:
-            print(f"{s.name}: " + " ".join(llama_command(Path(f"SIZE-{s.precision}.gguf"), args.threads, slots, 512,
+            print(f"{s.name}: " + " ".join(llama_command(Path(f"SIZE-{s.precision}.gguf"), "THREADS", slots, 512,
                                                          binary)) + " --port PORT  (-c: slots x the longest prompt and reply)")
 
 
@@ -444,7 +454,11 @@ def parse(argv=None):
     ap.add_argument("--large-max-tokens", type=int, help="the large size's tokens per reply (default: --max-tokens)")
     ap.add_argument("--large-servers", default=LARGE_SERVERS, help="the large size's servers (default: the pairs of "
                     "matching precision, clover compiled)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every server (default: all cores)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every server at the large size "
+                    "(default: all cores)")
+    ap.add_argument("--default-threads", type=int, default=1, help="threads of every server at the default size "
+                    "(default 1: its ops take microseconds, and a second thread's wait at every op's end costs more "
+                    "than it brings on a shared 2-core machine)")
     ap.add_argument("--servers", help="comma-separated server names (default: all; llama-server ones need its build)")
     ap.add_argument("--llama-server", type=Path, default=LLAMA_SERVER, help=f"the llama-server binary (default {LLAMA_SERVER})")
     ap.add_argument("--settle-timeout", type=float, default=900.0, help="longest wait (s) for a compiled server's "
@@ -503,7 +517,7 @@ def header(args, prompts: list[str]) -> str:
              + (f" --large-max-tokens {args.large_max_tokens}" if args.large_max_tokens else "")
              if "large" in args.sizes else "")
     return (f"`python bench/serve_peer.py --sizes {args.sizes} --clients {args.clients} --requests {args.requests} "
-            f"--max-tokens {args.max_tokens} --rounds {args.rounds}{large} --threads {args.threads} --mode {args.mode} "
+            f"--max-tokens {args.max_tokens} --rounds {args.rounds}{large} --threads {args.threads} --default-threads {args.default_threads} --mode {args.mode} "
             f"--int4-activations {args.int4_activations}`: "
             f"{os.cpu_count()} CPU cores shared with other work, load average {os.getloadavg()[0]:.1f} at the start; "
             f"{len(prompts)} held-out task prompts (ignore_eos, greedy), streamed; servers interleaved; a compiled "

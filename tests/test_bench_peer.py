@@ -88,9 +88,10 @@ def test_a_failing_server_leaves_the_comparison_with_its_reason(monkeypatch):
 
 
 def test_the_large_size_has_its_own_plan_and_servers():
-    _, args = peer.parse(["--rounds", "3", "--requests", "2", "--large-rounds", "1", "--large-max-tokens", "32"])
-    assert vars(peer.size_plan(args, "default")) == dict(rounds=3, requests=2, max_tokens=64)
-    assert vars(peer.size_plan(args, "large")) == dict(rounds=1, requests=1, max_tokens=32)
+    _, args = peer.parse(["--rounds", "3", "--requests", "2", "--large-rounds", "1", "--large-max-tokens", "32",
+                          "--threads", "2"])
+    assert vars(peer.size_plan(args, "default")) == dict(rounds=3, requests=2, max_tokens=64, threads=1)
+    assert vars(peer.size_plan(args, "large")) == dict(rounds=1, requests=1, max_tokens=32, threads=2)
     names = [s.name for s in peer.pick_servers(args.large_servers, True)]
     assert names == ["clover compiled fp32", "clover compiled int4", "llama-server f32", "llama-server q4_0"]
     assert peer.size_config("large").num_hidden_layers > peer.size_config("default").num_hidden_layers
