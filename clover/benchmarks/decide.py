@@ -21,6 +21,7 @@ def run(args) -> int:
     from ..api import DEFAULT_MODEL, load
     from ..data.tasks import decision_benchmark
     from ..decision import decide
+    from ..settings import infill_settings
 
     if args.groups < 1:
         raise UserError("--groups must be >= 1")
@@ -69,15 +70,16 @@ def run(args) -> int:
     chance_g = 100 * sum(__import__("math").prod(o) for o in odds) / n
     rows.append(["chance (uniform over allowed answers)", f"{chance_q:.1f}%", f"{chance_g:.1f}%", "-", "-", "-", "-"])
     described = args.model or "default model"
+    threshold, block = infill_settings(model, args.threshold, args.block_size)  # what decide committed at
     print(f"Joint decision mode: {described}; held-out split of the decision benchmark (seed {args.seed}), {n} groups / "
-          f"{questions} questions (2-8 linked questions each); threshold {args.threshold}, block {args.block_size}, "
+          f"{questions} questions (2-8 linked questions each); threshold {threshold}, block {block or 'published'}, "
           f"{model.device} {str(model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads.\n")
     print("Forward passes = per-row decoding forwards summed over the group's rows (independent: one row per "
           "question, batched; prefill not counted); model calls = batched forwards; prompt tokens = tokens prefilled "
           "(independent reads the material once per question).\n")
     print(markdown_table(["mode", "questions right", "groups all right", "forward passes / group",
                           "model calls / group", "prompt tokens / group", "s / group"], rows))
-    write_json(args, dict(model=described, seed=args.seed, groups=n, questions=questions, threshold=args.threshold,
+    write_json(args, dict(model=described, seed=args.seed, groups=n, questions=questions, threshold=threshold,
                           chance=dict(questions_right=chance_q, groups_all_right=chance_g),
-                          block_size=args.block_size, threads=torch.get_num_threads(), results=results))
+                          block_size=block, threads=torch.get_num_threads(), results=results))
     return 0
