@@ -394,3 +394,49 @@ def test_pausing_stops_the_child_and_close_ends_a_stopped_one(loaded, monkeypatc
     finally:
         warmer.close()
     assert not warmer.proc.is_alive()
+
+
+def _reports_keys(model, c_shims, conn):
+    """A compiling child that reports every shape at once with a load key (compiles nothing)."""
+    while True:
+        try:
+            key, _ = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send((key, {"aot": "test-key"}))
+
+
+def test_graphs_with_a_key_load_on_the_scheduler_thread_without_waiting_for_idle(loaded, monkeypatch):
+    """A graph the child reports with its cache key is loaded by the scheduler between turns (no
+    idle wait: here the idle wait is never over), never compiled in the server; requests are
+    answered as before."""
+    from clover.compile.state import CompileState
+    from clover.server import scheduler as sched
+
+    model, tokenizer = loaded
+    state_of(model).deferred.clear()
+    state_of(model).fused_deferred.clear()
+    monkeypatch.setattr(warm, "_child", _reports_keys)
+    monkeypatch.setattr(sched, "IDLE_BEFORE_COMPILE_S", 1e6)
+    loads, compiles = [], []
+
+    def load(self, key, graph):
+        loads.append((threading.current_thread().name, graph["aot"]))
+        self.deferred.pop(key, None)
+        self.fused_deferred.pop(key, None)
+        return True
+
+    monkeypatch.setattr(CompileState, "load", load)
+    monkeypatch.setattr(CompileState, "compile_shape", lambda self, key: compiles.append(key))
+    ref = clover.generate(model, tokenizer, "the cat", max_new_tokens=6, block_size=4, mode="ar").text
+    settings = Settings(model_id="tiny", block_size=4, mode="ar", runner="compiled")
+    with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as server:
+        for _ in range(2):
+            reply = client(server, timeout=120).completions.create(model="tiny", prompt="the cat", max_tokens=6)
+            assert reply.choices[0].text == ref
+        deadline = time.time() + 60
+        while metric(server, "clover_graphs_compiled_total") < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert metric(server, "clover_graphs_compiled_total") >= 1
+    assert loads and all(t == "clover-scheduler" and k == "test-key" for t, k in loads)
+    assert compiles == []
