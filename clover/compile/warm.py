@@ -326,6 +326,7 @@ class Background:
                     and (among is None or k in among)), None)
         if key is None:
             return False
+        self.resume()
         return self.state.load(key, self.graphs.pop(key))  # False: it stays queued, for `compile_one`
 
     def can_compile(self) -> bool:
@@ -337,7 +338,14 @@ class Background:
         """Compile one finished graph the server has no key of (a cache hit: a trace and a load)."""
         ready = self.ready()
         ready = {k for k in (self._queued() if ready is None else ready) if k not in self.graphs}
+        self.resume()
         return self.state.compile_next(ready)
+
+    def resume(self) -> None:
+        """Let the child run while the server loads or compiles a graph: a stopped child must not hold
+        a lock of the compile cache the load waits for (the next `pace` stops it again)."""
+        if self.warmer is not None:
+            self.warmer.pause(False)
 
     def pace(self, decoding: bool, now: float | None = None) -> None:
         """The child's turn: it runs while the server has nothing to decode; while it decodes, only
