@@ -193,13 +193,8 @@ class Prefill:
         self.cache = batch.runner.new_cache(len(seqs), capacity=capacity)
         cleans = [batch.layout.prefilled(s.prompt_ids, self.bs) for s in seqs]
         width = max(map(len, cleans))
-        ids = torch.zeros(len(cleans), width, dtype=torch.long)
-        pad = torch.ones(len(cleans), width, dtype=torch.bool)
-        for r, c in enumerate(cleans):
-            if c:
-                ids[r, width - len(c):] = torch.tensor(c)
-                pad[r, width - len(c):] = False
-        self.ids, self.pad = ids.to(batch.device), pad.to(batch.device)
+        self.ids, pad = left_padded(cleans, batch.device)
+        self.pad = pad if pad is not None else torch.zeros_like(self.ids, dtype=torch.bool)
         chunk = batch.chunk()
         self.cuts = [0] + list(range(width % chunk or chunk, width, chunk)) + [width]  # the next chunk: cuts[0:2]
         if tail and width - tail > self.cuts[-2]:
@@ -265,3 +260,14 @@ def split(merged: RowBatch, batches: list[RowBatch]) -> None:
         b.cache = merged.cache.copy_rows(torch.arange(start, start + n, device=b.device))
         b.pending, start = None, start + n
 
+
+def left_padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token lists as [rows, longest] ids left-padded with 0, and the padding (None: none)."""
+    width = max(map(len, rows), default=0)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pad = torch.ones(len(rows), width, dtype=torch.bool)
+    for r, c in enumerate(rows):
+        if c:
+            ids[r, width - len(c):] = torch.tensor(c)
+            pad[r, width - len(c):] = False
+    return ids.to(device), pad.to(device) if bool(pad.any()) else None

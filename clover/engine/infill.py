@@ -36,13 +36,13 @@ from typing import Callable
 import torch
 
 from ..settings import DEFAULTS, absolute_blocks, check_block_size
-from .batch import RowBatch
+from .batch import RowBatch, left_padded
 from .constraint import Constraint
 from .engine import DecodeConfig, Engine
 from .family_grammar import decode_blocks_task
 from .runner import make_runner
 from .sequence import sequences
-from .slots import Forward, SlotJob, drive, left_padded
+from .slots import Forward, SlotJob, drive
 
 _PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
 _MASKS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(name, size): bool mask})

@@ -26,7 +26,7 @@ from typing import Callable, Generator
 
 import torch
 
-from .batch import Forward, RowBatch, merge, split
+from .batch import Forward, RowBatch, left_padded, merge, split
 
 
 Steps = Generator[Forward, torch.Tensor, object]
@@ -186,18 +186,6 @@ def _boundary(n: int, phase: int, width: int) -> int:
 def _pending_rows(clean: torch.Tensor, pad: torch.Tensor | None) -> list[list[int]]:
     return [row[~p].tolist() if p is not None else row.tolist()
             for row, p in zip(clean, pad if pad is not None else [None] * len(clean))]
-
-
-def left_padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token lists as [rows, longest] ids left-padded with 0, and the padding (None: none)."""
-    width = max(map(len, rows), default=0)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    pad = torch.ones(len(rows), width, dtype=torch.bool)
-    for r, c in enumerate(rows):
-        if c:
-            ids[r, width - len(c):] = torch.tensor(c)
-            pad[r, width - len(c):] = False
-    return ids.to(device), pad.to(device) if bool(pad.any()) else None
 
 
 class SlotMode:
