@@ -257,8 +257,9 @@ def fold(name: str, output: str) -> tuple[str, str | None]:
         ends = [k for k in range(MAX_LINES, len(out)) if not out[k].strip()
                 and (out[k - 1].startswith("|") or re.match(r"\(\d+-row table: ", out[k - 1]))]
         cut = ends[0] if ends else None
-        if cut is not None:
-            out, long = out[:cut] + ["", f"(more: [bench/details/{name}.md](bench/details/{name}.md))"], True
+        if cut is not None:  # a link to the details file ends the kept part (the table's own, or this one)
+            link = [] if re.match(r"\(\d+-row table: ", out[cut - 1]) else ["", f"(more: [bench/details/{name}.md](bench/details/{name}.md))"]
+            out, long = out[:cut] + link, True
     return "\n".join(out), output if long else None
 
 

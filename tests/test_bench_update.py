@@ -129,3 +129,12 @@ def test_a_long_section_keeps_its_first_table_and_refold_rerenders_stored_output
     assert "second:" not in text and (details / "two.md").read_text() == f"{head}{output}\n"
     assert "| step | 0.2 s | - |" in text  # the headline reads the table that moved to details
     assert update.main(["--refold"]) == 0 and bench.read_text() == text  # idempotent
+
+
+def test_a_cut_right_after_a_moved_table_adds_no_second_link():
+    big = "| n |\n|---:|\n" + "".join(f"| {n} |\n" for n in range(update.MAX_ROWS + 2))
+    output = "intro\n" * (update.MAX_LINES - 1) + "\n" + big + "\ntail\n" * 3
+    short, full = update.fold("cut", output)
+    assert full == output
+    assert "(more:" not in short
+    assert short.rstrip().endswith(f"({update.MAX_ROWS + 2}-row table: [bench/details/cut.md](bench/details/cut.md))")
