@@ -428,6 +428,45 @@ def test_unit_lower_solve_matches_torch(batch, size, width):
     torch.testing.assert_close(system @ got, rhs, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("batch,heads,dk,dv", [(3, 5, 7, 9), (2, 8, 128, 128), (1, 1, 1, 1), (4, 3, 16, 33)])
+def test_recurrent_step_matches_the_spec(batch, heads, dk, dv):
+    """The decode step in C++, state updated in place, against fused_recurrent (the spec), padded rows
+    (g = beta = 0) leaving their state as it was."""
+    from clover.ops.gated_delta_rule import fused_recurrent_gated_delta_rule, step_into
+
+    _tiled()
+    gen = torch.Generator().manual_seed(dk * dv)
+    q, k = (torch.nn.functional.normalize(torch.randn(batch, 1, heads, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(batch, 1, heads, dv, generator=gen)
+    g, beta = -torch.rand(batch, 1, heads, generator=gen), torch.rand(batch, 1, heads, generator=gen)
+    g[0], beta[0] = 0.0, 0.0  # a padded row: its state must not move
+    state = torch.randn(batch, heads, dk, dv, generator=gen)
+    out_ref, state_ref = fused_recurrent_gated_delta_rule(q, k, v, g, beta, 0.7, state.clone())
+    got_state = state.clone()
+    out = torch.ops.clover_cpu.recurrent_step_(q, k, v, g, beta, 0.7, got_state)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, state_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_state[0], state[0])
+    assert step_into(q, k, v, g, beta, 0.7, state) is None  # eager keeps torch's ops
+
+
+def test_compiled_step_into_updates_the_state_in_place():
+    from clover.compile import c_shim_config
+    from clover.ops.gated_delta_rule import fused_recurrent_gated_delta_rule, step_into
+
+    _tiled()
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.nn.functional.normalize(torch.randn(3, 1, 4, 16, generator=gen), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(3, 1, 4, 24, generator=gen), -torch.rand(3, 1, 4, generator=gen), torch.rand(3, 1, 4, generator=gen)
+    state = torch.randn(3, 4, 16, 24, generator=gen)
+    out_ref, state_ref = fused_recurrent_gated_delta_rule(q, k, v, g, beta, 0.5, state.clone())
+    fn = lambda *a: step_into(*a[:5], 0.5, a[5]) * 2  # noqa: E731
+    with torch.no_grad(), torch._inductor.config.patch({"cpp_wrapper": True, **c_shim_config()}):
+        out = torch.compile(fn, fullgraph=True, dynamic=False)(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, out_ref * 2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_graphs_route_unit_lower_solves():
     from clover.compile import route_solves
 

@@ -75,10 +75,12 @@ class CloverCache(RowCache):
         """A GDN layer's (conv state [B, C, K-1], recurrent state [B, H, Dk, Dv])."""
         return self.conv[layer], self.state[layer]
 
-    def set_gdn_states(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        """Written in place: the cache tensors keep their storage and strides (static shapes)."""
+    def set_gdn_states(self, layer: int, conv: torch.Tensor, state: torch.Tensor | None) -> None:
+        """Written in place: the cache tensors keep their storage and strides (static shapes). `state`
+        None: the recurrent state was already updated where it lies (`ops.gated_delta_rule.step_into`)."""
         self.conv[layer].copy_(conv)
-        self.state[layer].copy_(state)
+        if state is not None:
+            self.state[layer].copy_(state)
 
     # ---- rows ---------------------------------------------------------------------------------
     def copy_rows(self, rows=None) -> "CloverCache":

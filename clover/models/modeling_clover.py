@@ -29,6 +29,7 @@ from ..ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_from_states,
     gated_delta_rule,
+    step_into,
 )
 from ..ops.moe import TILED_PAIRS, experts, tiled_from
 from ..ops.short_conv import block_short_conv
@@ -361,13 +362,18 @@ class CloverGatedDeltaNet(nn.Module):
         n = layout.num_clean
         outs = []
         if n:
-            out, state = gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], self.dk**-0.5, state)
+            # an AR step on a cache not recording: the state updated where it lies, where a kernel does that
+            out = step_into(q, k, v, g, beta, self.dk**-0.5, state) if n == length and cache is not None \
+                and not cache.recording else None
+            in_place = out is not None
+            if not in_place:
+                out, state = gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], self.dk**-0.5, state)
             outs.append(out)
             if cache is not None:
                 if cache.recording:
                     cache.record(self.layer_idx, stream[..., :n], q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n],
                                  pad[:, :n] if pad is not None else None)
-                cache.set_gdn_states(self.layer_idx, ext[..., n : n + self.kernel - 1], state)
+                cache.set_gdn_states(self.layer_idx, ext[..., n : n + self.kernel - 1], None if in_place else state)
         if n < length:
             out, _ = gated_delta_rule(q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:], self.dk**-0.5, state,
                                       output_final_state=False)

@@ -24,6 +24,19 @@ def gated_delta_rule(q, k, v, g, beta, scale, initial_state=None, output_final_s
     return out, state if output_final_state else None
 
 
+def step_into(q, k, v, g, beta, scale, state):
+    """One decode step written into `state` in place, returning the output [B, 1, H, Dv], where
+    `clover_cpu::recurrent_step_` (recurrent_step.cpp; spec: `fused_recurrent_gated_delta_rule`)
+    runs it: inside compiled CPU graphs on fp32 tensors with a contiguous state, the op built. None
+    elsewhere (the caller takes `gated_delta_rule` and writes the state itself), so eager decoding
+    keeps torch's ops."""
+    if q.shape[1] != 1 or not torch.compiler.is_compiling() or not state.is_contiguous():
+        return None
+    if not (tiled.fp32_cpu(q, k, v, g, beta, state) and tiled.available()):
+        return None
+    return torch.ops.clover_cpu.recurrent_step_(q, k, v, g, beta, scale, state)
+
+
 def graph_solve_kernel(system, rhs, upper=None, unitriangular=None, left=True, **other):
     """The op a compiled graph's `torch.linalg.solve_triangular(system, rhs, **kwargs)` runs: the
     chunk systems' unit lower-triangular solves on fp32 CPU tensors go to `clover_cpu::unit_lower_solve`
@@ -44,5 +57,6 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "gated_delta_rule",
     "graph_solve_kernel",
+    "step_into",
     "naive_gated_delta_rule",
 ]

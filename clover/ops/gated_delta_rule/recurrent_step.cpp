@@ -1,0 +1,77 @@
+// One decode step of the gated delta rule, the recurrent state updated in place (fused_recurrent.py
+// is the spec): per (row, head), with a = exp(g) and S the [Dk, Dv] state,
+//   u = beta (v - a S^T k),  S <- a S + k u^T,  o = scale S^T q.
+// q, k [B, 1, H, Dk]; v [B, 1, H, Dv]; g, beta [B, 1, H]; state [B, H, Dk, Dv]; fp32 CPU, state
+// contiguous. Two passes over each head's state (the second reads what the first left in L2): the
+// state's bytes cross memory once each way, where a compiled graph of the spec's tensor ops sweeps
+// the whole state several times and copies it into the cache after. Bound into the extension that
+// ops/linear/tiled.py builds; compiled CPU graphs call it (ops.gated_delta_rule.step_into).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+at::Tensor recurrent_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                           const at::Tensor& beta, double scale, at::Tensor& state) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && g.dim() == 3 && beta.dim() == 3 && state.dim() == 4,
+              "clover_cpu::recurrent_step_: bad ranks");
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta, static_cast<const at::Tensor*>(&state)})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "clover_cpu::recurrent_step_: fp32 only");
+  TORCH_CHECK(state.is_contiguous(), "clover_cpu::recurrent_step_: the state must be contiguous");
+  const int64_t B = state.size(0), H = state.size(1), Dk = state.size(2), Dv = state.size(3);
+  TORCH_CHECK(q.size(0) == B && q.size(1) == 1 && q.size(2) == H && q.size(3) == Dk && k.sizes() == q.sizes() &&
+                  v.size(0) == B && v.size(1) == 1 && v.size(2) == H && v.size(3) == Dv &&
+                  g.size(0) == B && g.size(1) == 1 && g.size(2) == H && beta.sizes() == g.sizes(),
+              "clover_cpu::recurrent_step_: shapes disagree");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), gc = g.contiguous(),
+                   bc = beta.contiguous();
+  at::Tensor out = at::empty({B, 1, H, Dv}, v.options());
+  const float *Q = qc.data_ptr<float>(), *K = kc.data_ptr<float>(), *V = vc.data_ptr<float>();
+  const float *G = gc.data_ptr<float>(), *Beta = bc.data_ptr<float>();
+  float* S = state.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  std::vector<float> u(Dv), o(Dv);
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    float* __restrict__ s = S + bh * Dk * Dv;
+    const float* __restrict__ kk = K + bh * Dk;
+    const float* __restrict__ qq = Q + bh * Dk;
+    const float* __restrict__ vv = V + bh * Dv;
+    const float a = std::exp(G[bh]), bt = Beta[bh];
+    float* __restrict__ uu = u.data();
+    float* __restrict__ oo = o.data();
+    for (int64_t j = 0; j < Dv; ++j) uu[j] = 0.f;
+    for (int64_t i = 0; i < Dk; ++i) {  // uu = S^T k
+      const float ki = kk[i];
+      const float* __restrict__ row = s + i * Dv;
+      for (int64_t j = 0; j < Dv; ++j) uu[j] += row[j] * ki;
+    }
+    for (int64_t j = 0; j < Dv; ++j) {
+      uu[j] = (vv[j] - a * uu[j]) * bt;
+      oo[j] = 0.f;
+    }
+    for (int64_t i = 0; i < Dk; ++i) {  // S <- a S + k u^T, o += S^T q
+      const float ki = kk[i], qi = qq[i];
+      float* __restrict__ row = s + i * Dv;
+      for (int64_t j = 0; j < Dv; ++j) {
+        const float x = a * row[j] + ki * uu[j];
+        row[j] = x;
+        oo[j] += x * qi;
+      }
+    }
+    float* __restrict__ ob = O + bh * Dv;
+    for (int64_t j = 0; j < Dv; ++j) ob[j] = oo[j] * static_cast<float>(scale);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
+  m.def("recurrent_step_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) state) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
+  m.impl("recurrent_step_", &recurrent_step_);
+}
