@@ -30,13 +30,13 @@ import multiprocessing
 import os
 import pickle
 import signal
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
+from ..utils.files import atomic_write
 from .shapes import ShapeKey
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -77,8 +77,8 @@ class Compiled:
         data = json.dumps(key_to_json(key), sort_keys=True).encode()
         name = hashlib.sha256(data).hexdigest()[:32]
         if graph is not None:  # before the key: a note found is whole with its graph
-            _write_whole(self.folder / (name + ".graph"), json.dumps(graph, sort_keys=True).encode())
-        _write_whole(self.folder / (name + ".key"), data)
+            atomic_write(self.folder / (name + ".graph"), json.dumps(graph, sort_keys=True).encode())
+        atomic_write(self.folder / (name + ".key"), data)
 
     def keys(self) -> list:
         return list(self.graphs())
@@ -97,19 +97,6 @@ class Compiled:
                 graph = None
             found[key] = graph if isinstance(graph, dict) else None
         return found
-
-
-def _write_whole(path: Path, data: bytes) -> None:
-    """`data` at `path`, written to a temporary file and renamed: never seen half written."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def key_to_json(key: ShapeKey) -> dict:
