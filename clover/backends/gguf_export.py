@@ -28,12 +28,13 @@ pre-tokenizer (single digits, then the GPT-2 split) is the one llama.cpp calls `
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..utils.files import written_whole
 
 ARCH = "qwen3next"
 OUTTYPES = ("f32", "bf16", "q8_0", "q4_0", "q4_k")
@@ -344,11 +345,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, outtype: str = "bf16", l
             f32 = Path(tmp) / "f32.gguf"
             export_gguf(model_dir, f32, "f32")
             return quantize_file(f32, out, "q4_k", lib_dir=lib_dir)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
     counts: dict[str, int] = {}
-    try:
-        writer = gguf.GGUFWriter(tmp, ARCH)
+    with written_whole(out) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), ARCH)
         write_metadata(writer, ckpt, outtype)
         write_tokenizer(writer, ckpt)
         for name, array in backbone_tensors(ckpt):
@@ -359,18 +358,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, outtype: str = "bf16", l
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return {"path": str(out), "outtype": outtype, "arch": ARCH, "bytes": out.stat().st_size, "tensor_types": counts}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def read_diffusion_extras(path: str | Path) -> dict:

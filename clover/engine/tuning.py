@@ -16,12 +16,12 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from ..utils.files import atomic_write
 from .engine import DEFAULTS
 
 DEFAULT_BLOCK_SIZE, DEFAULT_THRESHOLD = DEFAULTS.block_size, DEFAULTS.threshold
@@ -96,12 +96,7 @@ def store(model: str, machine: str, entry: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _read()
     data.setdefault(model, {})[machine] = entry
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def lookup(model: str, machine: str) -> tuple[int, float]:

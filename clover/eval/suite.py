@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 
 from ..data import tasks as T
+from ..utils.files import atomic_write
 
 VERSION = 1
 SEED = 0  # the default recipe's seed (recipes/default/recipe.toml)
@@ -116,9 +117,7 @@ def build_suite(folder: str | Path | None = None, seed: int = SEED) -> Path:
     folder = Path(folder) if folder else data_dir()
     folder.mkdir(parents=True, exist_ok=True)
     for name, recs in suite_records(seed).items():
-        tmp = folder / f".{name}.jsonl.{os.getpid()}.tmp"
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
-        os.replace(tmp, folder / f"{name}.jsonl")
+        atomic_write(folder / f"{name}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
     return folder
 
 

@@ -36,21 +36,31 @@ def keep_umask_mode(*paths: str | Path) -> None:
         os.chmod(path, mode)
 
 
-def atomic_write(path: str | Path, data: str | bytes) -> Path:
-    """Write `data` to `path` through a temp file beside it and a rename: never a half-written file;
-    the mode is the umask's (an existing file's mode is not kept)."""
+@contextlib.contextmanager
+def written_whole(path: str | Path):
+    """Yield a temp path beside `path` for a writer that needs a file name (a streaming writer, a C
+    library); when the block succeeds the temp file gets the umask's mode and replaces `path` (one
+    rename), on any error or Ctrl-C it is removed and `path` is left as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        keep_umask_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` to `path` through a temp file beside it and a rename: never a half-written file;
+    the mode is the umask's (an existing file's mode is not kept)."""
+    with written_whole(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+    return Path(path)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...utils.files import written_whole
+
 SDIST = "llama_cpp_python-0.3.36"
 REPO = Path(__file__).resolve().parents[3]
 
@@ -294,12 +296,10 @@ def quantize_file(src: str | Path, dst: str | Path, kind: str, lib_dir: str | Pa
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, QUANT_FTYPES[kind])
     params.nthread = threads
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    rc = lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-    if rc != 0:
-        tmp.unlink(missing_ok=True)
-        raise LlamaCppError(f"llama_model_quantize({kind}) returned {rc}")
-    os.replace(tmp, dst)
+    with written_whole(dst) as tmp:
+        rc = lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        if rc != 0:
+            raise LlamaCppError(f"llama_model_quantize({kind}) returned {rc}")
     import gguf
 
     counts: dict[str, int] = {}
