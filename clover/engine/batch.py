@@ -15,6 +15,7 @@ from .layout import Layout
 from .sequence import Sequence
 
 Pending = tuple[torch.Tensor, torch.Tensor | None]  # clean ids [rows, L], left padding [rows, L] or None
+Started = tuple[object, int]  # a cache of new rows already holding the first n tokens each prefills, and n
 
 
 class Forward(NamedTuple):
@@ -56,9 +57,10 @@ class RowBatch:
         self.window: torch.Tensor | None = None  # [rows, width]
 
     # ---- join / leave -----------------------------------------------------------------------------
-    def join(self, seqs: list[Sequence], capacity: int) -> None:
-        """Prefill new rows in caches of their own (every chunk now) and append them to the running rows."""
-        prefill = Prefill(self, seqs, capacity)
+    def join(self, seqs: list[Sequence], capacity: int, start: "Started | None" = None) -> None:
+        """Prefill new rows in caches of their own (every chunk now; after what `start` holds) and append
+        them to the running rows."""
+        prefill = Prefill(self, seqs, capacity, start=start)
         while prefill.chunks_left:
             prefill.advance()
         self.admit(prefill)
@@ -186,12 +188,20 @@ class Prefill:
     with the rows' first decoding forward (`pending`, after `RowBatch.admit`). An engine advances a
     long prompt's chunks between the decoding steps of its running rows; with `tail` (whole clean
     windows) the last chunk is cut there too and only its last `tail` tokens ride with that forward,
-    which the running rows share (their columns are padded to its width)."""
+    which the running rows share (their columns are padded to its width). With `start` (a cache of
+    these rows holding the first n tokens of each one's prefill) only the rest is prefilled, into it,
+    its clean windows anchored at its own end."""
 
-    def __init__(self, batch: RowBatch, seqs: list[Sequence], capacity: int, tail: int | None = None):
+    def __init__(self, batch: RowBatch, seqs: list[Sequence], capacity: int, tail: int | None = None,
+                 start: Started | None = None):
         self.seqs, self.runner, self.bs = list(seqs), batch.runner, batch.clean_block_size
-        self.cache = batch.runner.new_cache(len(seqs), capacity=capacity)
-        cleans = [batch.layout.prefilled(s.prompt_ids, self.bs) for s in seqs]
+        done = 0
+        if start is None:
+            self.cache = batch.runner.new_cache(len(seqs), capacity=capacity)
+        else:
+            self.cache, done = start
+            self.cache.reserve(capacity - done)
+        cleans = [batch.layout.prefilled(s.prompt_ids, self.bs)[done:] for s in seqs]
         width = max(map(len, cleans))
         self.ids, pad = left_padded(cleans, batch.device)
         self.pad = pad if pad is not None else torch.zeros_like(self.ids, dtype=torch.bool)

@@ -300,14 +300,49 @@ def denoise(model, rows: list[Row], threshold: float) -> int:
     return drive(denoise_task(model, rows, threshold))
 
 
-def denoise_task(model, rows: list[Row], threshold: float):
-    """`calls = yield from denoise_task(...)` in a task: one job of the slot mode (engine/slots.py)."""
+class Context:
+    """A request's context as its jobs have committed it so far (the tokens, and a one-row cache holding
+    them), so that it is laid out once. A job of one row whose prompt extends these tokens starts from a
+    copy of the cache and prefills only what its prompt adds, in clean windows of its own first width
+    anchored at the addition's end; after its first forward its cache (its whole prompt committed but
+    the last token) is kept for the next job. The context is so laid out segment after segment, each
+    in the width of the job that first fed it; a job whose prompt does not extend it prefills whole.
+    Only the request's own jobs read it (one after another)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.cache = None
+
+    def start(self, rows: list[Row]) -> tuple[object, int] | None:
+        """Where a job of `rows` starts (`RowBatch.join`'s `start`): a copy of the cache and the count
+        of its prompt's tokens it holds, or None (a whole prefill)."""
+        if self.cache is None or not self.extends(rows):
+            return None
+        return self.cache.copy_rows(), len(self.tokens)
+
+    def extends(self, rows: list[Row]) -> bool:
+        """Whether a job of `rows` can start after these tokens: one row whose prefill begins with them."""
+        n = len(self.tokens)
+        return len(rows) == 1 and len(rows[0].prompt) > n and rows[0].prompt[:n] == self.tokens
+
+    def keep(self, batch: RowBatch, rows: list[Row]) -> None:
+        """After a job's first forward: its cache holds its prompt's prefill (unless the forward committed
+        more: a window with nothing to denoise); kept (a copy)."""
+        tokens = batch.layout.prefilled(rows[0].prompt, batch.clean_block_size)
+        if len(rows) == 1 and int(batch.cache.lens[0]) == len(tokens):
+            self.tokens, self.cache = tokens, batch.cache.copy_rows()
+
+
+def denoise_task(model, rows: list[Row], threshold: float, context: Context | None = None):
+    """`calls = yield from denoise_task(...)` in a task: one job of the slot mode (engine/slots.py);
+    `context`: the request's (`Context`), which the job starts from and extends."""
     if not any(u.open for r in rows for u in r.units):
         return 0  # all scaffold: nothing to ask the model
-    return (yield SlotJob(partial(_start_denoise, model, rows, threshold)))
+    return (yield SlotJob(partial(_start_denoise, model, rows, threshold, context)))
 
 
-def _start_denoise(model, rows: list[Row], threshold: float, runner: str = "eager", defer: bool = False):
+def _start_denoise(model, rows: list[Row], threshold: float, context: Context | None = None, runner: str = "eager",
+                   defer: bool = False):
     mask = model.config.mask_token_id
     longest = max(sum(len(u.scaffold) + u.width for u in r.units) for r in rows)
     # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
@@ -317,14 +352,16 @@ def _start_denoise(model, rows: list[Row], threshold: float, runner: str = "eage
     seqs = sequences([r.prompt for r in rows], [longest + 1] * len(rows), model.config.max_position_embeddings)
     batch = RowBatch.for_runner(make_runner(runner, model, defer=defer), first, first, mask, model.device,
                                 DEFAULTS.prefill_chunk)
-    batch.join(seqs, capacity=max(len(r.prompt) for r in rows) + longest + 1 + first)
-    return batch, _denoise_steps(batch, rows, threshold, mask)
+    batch.join(seqs, capacity=max(len(r.prompt) for r in rows) + longest + 1 + first,
+               start=context.start(rows) if context is not None else None)
+    return batch, _denoise_steps(batch, rows, threshold, mask, context)
 
 
-def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int):
+def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context: Context | None = None):
     """The rows in lockstep, window after window: yields the forwards it needs, returns the count.
     Each forward is [pending clean segment ; draft window]; a finished window becomes the pending
-    segment, one clean block of its own width (left-padded across rows)."""
+    segment, one clean block of its own width (left-padded across rows). After the first forward
+    the prompt is committed: `context` keeps it."""
     anchors = [r.prompt[-1] for r in rows]
     calls, w = 0, -1
     while (w := w + 1) < max(len(r.windows) for r in rows):
@@ -344,6 +381,8 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int):
             for i, ((tokens, _), a) in enumerate(zip(regions, anchors)):
                 window[i, : len(tokens)] = torch.tensor([a] + tokens[:-1]) if tokens else torch.tensor([a])
             logits = (yield Forward(window.to(batch.device), width, width, width)).float()
+            if calls == 0 and context is not None:
+                context.keep(batch, rows)
             calls += 1
             logits[..., mask] = float("-inf")
             logp = torch.log_softmax(logits, -1).cpu()  # column j predicts region position j
@@ -353,6 +392,8 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int):
                     _commit_sure(row, w, offsets, logp[i], threshold)
         if batch.pending is not None:  # nothing to denoise here and too long to absorb: commit the previous window alone
             yield Forward(batch.window[:, :0], 0, 1)
+            if calls == 0 and context is not None:
+                context.keep(batch, rows)
             calls += 1
             for r in rows:
                 r.forwards += 1

@@ -26,7 +26,7 @@ from ..structured import check as check_schema
 from ..settings import absolute_blocks, eos_ids
 from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, TURN_ENDS, new_call_id
 from ..engine.family_grammar import choose_token_task
-from ..engine.infill import Row, Slot, denoise_task, pieces
+from ..engine.infill import Context, Row, Slot, denoise_task, pieces
 from ..engine.slots import drive
 from .protocol import APIError, ToolPlan, forced_name
 
@@ -192,12 +192,13 @@ def budget_error(e: ValueError) -> APIError:
 
 
 def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
-         suffix="", param=SCHEMA_PARAM, watch=None) -> JsonResult:
+         suffix="", param=SCHEMA_PARAM, watch=None, context: Context | None = None) -> JsonResult:
     """The JSON of a plan within max_tokens: refused first (BudgetTooSmall) when even the schema's
     smallest valid document cannot fit; then infilled, or decoded under its grammar (also when the
     infill layout does not fit the context after this prompt, and when the infilled document came out
     longer than max_tokens: the grammar path's caps ladder fits the budget, and its smallest document
-    stands in when no try does). `watch`: a stream's `Progress.watch`, handed each attempt's text."""
+    stands in when no try does). `watch`: a stream's `Progress.watch`, handed each attempt's text;
+    `context`: the request's committed context, which the infill starts from (`infill.Context`)."""
     check_budget(tokenizer, plan.schema, max_tokens, prefix, suffix)
     infilled = None
     if plan.skeleton is None:  # compiled now, while the task is planned off the scheduler's thread
@@ -207,7 +208,7 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
             infilled = yield from infill_json_task(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix,
                                                    suffix=suffix, threshold=threshold, block_size=block_size,
                                                    watch=partial(_fitting, watch, max_tokens)
-                                                   if watch and exact(plan.schema) else None)
+                                                   if watch and exact(plan.schema) else None, context=context)
         except Unsupported:
             pass
         else:
@@ -316,10 +317,11 @@ def _end_of_turn(model, tokenizer) -> int:
     return eos_ids(model, tokenizer)[0]
 
 
-def another_call(model, tokenizer, context: list[int], threshold: float, block_size: int) -> tuple[bool, int]:
+def another_call(model, tokenizer, context: list[int], threshold: float, block_size: int,
+                 laid: Context | None = None) -> tuple[bool, int]:
     """After a call (`context` ends with its `</tool_call>`): does another call follow? An options slot
     over the next token, the newline before another `<tool_call>` block or the end of the turn; the
-    model's choice, (True: another, forwards)."""
+    model's choice, (True: another, forwards). `laid`: the request's committed context (`infill.Context`)."""
     newline = pieces(tokenizer, ["\n"], before=CALL_CLOSE, after=CALL_OPEN)[0][:1]
     if absolute_blocks(model):  # a public family: one token in its own layout (engine/family_grammar.py)
         pick, forwards = yield from choose_token_task(model, context, newline + [_end_of_turn(model, tokenizer)],
@@ -327,15 +329,16 @@ def another_call(model, tokenizer, context: list[int], threshold: float, block_s
         return pick == 0, forwards
     slot = Slot([], [], choices=[newline, [_end_of_turn(model, tokenizer)]], values=[True, False], name="another call")
     row = Row(context, [slot], block_size, model.config.max_block_size)
-    yield from denoise_task(model, [row], threshold)
+    yield from denoise_task(model, [row], threshold, laid)
     return bool(slot.value), row.forwards
 
 
 def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan], lead: str, threshold: float,
-              block_size: int, room: int, opened=None):
+              block_size: int, room: int, opened=None, laid: Context | None = None):
     """One call after `context` (`lead` before its frame: the newline between calls): the function (an
     options slot over the callable names when there are several), then its own arguments schema
     (`opened(name)`, when given, is told the name once chosen and returns the arguments' watch).
+    `laid`: the request's committed context (`infill.Context`), which both infills start from.
     (name, result, arguments text, finish_reason, verdict)."""
     forwards = 0
     if len(plans) > 1:
@@ -346,13 +349,15 @@ def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan]
                                                 block_size=block_size)
         else:
             pick = yield from infill_json_task(model, tokenizer, context, names, prefix=lead + CALL_HEAD,
-                                               suffix=', "arguments":', threshold=threshold, block_size=block_size)
+                                               suffix=', "arguments":', threshold=threshold, block_size=block_size,
+                                               context=laid)
         name, forwards = pick.value, pick.forward_passes
     else:
         name = next(iter(plans))
     head = lead + CALL_HEAD + json.dumps(name) + ', "arguments": '
     r = yield from _run(model, tokenizer, context, plans[name], threshold, block_size, room, prefix=head,
-                        suffix=CALL_END, param="tools", watch=opened(name) if opened is not None else None)
+                        suffix=CALL_END, param="tools", watch=opened(name) if opened is not None else None,
+                        context=laid)
     text, finish, info = _verdict(r, room, forwards)
     return name, r, text, finish, info
 
@@ -445,7 +450,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
     plans = _callable(model, tokenizer, tools)
     cap = max_calls if tools.parallel and tools.choice == "required" else 1
     ctx = model.config.max_position_embeddings
-    out, shown = _Calls(list(prompt_ids)), _Shown(progress)
+    out, shown, laid = _Calls(list(prompt_ids)), _Shown(progress), Context()  # its context laid out once
     while True:
         room, n, call_id = min(max_tokens - out.used, ctx - len(out.context)), len(out.calls) + 1, new_call_id()
         if out.calls and room < 1:
@@ -454,7 +459,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
         try:
             name, r, text, done, info = yield from _one_call(
                 model, tokenizer, out.context, plans, "\n" if out.calls else "", threshold, block_size, room,
-                shown.opener(call_id))
+                shown.opener(call_id), laid)
         except (Unsupported, ValueError) as e:  # a later call the context or max_tokens cannot hold
             if not out.calls:
                 raise budget_error(e) if isinstance(e, (BudgetTooSmall, Cut)) else e
@@ -474,7 +479,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
             break
         if len(out.calls) >= cap:
             break
-        more, forwards = yield from another_call(model, tokenizer, out.context, threshold, block_size)
+        more, forwards = yield from another_call(model, tokenizer, out.context, threshold, block_size, laid)
         out.extra += forwards
         if not more:
             break

@@ -87,10 +87,11 @@ def infill_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "
 
 def infill_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                      threshold: float = INFILL_THRESHOLD, block_size: int = 32, max_string_tokens: int = 16,
-                     watch=None):
+                     watch=None, context=None):
     """`infill_json` as a task; `watch`, when given, is handed a function that reads the document's
     text so far (`_settled`: up to its first open slot, for a stream) and the most tokens the
-    document can take (the layout's)."""
+    document can take (the layout's); `context`: the request's committed context (`infill.Context`),
+    which the job starts from and extends."""
     start = time.perf_counter()
     skel = schema if isinstance(schema, sk.Skeleton) else sk.skeleton(normalize(schema))
     if absolute_blocks(model):  # slots are laid out as Clover's windows: a family takes the grammar path
@@ -111,7 +112,7 @@ def infill_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: st
                              f"({model.config.max_position_embeddings})")
     if watch is not None:
         watch(partial(_settled, parts, slots, prefix, suffix), need - len(prompt_ids) - 1)
-    yield from denoise_task(model, [row], threshold)
+    yield from denoise_task(model, [row], threshold, context)
     full = _render(parts, slots)
     text = full[len(prefix): len(full) - len(suffix)]
     value = json.loads(text)
