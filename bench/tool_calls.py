@@ -226,8 +226,10 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
                  f"{step:.0f} tokens in prefixes of one window width and phase, so at best "
                  f"{(chain * a + (fed - step) * b) / (n * a + fed * b):.2f}x in {chain} forwards, "
                  f"{(taken * a + (fed - step) * b) / (n * a + fed * b):.2f}x in {taken:.0f}.")
-    lines.append("\nA job lays its context out in clean windows of its first window's width, anchored at the context's "
-                 "end: a snapshot after P tokens serves only a later job of that width whose window boundaries fall on P.")
+    lines.append("\nA request lays its context out once (engine/infill.Context), causally (clean windows of one token) when "
+                 "several jobs may run: its later jobs start from that cache and feed only what their prompts add, and "
+                 "concurrent requests' first jobs commit their common beginning once (slots.share_prefixes); the prefix-cache "
+                 "rows above count the first jobs' contexts only.")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import torch
 from helpers import tiny_model
 
 from clover.engine import infill
+from clover.engine.batch import RowBatch
 from clover.engine.infill import Context, Row, Slot, TextRule, Unit
 from clover.engine.runner import make_runner
 from clover.engine.slots import SlotJob, SlotMode
@@ -42,8 +43,8 @@ def test_a_clean_window_width_changes_the_cache(model):
 class Whole(Context):
     """The reference: the same segments in the same widths, every job fed whole in a fresh cache."""
 
-    def __init__(self, model):
-        super().__init__()
+    def __init__(self, model, width=None):
+        super().__init__(width)
         self.model, self.segments = model, []
 
     def keep(self, batch, rows):
@@ -87,7 +88,9 @@ def _request(model, make_context, seed: int, mode: SlotMode | None = None):
     """A request's jobs one after another (every other job's prompt: the last prompt, its row's tokens and
     a few more), each its rows' (values, confidences); `mode`: run beside another request (a generator)."""
     g = torch.Generator().manual_seed(seed)
-    context, prompt, mask = make_context(), torch.randint(0, 100, (41 + seed,), generator=g).tolist(), model.config.mask_token_id
+    common = torch.randint(0, 100, (30,), generator=torch.Generator().manual_seed(99)).tolist()  # every request's
+    context, mask = make_context(), model.config.mask_token_id
+    prompt = common + torch.randint(0, 100, (11 + seed,), generator=g).tolist()
     out = []
     for k, shape in enumerate(SHAPES):
         row = Row(prompt, _units(g, shape), 5, model.config.max_block_size)
@@ -124,13 +127,14 @@ class Fed:
     """Tokens fed to the model while inside."""
 
     def __init__(self, model):
-        self.tokens, self.rows = 0, []
+        self.tokens, self.rows, self.commits = 0, [], 0  # commits: forwards that draft nothing
         self.handle = model.register_forward_hook(self._count, with_kwargs=True)
 
     def _count(self, module, args, kwargs, out):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.tokens += ids.numel()
         self.rows.append(ids.shape[0])
+        self.commits += not kwargs.get("draft_len")
 
     def __enter__(self):
         return self
@@ -139,25 +143,27 @@ class Fed:
         self.handle.remove()
 
 
-@pytest.mark.parametrize("seed", [0, 3])
-def test_jobs_starting_from_the_request_context_equal_each_job_fed_whole(model, seed):
+@pytest.mark.parametrize("seed,width", [(0, None), (3, None), (4, 1), (5, 3)])
+def test_jobs_starting_from_the_request_context_equal_each_job_fed_whole(model, seed, width):
+    """`width`: the context's clean windows (None: each segment in its job's first width)."""
     with torch.inference_mode(), Fed(model) as reused:
-        got = _alone(model, Context, seed)
+        got = _alone(model, lambda: Context(width), seed)
     with torch.inference_mode(), Fed(model) as whole:
-        want = _alone(model, lambda: Whole(model), seed)
+        want = _alone(model, lambda: Whole(model, width), seed)
     with torch.inference_mode(), Fed(model) as apart:
         _alone(model, lambda: None, seed)  # every job lays out its whole prompt in its own width
     _same(got, want)
     assert reused.tokens < whole.tokens and reused.tokens < apart.tokens
 
 
-def test_requests_side_by_side_reply_as_each_fed_whole_alone(model):
+def test_requests_side_by_side_reply_as_each_fed_whole_alone(model, monkeypatch):
     """Two requests' jobs (of one shape) share forwards, their caches copied side by side: each request's
-    results are its own, fed whole, alone."""
+    results are its own, fed whole, alone (contexts laid out causally: their first jobs share a prefix)."""
     with torch.inference_mode():
-        want = [_alone(model, lambda: Whole(model), seed) for seed in (1, 2)]
+        want = [_alone(model, lambda: Whole(model, 1), seed) for seed in (1, 2)]
+    monkeypatch.setattr(RowBatch, "split_min_saved", 1)
     mode = SlotMode()
-    gens = [_request(model, Context, seed, mode) for seed in (1, 2)]
+    gens = [_request(model, lambda: Context(1), seed, mode) for seed in (1, 2)]
     got, jobs = [None, None], [next(g) for g in gens]
     with torch.inference_mode(), Fed(model) as fed:
         while any(g is not None for g in gens):
@@ -175,7 +181,7 @@ def test_requests_side_by_side_reply_as_each_fed_whole_alone(model):
                     got[i], gens[i], jobs[i] = stop.value, None, None
     for a, b in zip(got, want):
         _same(a, b)
-    assert max(fed.rows) == 2  # forwards served both requests
+    assert max(fed.rows) == 2 and fed.commits  # forwards served both requests; their common prefix ran once
 
 
 def test_a_job_whose_prompt_does_not_extend_the_context_prefills_whole(model):
@@ -219,7 +225,7 @@ def test_forced_tool_calls_reply_as_with_every_job_fed_whole(tmp_path, monkeypat
         return [([c["function"] for c in r], f) for r, f in calls]
 
     got, reused = replies(Context)
-    want, whole = replies(lambda: Whole(model))
-    _, apart = replies(lambda: None)
+    want, whole = replies(lambda width: Whole(model, width))
+    _, apart = replies(lambda width: None)
     assert ids(got) == ids(want) and all(len(calls) == 3 for calls, _ in got)
     assert reused < apart and reused < whole

@@ -316,11 +316,16 @@ def test_a_client_that_goes_away_cancels_its_rows_at_once(loaded):
 
 def test_a_fresh_job_with_no_partner_sits_out_one_step_once():
     """slots.ready: a job before its first forward, alone in its shape, waits one step while others run
-    (never twice, never when nothing else runs); a job that has run, or has partners, never waits."""
+    (never twice, never when nothing else runs); a job that has run, or has partners of its task's phase,
+    never waits; fresh partners whose tasks are ahead of a task beside them wait one step."""
     from types import SimpleNamespace
 
-    def job(fresh=True):
-        return SimpleNamespace(fresh=fresh, waited=False)
+    def job(fresh=True, ordinal=0):
+        return SimpleNamespace(fresh=fresh, waited=False, ordinal=ordinal)
+
+    ahead, behind = [job(ordinal=1), job(ordinal=1)], [job(), job()]
+    assert slots.ready([ahead, behind]) == [behind] and all(j.waited for j in ahead)
+    assert slots.ready([ahead, behind]) == [ahead, behind]  # once only
 
     late, group = job(), [job(), job()]
     assert slots.ready([[late], group]) == [group] and late.waited

@@ -307,11 +307,13 @@ class Context:
     anchored at the addition's end; after its first forward its cache (its whole prompt committed but
     the last token) is kept for the next job. The context is so laid out segment after segment, each
     in the width of the job that first fed it; a job whose prompt does not extend it prefills whole.
-    Only the request's own jobs read it (one after another)."""
+    With `width`, every segment is laid out in clean windows of that width instead (1: causally, so
+    concurrent requests whose prompts begin alike share that beginning whatever their lengths:
+    `slots.share_prefixes`). Only the request's own jobs read it (one after another)."""
 
-    def __init__(self):
+    def __init__(self, width: int | None = None):
         self.tokens: list[int] = []
-        self.cache = None
+        self.cache, self.width = None, width
 
     def start(self, rows: list[Row]) -> tuple[object, int] | None:
         """Where a job of `rows` starts (`RowBatch.join`'s `start`): a copy of the cache and the count
@@ -350,7 +352,8 @@ def _start_denoise(model, rows: list[Row], threshold: float, context: Context | 
     first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
     check_block_size(first, model)
     seqs = sequences([r.prompt for r in rows], [longest + 1] * len(rows), model.config.max_position_embeddings)
-    batch = RowBatch.for_runner(make_runner(runner, model, defer=defer), first, first, mask, model.device,
+    clean = context.width if context is not None and context.width else first
+    batch = RowBatch.for_runner(make_runner(runner, model, defer=defer), first, clean, mask, model.device,
                                 DEFAULTS.prefill_chunk)
     batch.join(seqs, capacity=max(len(r.prompt) for r in rows) + longest + 1 + first,
                start=context.start(rows) if context is not None else None)

@@ -47,6 +47,7 @@ class SlotJob:
         self.finished = False
         self.task: Task | None = None  # the task that yielded it
         self.fresh, self.waited = True, False  # before its first forward; whether it sat out a step (`ready`)
+        self.ordinal = 0  # jobs its task ran before it
 
     def start(self, runner: str = "eager", defer: bool = False) -> None:
         self.batch, self.steps = self._start(runner=runner, defer=defer)
@@ -86,16 +87,19 @@ def partition(jobs: list[SlotJob]) -> list[list[SlotJob]]:
 
 
 def ready(groups: list[list[SlotJob]]) -> list[list[SlotJob]]:
-    """The groups from `partition` that run this step. A job before its first forward with no partner sits
-    out one step (once) while other groups run: of requests that arrived a step apart, the early one's
-    next job waits for the late ones' to reach the same phase, and from then on their jobs share forwards
-    instead of running a step apart in forwards of their own. A job's forwards, and so its tokens, do not
-    change; it only starts a step later."""
-    wait = [g for g in groups if len(g) == 1 and g[0].fresh and not g[0].waited]
+    """The groups from `partition` that run this step. Jobs before their first forward sit out one step
+    (once) while other groups run when they have no partner, or when their tasks are ahead of a task
+    running beside them (more jobs done, `SlotJob.ordinal`): of requests that arrived a step apart, the
+    early ones' next jobs wait for the late ones' to reach the same phase, and from then on their jobs
+    share forwards instead of running a step apart in forwards of their own. A job's forwards, and so its
+    tokens, do not change; it only starts a step later."""
+    behind = min(j.ordinal for g in groups for j in g) if groups else 0
+    wait = [g for g in groups if all(j.fresh and not j.waited for j in g) and (len(g) == 1 or g[0].ordinal > behind)]
     if len(wait) == len(groups):
         return groups
     for g in wait:
-        g[0].waited = True
+        for j in g:
+            j.waited = True
     return [g for g in groups if g not in wait]
 
 
@@ -256,7 +260,7 @@ class Task:
     the server's scheduler beside other requests - resumes it; nothing waits on anyone."""
 
     def __init__(self, steps: Tasks):
-        self.steps, self.job = steps, None
+        self.steps, self.job, self.jobs = steps, None, 0  # jobs yielded so far
         self.future: Future = Future()
         self.state = "waiting"  # waiting -> running -> done (where a scheduler runs it)
 
@@ -274,7 +278,8 @@ class Task:
             self.job = None
             self.future.set_exception(e)
         if self.job is not None:
-            self.job.task = self
+            self.job.task, self.job.ordinal = self, self.jobs
+            self.jobs += 1
         return self.job
 
 

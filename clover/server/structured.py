@@ -450,7 +450,8 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
     plans = _callable(model, tokenizer, tools)
     cap = max_calls if tools.parallel and tools.choice == "required" else 1
     ctx = model.config.max_position_embeddings
-    out, shown, laid = _Calls(list(prompt_ids)), _Shown(progress), Context()  # its context laid out once
+    # its context laid out once: causally when several jobs may run (other requests' share its beginning)
+    out, shown, laid = _Calls(list(prompt_ids)), _Shown(progress), Context(1 if cap > 1 or len(plans) > 1 else None)
     while True:
         room, n, call_id = min(max_tokens - out.used, ctx - len(out.context)), len(out.calls) + 1, new_call_id()
         if out.calls and room < 1:
