@@ -348,7 +348,8 @@ def _start_denoise(model, rows: list[Row], threshold: float, context: Context | 
     mask = model.config.mask_token_id
     longest = max(sum(len(u.scaffold) + u.width for u in r.units) for r in rows)
     # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
-    # windows of one size); the row batch prefills prompt[:-1], its last chunk with the first window
+    # windows of one size), or the request context's width; the row batch prefills prompt[:-1] (what
+    # the context does not hold), its last chunk with the first window
     first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
     check_block_size(first, model)
     seqs = sequences([r.prompt for r in rows], [longest + 1] * len(rows), model.config.max_position_embeddings)
