@@ -448,6 +448,12 @@ def test_recurrent_step_matches_the_spec(batch, heads, dk, dv):
     torch.testing.assert_close(got_state, state_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_state[0], state[0])
     assert step_into(q, k, v, g, beta, 0.7, state) is None  # eager keeps torch's ops
+    from helpers import split_over_threads
+
+    split_state = state.clone()
+    with split_over_threads(2):  # the slices on a helper thread: the same numbers
+        split_out = torch.ops.clover_cpu.recurrent_step_(q, k, v, g, beta, 0.7, split_state)
+    assert torch.equal(split_out, out) and torch.equal(split_state, got_state)
 
 
 def test_compiled_step_into_updates_the_state_in_place():
@@ -465,6 +471,50 @@ def test_compiled_step_into_updates_the_state_in_place():
         out = torch.compile(fn, fullgraph=True, dynamic=False)(q, k, v, g, beta, state)
     torch.testing.assert_close(out, out_ref * 2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch,hq,hkv,lq,span,d,dv,mask_heads", [(3, 4, 2, 1, 37, 24, 19, 1), (2, 8, 2, 1, 130, 128, 128, 1),
+                                                                   (1, 3, 3, 2, 9, 7, 5, 3), (4, 6, 1, 3, 17, 33, 16, 1)])
+def test_decode_attention_matches_naive(batch, hq, hkv, lq, span, d, dv, mask_heads):
+    """clover_cpu::decode_attention against the reference on random inputs: K/V read as views of a
+    larger cache (a slot tail past the span, heads strided), a mask with unused slots, a row that
+    allows no key (zeros, as torch's SDPA); the same numbers on a helper thread."""
+    from helpers import split_over_threads
+
+    _tiled()
+    gen = torch.Generator().manual_seed(span * d)
+    q = torch.randn(batch, hq, lq, d, generator=gen)
+    k_cache, v_cache = torch.randn(batch, span + 5, hkv, d, generator=gen), torch.randn(batch, span + 5, hkv, dv, generator=gen)
+    k, v = k_cache.transpose(1, 2)[:, :, :span], v_cache.transpose(1, 2)[:, :, :span]
+    mask = torch.rand(batch, mask_heads, lq, span, generator=gen) < 0.6
+    mask[..., 0] = True
+    mask[0, :, -1] = False  # no key at all
+    out = torch.ops.clover_cpu.decode_attention(q, k, v, mask, 0.3)
+    expect = naive_masked_attention(q, k, v, mask | (torch.arange(span) == 0), 0.3)  # the reference needs a key a row
+    expect[0, :, -1] = 0.0
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    with split_over_threads(2):
+        assert torch.equal(torch.ops.clover_cpu.decode_attention(q, k, v, mask, 0.3), out)
+
+
+def test_compiled_masked_attention_takes_decode_attention_for_one_query_row():
+    """A compiled graph's one-row masked attention runs decode_attention (the graph's code names it),
+    with SDPA's values; eager calls keep SDPA."""
+    from torch._inductor.utils import run_and_get_code
+
+    from clover.compile import c_shim_config
+    from clover.ops.block_attention import sdpa
+
+    _tiled()
+    q, k, v = torch.randn(3, 4, 1, 16), torch.randn(3, 2, 11, 16), torch.randn(3, 2, 11, 16)
+    mask = torch.rand(3, 1, 1, 11) < 0.5
+    mask[..., 3] = True
+    assert not sdpa.decode_kernel(q, k, v, mask)
+    fn = lambda *a: masked_attention(*a, 0.25) * 2  # noqa: E731
+    with torch.no_grad(), torch._inductor.config.patch({"cpp_wrapper": True, **c_shim_config()}):
+        out, code = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=False), q, k, v, mask)
+    assert "decode_attention" in "\n".join(code)
+    torch.testing.assert_close(out, fn(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_graphs_route_unit_lower_solves():

@@ -5,13 +5,43 @@
 // contiguous. Two passes over each head's state (the second reads what the first left in L2): the
 // state's bytes cross memory once each way, where a compiled graph of the spec's tensor ops sweeps
 // the whole state several times and copies it into the cache after. Bound into the extension that
-// ops/linear/tiled.py builds; compiled CPU graphs call it (ops.gated_delta_rule.step_into).
+// ops/linear/tiled.py builds; compiled CPU graphs call it (ops.gated_delta_rule.step_into). The
+// (row, head) slices run on several threads where the call is large enough (ops/linear/parallel.h),
+// each slice whole on one thread: the same numbers whatever the split.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <cmath>
 #include <vector>
 
+#include "../linear/parallel.h"
+
 namespace {
+
+// One (row, head) slice: s [Dk, Dv] updated in place, its output (times scale) to ob; u, o scratch of Dv.
+inline void step_slice(float* __restrict__ s, const float* __restrict__ qq, const float* __restrict__ kk,
+                       const float* __restrict__ vv, float a, float bt, float scale, int64_t Dk, int64_t Dv,
+                       float* __restrict__ uu, float* __restrict__ oo, float* __restrict__ ob) {
+  for (int64_t j = 0; j < Dv; ++j) uu[j] = 0.f;
+  for (int64_t i = 0; i < Dk; ++i) {  // uu = S^T k
+    const float ki = kk[i];
+    const float* __restrict__ row = s + i * Dv;
+    for (int64_t j = 0; j < Dv; ++j) uu[j] += row[j] * ki;
+  }
+  for (int64_t j = 0; j < Dv; ++j) {
+    uu[j] = (vv[j] - a * uu[j]) * bt;
+    oo[j] = 0.f;
+  }
+  for (int64_t i = 0; i < Dk; ++i) {  // S <- a S + k u^T, o += S^T q
+    const float ki = kk[i], qi = qq[i];
+    float* __restrict__ row = s + i * Dv;
+    for (int64_t j = 0; j < Dv; ++j) {
+      const float x = a * row[j] + ki * uu[j];
+      row[j] = x;
+      oo[j] += x * qi;
+    }
+  }
+  for (int64_t j = 0; j < Dv; ++j) ob[j] = oo[j] * scale;
+}
 
 at::Tensor recurrent_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                            const at::Tensor& beta, double scale, at::Tensor& state) {
@@ -32,37 +62,12 @@ at::Tensor recurrent_step_(const at::Tensor& q, const at::Tensor& k, const at::T
   const float *G = gc.data_ptr<float>(), *Beta = bc.data_ptr<float>();
   float* S = state.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  std::vector<float> u(Dv), o(Dv);
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    float* __restrict__ s = S + bh * Dk * Dv;
-    const float* __restrict__ kk = K + bh * Dk;
-    const float* __restrict__ qq = Q + bh * Dk;
-    const float* __restrict__ vv = V + bh * Dv;
-    const float a = std::exp(G[bh]), bt = Beta[bh];
-    float* __restrict__ uu = u.data();
-    float* __restrict__ oo = o.data();
-    for (int64_t j = 0; j < Dv; ++j) uu[j] = 0.f;
-    for (int64_t i = 0; i < Dk; ++i) {  // uu = S^T k
-      const float ki = kk[i];
-      const float* __restrict__ row = s + i * Dv;
-      for (int64_t j = 0; j < Dv; ++j) uu[j] += row[j] * ki;
-    }
-    for (int64_t j = 0; j < Dv; ++j) {
-      uu[j] = (vv[j] - a * uu[j]) * bt;
-      oo[j] = 0.f;
-    }
-    for (int64_t i = 0; i < Dk; ++i) {  // S <- a S + k u^T, o += S^T q
-      const float ki = kk[i], qi = qq[i];
-      float* __restrict__ row = s + i * Dv;
-      for (int64_t j = 0; j < Dv; ++j) {
-        const float x = a * row[j] + ki * uu[j];
-        row[j] = x;
-        oo[j] += x * qi;
-      }
-    }
-    float* __restrict__ ob = O + bh * Dv;
-    for (int64_t j = 0; j < Dv; ++j) ob[j] = oo[j] * static_cast<float>(scale);
-  }
+  const auto slices = [&](int64_t bh0, int64_t bh1) {
+    std::vector<float> u(Dv), o(Dv);
+    for (int64_t bh = bh0; bh < bh1; ++bh) step_slice(S + bh * Dk * Dv, Q + bh * Dk, K + bh * Dk, V + bh * Dv, std::exp(G[bh]),
+                                                     Beta[bh], static_cast<float>(scale), Dk, Dv, u.data(), o.data(), O + bh * Dv);
+  };
+  clover_parallel::split(B * H, 2 * Dk * Dv, slices);
   return out;
 }
 

@@ -38,7 +38,7 @@ weight made under `torch.inference_mode` has no version counter: it runs unpacke
 Eager forwards never call it; compiled CPU graphs do where `ops.linear.graph_linear_kernel` says so.
 
 The same extension holds int4.cpp (`clover_cpu::int4_linear`, see int4_linear.py),
-ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below), ops/gated_delta_rule/recurrent_step.cpp and ops/greedy_pick/greedy_pick.cpp. The C++ source is compiled by torch.utils.cpp_extension
+ops/gated_delta_rule/unit_lower_solve.cpp (`unit_lower_solve` below), ops/gated_delta_rule/recurrent_step.cpp, ops/greedy_pick/greedy_pick.cpp and ops/block_attention/decode.cpp. The C++ source is compiled by torch.utils.cpp_extension
 (`-O3 -march=native`, cached under torch's extensions dir, rebuilt when the source changes): by
 `make install`, by `clover serve` before it serves and `clover generate` before it decodes (`prepare`,
 which says so when it compiles), else on the first `available()`. Where that fails (no compiler) or the CPU is not x86-64, `available()` is
@@ -62,6 +62,7 @@ _SOURCE = Path(__file__).with_name("tiled.cpp")
 _MORE_SOURCES = (Path(__file__).parent.parent / "gated_delta_rule" / "unit_lower_solve.cpp",
                  Path(__file__).parent.parent / "gated_delta_rule" / "recurrent_step.cpp",
                  Path(__file__).parent.parent / "greedy_pick" / "greedy_pick.cpp",
+                 Path(__file__).parent.parent / "block_attention" / "decode.cpp",
                  Path(__file__).with_name("int4.cpp"), Path(__file__).with_name("int4_q8.cpp"))
 _CFLAGS = ("-O3", "-march=native")  # part of the build folder's key (`_name`)
 _state: dict = {"bf16_x": os.environ.get("CLOVER_LINEAR_DTYPE", "float32") == "bfloat16"}
@@ -163,6 +164,10 @@ def _load() -> bool:
     @torch.library.register_fake("clover_cpu::recurrent_step_")
     def _(q, k, v, g, beta, scale, state):
         return v.new_empty(v.shape)
+
+    @torch.library.register_fake("clover_cpu::decode_attention")
+    def _(q, k, v, mask, scale):
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
 
     @torch.library.register_fake("clover_cpu::greedy_pick")
     def _(logits, banned):
