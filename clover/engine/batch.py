@@ -15,7 +15,7 @@ from .layout import Layout
 from .sequence import Sequence
 
 Pending = tuple[torch.Tensor, torch.Tensor | None]  # clean ids [rows, L], left padding [rows, L] or None
-Started = tuple[object, int]  # a cache of new rows already holding the first n tokens each prefills, and n
+Started = tuple[object, int]  # a cache of new rows holding the first n tokens each prefills (read, not changed), and n
 
 
 class Forward(NamedTuple):
@@ -189,18 +189,16 @@ class Prefill:
     long prompt's chunks between the decoding steps of its running rows; with `tail` (whole clean
     windows) the last chunk is cut there too and only its last `tail` tokens ride with that forward,
     which the running rows share (their columns are padded to its width). With `start` (a cache of
-    these rows holding the first n tokens of each one's prefill) only the rest is prefilled, into it,
-    its clean windows anchored at its own end."""
+    these rows holding the first n tokens of each one's prefill, and n) only the rest is prefilled,
+    after a copy of it, its clean windows anchored at its own end."""
 
     def __init__(self, batch: RowBatch, seqs: list[Sequence], capacity: int, tail: int | None = None,
                  start: Started | None = None):
         self.seqs, self.runner, self.bs = list(seqs), batch.runner, batch.clean_block_size
-        done = 0
-        if start is None:
-            self.cache = batch.runner.new_cache(len(seqs), capacity=capacity)
-        else:
-            self.cache, done = start
-            self.cache.reserve(capacity - done)
+        self.cache, done = batch.runner.new_cache(len(seqs), capacity=capacity), 0
+        if start is not None:  # copied into a cache of the runner's own making (its capacity buckets)
+            self.cache.put_rows(torch.arange(len(seqs), device=batch.device), start[0])
+            done = start[1]
         cleans = [batch.layout.prefilled(s.prompt_ids, self.bs)[done:] for s in seqs]
         width = max(map(len, cleans))
         self.ids, pad = left_padded(cleans, batch.device)

@@ -316,11 +316,11 @@ class Context:
         self.cache, self.width = None, width
 
     def start(self, rows: list[Row]) -> tuple[object, int] | None:
-        """Where a job of `rows` starts (`RowBatch.join`'s `start`): a copy of the cache and the count
-        of its prompt's tokens it holds, or None (a whole prefill)."""
+        """Where a job of `rows` starts (`RowBatch.join`'s `start`, which copies it): the cache and the
+        count of its prompt's tokens it holds, or None (a whole prefill)."""
         if self.cache is None or not self.extends(rows):
             return None
-        return self.cache.copy_rows(), len(self.tokens)
+        return self.cache, len(self.tokens)
 
     def extends(self, rows: list[Row]) -> bool:
         """Whether a job of `rows` can start after these tokens: one row whose prefill begins with them."""
