@@ -428,7 +428,7 @@ def test_unit_lower_solve_matches_torch(batch, size, width):
     torch.testing.assert_close(system @ got, rhs, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("batch,heads,dk,dv", [(3, 5, 7, 9), (2, 8, 128, 128), (1, 1, 1, 1), (4, 3, 16, 33)])
+@pytest.mark.parametrize("batch,heads,dk,dv", [(3, 5, 7, 9), (2, 8, 128, 128), (1, 1, 1, 1), (4, 3, 16, 33), (3, 2, 9, 48)])
 def test_recurrent_step_matches_the_spec(batch, heads, dk, dv):
     """The decode step in C++, state updated in place, against fused_recurrent (the spec), padded rows
     (g = beta = 0) leaving their state as it was."""

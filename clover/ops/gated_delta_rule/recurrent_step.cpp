@@ -7,11 +7,16 @@
 // the whole state several times and copies it into the cache after. Bound into the extension that
 // ops/linear/tiled.py builds; compiled CPU graphs call it (ops.gated_delta_rule.step_into). The
 // (row, head) slices run on several threads where the call is large enough (ops/linear/parallel.h),
-// each slice whole on one thread: the same numbers whatever the split.
+// each slice whole on one thread: the same numbers whatever the split. With AVX-512 and Dv a multiple
+// of 16 up to 128, a slice keeps u, o and the row being updated in registers (step_slice_vec).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "../linear/parallel.h"
 
@@ -43,6 +48,44 @@ inline void step_slice(float* __restrict__ s, const float* __restrict__ qq, cons
   for (int64_t j = 0; j < Dv; ++j) ob[j] = oo[j] * scale;
 }
 
+#if defined(__AVX512F__)
+// step_slice for Dv = 16 NV (NV <= 8): u, o and the row in registers, the state's only store its own update.
+template <int NV>
+void step_slice_vec(float* __restrict__ s, const float* __restrict__ qq, const float* __restrict__ kk,
+                    const float* __restrict__ vv, float a, float bt, float scale, int64_t Dk, float* __restrict__ ob) {
+  __m512 u[NV], o[NV];
+  for (int j = 0; j < NV; ++j) u[j] = _mm512_setzero_ps(), o[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < Dk; ++i) {  // u = S^T k
+    const __m512 ki = _mm512_set1_ps(kk[i]);
+    for (int j = 0; j < NV; ++j) u[j] = _mm512_fmadd_ps(_mm512_loadu_ps(s + i * 16 * NV + 16 * j), ki, u[j]);
+  }
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(bt);
+  for (int j = 0; j < NV; ++j) u[j] = _mm512_mul_ps(_mm512_fnmadd_ps(va, u[j], _mm512_loadu_ps(vv + 16 * j)), vb);
+  for (int64_t i = 0; i < Dk; ++i) {  // S <- a S + k u^T, o += S^T q
+    const __m512 ki = _mm512_set1_ps(kk[i]), qi = _mm512_set1_ps(qq[i]);
+    float* row = s + i * 16 * NV;
+    for (int j = 0; j < NV; ++j) {
+      const __m512 x = _mm512_fmadd_ps(ki, u[j], _mm512_mul_ps(va, _mm512_loadu_ps(row + 16 * j)));
+      _mm512_storeu_ps(row + 16 * j, x);
+      o[j] = _mm512_fmadd_ps(x, qi, o[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(ob + 16 * j, _mm512_mul_ps(o[j], _mm512_set1_ps(scale)));
+}
+
+using SliceFn = void (*)(float*, const float*, const float*, const float*, float, float, float, int64_t, float*);
+
+// The register version for this Dv, or nullptr.
+SliceFn vector_slice(int64_t Dv) {
+  static constexpr SliceFn fns[] = {step_slice_vec<1>, step_slice_vec<2>, step_slice_vec<3>, step_slice_vec<4>,
+                                    step_slice_vec<5>, step_slice_vec<6>, step_slice_vec<7>, step_slice_vec<8>};
+  return Dv % 16 == 0 && Dv >= 16 && Dv <= 128 ? fns[Dv / 16 - 1] : nullptr;
+}
+#else
+using SliceFn = void (*)(float*, const float*, const float*, const float*, float, float, float, int64_t, float*);
+SliceFn vector_slice(int64_t) { return nullptr; }
+#endif
+
 at::Tensor recurrent_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                            const at::Tensor& beta, double scale, at::Tensor& state) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && g.dim() == 3 && beta.dim() == 3 && state.dim() == 4,
@@ -62,10 +105,16 @@ at::Tensor recurrent_step_(const at::Tensor& q, const at::Tensor& k, const at::T
   const float *G = gc.data_ptr<float>(), *Beta = bc.data_ptr<float>();
   float* S = state.data_ptr<float>();
   float* O = out.data_ptr<float>();
+  const SliceFn vec = vector_slice(Dv);
   const auto slices = [&](int64_t bh0, int64_t bh1) {
     std::vector<float> u(Dv), o(Dv);
-    for (int64_t bh = bh0; bh < bh1; ++bh) step_slice(S + bh * Dk * Dv, Q + bh * Dk, K + bh * Dk, V + bh * Dv, std::exp(G[bh]),
-                                                     Beta[bh], static_cast<float>(scale), Dk, Dv, u.data(), o.data(), O + bh * Dv);
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const float a = std::exp(G[bh]), sc = static_cast<float>(scale);
+      if (vec)
+        vec(S + bh * Dk * Dv, Q + bh * Dk, K + bh * Dk, V + bh * Dv, a, Beta[bh], sc, Dk, O + bh * Dv);
+      else
+        step_slice(S + bh * Dk * Dv, Q + bh * Dk, K + bh * Dk, V + bh * Dv, a, Beta[bh], sc, Dk, Dv, u.data(), o.data(), O + bh * Dv);
+    }
   };
   clover_parallel::split(B * H, 2 * Dk * Dv, slices);
   return out;
