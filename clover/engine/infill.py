@@ -307,9 +307,10 @@ class Context:
     anchored at the addition's end; after its first forward its cache (its whole prompt committed but
     the last token) is kept for the next job. The context is so laid out segment after segment, each
     in the width of the job that first fed it; a job whose prompt does not extend it prefills whole.
-    With `width`, every segment is laid out in clean windows of that width instead (1: causally, so
-    concurrent requests whose prompts begin alike share that beginning whatever their lengths:
-    `slots.share_prefixes`). Only the request's own jobs read it (one after another)."""
+    With `width`, every segment, and every window a job finishes, is committed in clean windows of that
+    width instead (1: causally, so concurrent requests whose prompts begin alike share that beginning
+    whatever their lengths, `slots.share_prefixes`, and jobs whose finished windows differ in length
+    still share forwards). Only the request's own jobs read it (one after another)."""
 
     def __init__(self, width: int | None = None):
         self.tokens: list[int] = []
@@ -364,8 +365,9 @@ def _start_denoise(model, rows: list[Row], threshold: float, context: Context | 
 def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context: Context | None = None):
     """The rows in lockstep, window after window: yields the forwards it needs, returns the count.
     Each forward is [pending clean segment ; draft window]; a finished window becomes the pending
-    segment, one clean block of its own width (left-padded across rows). After the first forward
-    the prompt is committed: `context` keeps it."""
+    segment, one clean block of its own width (left-padded across rows; or in clean windows of the
+    context's width, when it has one). After the first forward the prompt is committed: `context`
+    keeps it."""
     anchors = [r.prompt[-1] for r in rows]
     calls, w = 0, -1
     while (w := w + 1) < max(len(r.windows) for r in rows):
@@ -401,7 +403,8 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
             calls += 1
             for r in rows:
                 r.forwards += 1
-        batch.commit_next(*_finished_window(rows, w, mask, anchors, batch.device))
+        pending, width = _finished_window(rows, w, mask, anchors, batch.device)
+        batch.commit_next(pending, context.width if context is not None and context.width else width)
     return calls
 
 
