@@ -22,8 +22,9 @@ batches up to that many rows (`--max-batch`).
 
 Each client is a closed loop (the official async `openai` client, streaming, /v1/completions): a
 held-out task prompt, exactly --max-tokens generated (`ignore_eos`, honoured by both servers),
-greedy. Per level, each server runs once untimed (a compiled clover server then loads the graphs of
-the shapes it met, `clover_graphs_deferred` 0, its compiling child at normal priority:
+greedy. Per level, each server runs the requests of one round untimed (the same prompts, so a compiled
+clover server meets every shape a round will, then loads their graphs, `clover_graphs_deferred` 0, its
+compiling child at normal priority:
 CLOVER_COMPILE_NICE=0), then --rounds timed rounds, servers interleaved within a round. The large
 size has its own rounds, requests, reply length and servers (default: the matching pairs, clover
 compiled). Tables: median aggregate tokens/s and its min - max over rounds, time to first token p50,
@@ -270,8 +271,8 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
         for s in servers:
             start(s, args, files, max(levels), slot_ctx, plan.threads)
         for n in levels:
-            for s in servers:  # untimed: a compiled server meets this level's shapes, then loads their graphs
-                if attempt(s, n, prompts, 1, plan.max_tokens) and s.runner == "compiled":
+            for s in servers:  # untimed, the requests of a round: a compiled server meets their shapes, then loads their graphs
+                if attempt(s, n, prompts, plan.requests, plan.max_tokens) and s.runner == "compiled":
                     ready(s, args.settle_timeout)
             for _ in range(plan.rounds):
                 for s in servers:

@@ -6,19 +6,18 @@ from __future__ import annotations
 import http.client
 import json
 import re
-import socket
 import threading
 import time
 
 import openai
 import uvicorn
 
+from clover.cli.serve import bind
+
 
 class RunningServer:
     def __init__(self, app):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(256)
+        self.sock = bind("127.0.0.1", 0)  # `clover serve`'s own listening socket (TCP_NODELAY on its connections)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app

@@ -231,3 +231,30 @@ def test_response_ids_are_24_hex_digits_and_distinct():
 
     ids = [new_id("cmpl") for _ in range(1000)]
     assert all(re.fullmatch(r"cmpl-[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == len(ids)
+
+
+def test_the_served_socket_turns_nagle_off_on_every_connection():
+    """`clover serve`'s listening socket says it is TCP, so asyncio sets TCP_NODELAY on each connection it
+    accepts: a streamed chunk leaves when it is written, not after the client's delayed ACK of the one before
+    (which a kept-alive connection's second stream would wait for)."""
+    import socket
+
+    from clover.cli.serve import bind
+
+    sock, seen = bind("127.0.0.1", 0), []
+
+    async def main():
+        async def handle(reader, writer):
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await reader.read()
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert sock.proto == socket.IPPROTO_TCP
+    assert seen and seen[0] != 0

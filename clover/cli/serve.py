@@ -83,8 +83,11 @@ def bind(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise UserError(f"--host {host}: {e.strerror}")
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, address = infos[0]
+    # the protocol named (IPPROTO_TCP), not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # accepted sockets that say they are TCP, and with it on, every streamed chunk after the first waits for
+    # the client's delayed ACK on a kept-alive connection
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
