@@ -474,7 +474,8 @@ def test_compiled_step_into_updates_the_state_in_place():
 
 
 @pytest.mark.parametrize("batch,hq,hkv,lq,span,d,dv,mask_heads", [(3, 4, 2, 1, 37, 24, 19, 1), (2, 8, 2, 1, 130, 128, 128, 1),
-                                                                   (1, 3, 3, 2, 9, 7, 5, 3), (4, 6, 1, 3, 17, 33, 16, 1)])
+                                                                   (1, 3, 3, 2, 9, 7, 5, 3), (4, 6, 1, 3, 17, 33, 16, 1),
+                                                                   (2, 6, 1, 1, 33, 32, 64, 1), (1, 4, 2, 2, 20, 16, 64, 4)])
 def test_decode_attention_matches_naive(batch, hq, hkv, lq, span, d, dv, mask_heads):
     """clover_cpu::decode_attention against the reference on random inputs: K/V read as views of a
     larger cache (a slot tail past the span, heads strided), a mask with unused slots, a row that

@@ -15,8 +15,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "../linear/parallel.h"
 
@@ -35,6 +39,71 @@ inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64
   return sum;
 }
 
+#if defined(__AVX512F__)
+// n a multiple of 16: two chains of 16 lanes, then the lanes summed.
+inline float dot_vec(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+  }
+  if (i < n) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+// exp(x) for x <= 0 (scores less their max): Cephes' expf polynomial on x - n ln2, scaled by 2^n;
+// within 2 ulp of std::exp.
+inline __m512 exp_vec(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// p[t] = exp(p[t] - top) for t < T, 16 at a time; returns their sum.
+inline float exp_row(float* p, int64_t T, float top) {
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(top);
+  for (int64_t t = 0; t < T; t += 16) {
+    const __mmask16 k = T - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (T - t)) - 1);
+    const __m512 e = exp_vec(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + t), m));
+    _mm512_mask_storeu_ps(p + t, k, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// out[h] = inv[h] * sum_t p[h T + t] v_{keys[t]} for NH heads, Dv a multiple of 64: 64 columns at a
+// time, every head's sums in registers while the key rows pass.
+template <int NH>
+void weighted_values(const float* p, int64_t T, const int64_t* keys, const float* vb, int64_t vs, int64_t Dv,
+                     const float* inv, float* out, int64_t ho) {
+  for (int64_t c = 0; c < Dv; c += 64) {
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < T; ++t) {
+      const float* vt = vb + keys[t] * vs + c;
+      __m512 v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_ps(vt + 16 * j);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 pt = _mm512_set1_ps(p[h * T + t]);
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(pt, v[j], acc[h][j]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * ho + c + 16 * j, _mm512_mul_ps(acc[h][j], _mm512_set1_ps(inv[h])));
+  }
+}
+#endif
+
 struct Views {
   const float *q, *k, *v;
   const bool* mask;
@@ -44,7 +113,8 @@ struct Views {
 };
 
 // One query row i of the heads [h0, h0 + n) that share K/V head kvh and, with a one-head mask, the
-// allowed keys: scores, softmax, values; `keys`, `p`, `acc` scratch.
+// allowed keys: scores, softmax, values; `keys`, `p`, `acc` scratch. With AVX-512, D a multiple of 16
+// and Dv of 64: the dot products and exp on 16 lanes, the weighted values in registers (weighted_values).
 void rows(const Views& w, int64_t b, int64_t kvh, int64_t h0, int64_t n, int64_t i, float scale,
           std::vector<int64_t>& keys, std::vector<float>& p, std::vector<float>& acc) {
   const bool* m = w.mask + ((b * w.mask_heads + (w.mask_heads > 1 ? h0 : 0)) * w.Lq + i) * w.S;
@@ -55,16 +125,50 @@ void rows(const Views& w, int64_t b, int64_t kvh, int64_t h0, int64_t n, int64_t
   const float* kb = w.k + b * w.ks[0] + kvh * w.ks[1];
   const float* vb = w.v + b * w.vs[0] + kvh * w.vs[1];
   p.resize(n * T), acc.assign(n * w.Dv, 0.f);
+#if defined(__AVX512F__)
+  const bool vec = w.D % 16 == 0 && w.Dv % 64 == 0;
+#else
+  const bool vec = false;
+#endif
   for (int64_t t = 0; t < T; ++t) {
     const float* kt = kb + keys[t] * w.ks[2];
-    for (int64_t h = 0; h < n; ++h) p[h * T + t] = scale * dot(w.q + ((b * w.Hq + h0 + h) * w.Lq + i) * w.D, kt, w.D);
+    for (int64_t h = 0; h < n; ++h) {
+      const float* qh = w.q + ((b * w.Hq + h0 + h) * w.Lq + i) * w.D;
+#if defined(__AVX512F__)
+      p[h * T + t] = scale * (vec ? dot_vec(qh, kt, w.D) : dot(qh, kt, w.D));
+#else
+      p[h * T + t] = scale * dot(qh, kt, w.D);
+#endif
+    }
   }
   std::vector<float> total(n, 0.f);
   for (int64_t h = 0; h < n; ++h) {
     float* ph = p.data() + h * T;
     const float top = T ? *std::max_element(ph, ph + T) : 0.f;
+#if defined(__AVX512F__)
+    if (vec) {
+      total[h] = exp_row(ph, T, top);
+      continue;
+    }
+#endif
     for (int64_t t = 0; t < T; ++t) ph[t] = std::exp(ph[t] - top), total[h] += ph[t];
   }
+  for (int64_t h = 0; h < n; ++h) total[h] = T ? 1.f / total[h] : 0.f;
+  float* o0 = w.out + ((b * w.Hq + h0) * w.Lq + i) * w.Dv;
+#if defined(__AVX512F__)
+  if (vec) {
+    for (int64_t h = 0; h < n; h += 4) {
+      const auto run = [&](auto nh) {
+        weighted_values<decltype(nh)::value>(p.data() + h * T, T, keys.data(), vb, w.vs[2], w.Dv, total.data() + h,
+                                             o0 + h * w.Lq * w.Dv, w.Lq * w.Dv);
+      };
+      const int64_t left = std::min<int64_t>(4, n - h);
+      left == 4 ? run(std::integral_constant<int, 4>{}) : left == 3 ? run(std::integral_constant<int, 3>{})
+          : left == 2 ? run(std::integral_constant<int, 2>{}) : run(std::integral_constant<int, 1>{});
+    }
+    return;
+  }
+#endif
   for (int64_t t = 0; t < T; ++t) {
     const float* __restrict__ vt = vb + keys[t] * w.vs[2];
     for (int64_t h = 0; h < n; ++h) {
@@ -73,11 +177,8 @@ void rows(const Views& w, int64_t b, int64_t kvh, int64_t h0, int64_t n, int64_t
       for (int64_t j = 0; j < w.Dv; ++j) a[j] += pt * vt[j];
     }
   }
-  for (int64_t h = 0; h < n; ++h) {
-    const float inv = T ? 1.f / total[h] : 0.f;
-    float* o = w.out + ((b * w.Hq + h0 + h) * w.Lq + i) * w.Dv;
-    for (int64_t j = 0; j < w.Dv; ++j) o[j] = acc[h * w.Dv + j] * inv;
-  }
+  for (int64_t h = 0; h < n; ++h)
+    for (int64_t j = 0; j < w.Dv; ++j) o0[h * w.Lq * w.Dv + j] = acc[h * w.Dv + j] * total[h];
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
