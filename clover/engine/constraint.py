@@ -9,6 +9,11 @@ from typing import Callable
 
 import torch
 
+from ..settings import SamplingParams
+from .sampling import draw_distribution
+
+AT_ONE = SamplingParams(temperature=1.0)  # a retry's draw: the model's own distribution
+
 
 @dataclass
 class Constraint:
@@ -22,6 +27,7 @@ class Constraint:
     wrap_up: int
     max_new_tokens: int
     mask: int
+    params: SamplingParams | None = None  # how `generator` draws (None: at temperature 1)
     tokens: list[int] = field(default_factory=list)
     complete: bool = False
     forwards: int = 0
@@ -48,4 +54,15 @@ class Constraint:
             return closing[0]
         if self.generator is None:
             return int(logits.argmax(-1))
-        return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=self.generator))
+        return int(constrained_sample(logits, self.params or AT_ONE, self.generator)[0])
+
+
+def constrained_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """logits [B, V], the tokens a grammar forbids at -inf -> a token per row drawn with `params` (temperature,
+    top_k, top_p: `sampling.draw_distribution`) from the model's distribution restricted to the allowed
+    tokens. A row that allows nothing gives token 0 (its logit -inf: the caller sees the dead end)."""
+    dead = ~torch.isfinite(logits).any(-1)
+    probs = draw_distribution(logits.float(), params).cpu()
+    if dead.any():
+        probs[dead.cpu()] = torch.nn.functional.one_hot(torch.tensor(0), probs.shape[-1]).to(probs.dtype)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

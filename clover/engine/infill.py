@@ -443,12 +443,14 @@ def decode_constrained(model, prompt: list[int], allow: Callable[[torch.Tensor],
 
 
 def decode_constrained_task(model, prompt, allow, accept, stops, max_new_tokens, generator=None, closers=None,
-                            wrap_up=0, threshold=None, block_size=None):
+                            wrap_up=0, threshold=None, block_size=None, params=None):
     """`yield from` in a task: `decode_constrained`'s one job. A public family decodes in its own
-    blocks (`block_size`, `threshold`: None for the family's published ones); Clover's `ar` ignores them."""
+    blocks (`block_size`, `threshold`: None for the family's published ones); Clover's `ar` ignores them.
+    `params` (SamplingParams): how `generator` draws among the allowed tokens (None: at temperature 1)."""
     if max_new_tokens < 1:
         return [], False, 0
-    rule = Constraint(allow, accept, stops, generator, closers, wrap_up, max_new_tokens, model.config.mask_token_id)
+    rule = Constraint(allow, accept, stops, generator, closers, wrap_up, max_new_tokens, model.config.mask_token_id,
+                      params)
     if absolute_blocks(model):  # a public family: its own block layout (engine/family_grammar.py)
         return (yield from decode_blocks_task(model, prompt, rule, threshold, block_size))
 

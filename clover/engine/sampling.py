@@ -10,6 +10,8 @@ decodes exactly what greedy decodes, in the same steps, and temperature -> 0 ten
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..settings import SamplingParams  # noqa: F401 - re-exported (clover.engine)
@@ -21,6 +23,19 @@ def make_generator(params: SamplingParams, device) -> torch.Generator | None:
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed if params.seed is not None else torch.seed())
     return gen
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How a sampled structured reply chooses its tokens among those its grammar allows: `params` and
+    one generator (seeded with the request's seed) that every token and every try of the reply draws from."""
+    params: SamplingParams
+    generator: torch.Generator
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> Draw | None:
+        """None for a greedy request."""
+        return None if params.greedy else cls(params, make_generator(params, "cpu"))
 
 
 def banned_ids(params: SamplingParams, mask_token_id: int, device) -> torch.Tensor:
@@ -42,6 +57,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, mask_token_id: int,
     probs = torch.softmax(logits, dim=-1)
     if params.greedy:
         return probs.argmax(-1), probs
+    draw = draw_distribution(logits, params)
+    tokens = torch.multinomial(draw.reshape(-1, draw.shape[-1]), 1, generator=generator).view(draw.shape[:-1])
+    return tokens, probs
+
+
+def draw_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] fp32 (the ids never chosen already -inf) -> the distribution a sampled token is drawn
+    from: softmax of the logits over `params.temperature` (> 0), cut to the `top_k` likeliest and to the
+    smallest set whose probability reaches `top_p` (the token that crosses it kept)."""
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
@@ -51,6 +75,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, mask_token_id: int,
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    draw = torch.softmax(logits, dim=-1)
-    tokens = torch.multinomial(draw.reshape(-1, draw.shape[-1]), 1, generator=generator).view(draw.shape[:-1])
-    return tokens, probs
+    return torch.softmax(logits, dim=-1)

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from ..chat import call_frame_ids
+from ..engine.sampling import Draw
 from ..engine.slots import Task
 from ..settings import MODES, DecodeConfig, absolute_blocks
 from .choice import Choice
@@ -413,14 +414,18 @@ class Routes:
 
     @staticmethod
     def check_structured(req, tools: bool) -> None:
-        """What a structured reply cannot honour, as a 400 naming the field: sampling (temperature > 0: its
-        decoding is greedy, a sampled answer would silently be the greedy one) and stop strings in forced
-        tool calls (they would cut the arguments to invalid JSON). Stop strings cut a response_format reply,
-        as vLLM's."""
-        if req.temperature > 0:
-            raise APIError(400, "structured replies (response_format, forced tool calls) are decoded greedily: "
-                           "temperature > 0 is not honoured; leave temperature out or set it to 0 (with n > 1 "
-                           "for identical copies)", param="temperature", code="invalid_value")
+        """What a structured reply cannot honour, as a 400 naming the field: sampling in forced tool calls
+        (their decoding is greedy, a sampled answer would silently be the greedy one), n > 1 sampled
+        response_format replies, and stop strings in forced tool calls (they would cut the arguments to
+        invalid JSON). A response_format reply samples under its grammar (temperature, top_p, top_k, seed);
+        stop strings cut it, as vLLM's."""
+        if req.temperature > 0 and tools:
+            raise APIError(400, "forced tool calls (tool_choice \"required\" or a named function) are decoded "
+                           "greedily: temperature > 0 is not honoured; leave temperature out or set it to 0 (with "
+                           "n > 1 for identical copies)", param="temperature", code="invalid_value")
+        if req.temperature > 0 and req.n > 1:
+            raise APIError(400, "a sampled response_format reply (temperature > 0) is one sample: n > 1 is not "
+                           "honoured; send n requests (with different seeds)", param="n", code="invalid_value")
         if tools and req.stop_list():
             raise APIError(400, "stop strings are not applied to forced tool calls (they would cut the arguments to "
                            "invalid JSON): leave stop out", param="stop", code="invalid_value")
@@ -432,9 +437,11 @@ class Routes:
         self.check_structured(req, isinstance(plan, ToolPlan))
         room, threshold = self.budget(ids, max_tokens), self.infill_threshold(req)
         progress = Progress() if req.stream else None
+        draw = Draw.of(key.sampling)  # temperature > 0: sampled under the grammar (server/structured.py)
         steps = (infill_tool_call_task(model, tokenizer, ids, plan, threshold, key.block_size, room,
                                        self.settings.max_tool_calls, progress) if isinstance(plan, ToolPlan)
-                 else infill_format_task(model, tokenizer, ids, plan, threshold, key.block_size, room, progress))
+                 else infill_format_task(model, tokenizer, ids, plan, threshold, key.block_size, room, progress,
+                                         draw))
 
         def finished(done: Infilled) -> None:
             self.metrics.structured_done(len(ids) * req.n, done.completion_tokens * req.n,

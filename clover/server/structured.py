@@ -27,6 +27,7 @@ from ..settings import absolute_blocks, eos_ids
 from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, TURN_ENDS, new_call_id
 from ..engine.family_grammar import choose_token_task
 from ..engine.infill import Context, Row, Slot, denoise_task, pieces
+from ..engine.sampling import Draw
 from ..engine.slots import drive
 from .protocol import APIError, ToolPlan, forced_name
 
@@ -192,17 +193,19 @@ def budget_error(e: ValueError) -> APIError:
 
 
 def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, max_tokens, prefix="",
-         suffix="", param=SCHEMA_PARAM, watch=None, context: Context | None = None) -> JsonResult:
+         suffix="", param=SCHEMA_PARAM, watch=None, context: Context | None = None,
+         draw: Draw | None = None) -> JsonResult:
     """The JSON of a plan within max_tokens: refused first (BudgetTooSmall) when even the schema's
     smallest valid document cannot fit; then infilled, or decoded under its grammar (also when the
     infill layout does not fit the context after this prompt, and when the infilled document came out
     longer than max_tokens: the grammar path's caps ladder fits the budget, and its smallest document
     stands in when no try does). `watch`: a stream's `Progress.watch`, handed each attempt's text;
-    `context`: the request's committed context, which the infill starts from (`infill.Context`)."""
+    `context`: the request's committed context, which the infill starts from (`infill.Context`). `draw`
+    (a sampled request): always the grammar path, every token drawn among those the grammar allows."""
     check_budget(tokenizer, plan.schema, max_tokens, prefix, suffix)
     infilled = None
-    if plan.skeleton is None:  # compiled now, while the task is planned off the scheduler's thread
-        _check_grammar(model, tokenizer, plan, param)
+    if plan.skeleton is None or draw is not None:  # compiled now, while planned off the scheduler's thread
+        _check_grammar(model, tokenizer, plan, param, draw)
     else:
         try:
             infilled = yield from infill_json_task(model, tokenizer, prompt_ids, plan.skeleton, prefix=prefix,
@@ -224,7 +227,7 @@ def _run(model, tokenizer, prompt_ids, plan: FormatPlan, threshold, block_size, 
     try:
         r = yield from grammar_json_task(model, tokenizer, prompt_ids, plan.schema, prefix=prefix, suffix=suffix,
                                          max_new_tokens=max_tokens, threshold=threshold, block_size=block_size,
-                                         watch=watch)
+                                         watch=watch, draw=draw)
     except Refused as e:  # e.g. no level's grammar compiled within the time budget
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
     if infilled is not None:  # the infill's forwards were spent too
@@ -241,10 +244,14 @@ def _fitting(watch, max_tokens: int, reader, most: int) -> None:
         watch(reader)
 
 
-def _check_grammar(model, tokenizer, plan: FormatPlan, param: str) -> None:
+def _check_grammar(model, tokenizer, plan: FormatPlan, param: str, draw: Draw | None = None) -> None:
     try:
         check_grammar(model, tokenizer, plan.schema)
     except Refused as e:
+        if draw is not None and plan.skeleton is not None:  # greedy, the infiller would honour it
+            raise APIError(400, f"temperature > 0 samples under the schema's grammar, which cannot honour it "
+                           f"({param}: {e}); with temperature 0 it is infilled", param="temperature",
+                           code="invalid_value") from None
         raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
 
 
@@ -274,16 +281,21 @@ def _verdict(r: JsonResult, max_tokens: int, extra_forwards: int = 0) -> tuple[s
 
 
 def infill_format(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
-                  block_size: int, max_tokens: int = 1 << 30) -> Infilled:
-    """A response_format reply, alone (`infill_format_task`: as a task the scheduler runs)."""
-    return drive(infill_format_task(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens))
+                  block_size: int, max_tokens: int = 1 << 30, draw: Draw | None = None) -> Infilled:
+    """A response_format reply, alone (`infill_format_task`: as a task the scheduler runs). `draw`
+    (engine/sampling.Draw, a request with temperature > 0): sampled among the tokens the schema's grammar
+    allows (the infiller's commits are greedy: a sampled reply takes the grammar path)."""
+    return drive(infill_format_task(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens,
+                                    draw=draw))
 
 
 def infill_format_task(model, tokenizer, prompt_ids: list[int], plan: FormatPlan, threshold: float,
-                       block_size: int, max_tokens: int = 1 << 30, progress: Progress | None = None):
+                       block_size: int, max_tokens: int = 1 << 30, progress: Progress | None = None,
+                       draw: Draw | None = None):
     watch = progress.open() if progress is not None else None
     try:
-        r = yield from _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens, watch=watch)
+        r = yield from _run(model, tokenizer, prompt_ids, plan, threshold, block_size, max_tokens, watch=watch,
+                            draw=draw)
         text, finish, info = _verdict(r, max_tokens)
     except (BudgetTooSmall, Cut) as e:
         raise budget_error(e) from None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.infill import decode_constrained_task, token_ids, vocab_mask
+from ..engine.sampling import Draw
 from ..engine.slots import drive
 from .compiler import IN_PROCESS_CHARS, CompileError, CompileTimeout, compile_in_worker, compile_options
 from .normalize import STRING_CAP, Refused, bounded_work, for_decoding, unroll
@@ -212,28 +213,30 @@ def check_budget(tokenizer, schema, max_new_tokens: int, prefix: str = "", suffi
 
 def grammar_json(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                  max_new_tokens: int = 256, tries: int = TRIES, threshold: float | None = None,
-                 block_size: int | None = None):
-    """Decode the JSON of `schema` (normalised) after `prompt_ids` and the fixed text `prefix`, then
-    `suffix`; a JsonResult with method "grammar". BudgetTooSmall first when even the smallest valid
-    document cannot fit `max_new_tokens`. The caps start at the first LADDER level whose documents
-    fit the budget by estimate (`start_level`); a level whose grammar does not compile within its
-    share of COMPILE_SECONDS is skipped for a tighter one (Refused when the tightest does not); a try
-    that `max_new_tokens` cuts is decoded again one level tighter, and a document the final check
-    rejects (a keyword the grammar does not enforce) again sampled, up to `tries` such times (the
-    forwards of every try are counted). The first try is greedy. When no try gave a valid document,
-    the smallest one is returned (`note` says so); `complete` is False only when none could be built
-    and the tightest level ran out. A public family decodes in its own blocks of `block_size` at
-    `threshold` (None: the family's published ones; engine/family_grammar.py); Clover's left-to-right
-    decoding ignores them. `grammar_json_task`: the same as a task (engine/slots.py)."""
+                 block_size: int | None = None, draw: Draw | None = None):
+    """Decode the JSON of `schema` (normalised) after `prompt_ids` and the fixed text `prefix`, then `suffix`; a
+    JsonResult with method "grammar". BudgetTooSmall first when even the smallest valid document cannot fit
+    `max_new_tokens`. The caps start at the first LADDER level whose documents fit the budget by estimate
+    (`start_level`); a level whose grammar does not compile within its share of COMPILE_SECONDS is skipped for
+    a tighter one (Refused when the tightest does not); a try that `max_new_tokens` cuts is decoded again one
+    level tighter, and a document the final check rejects (a keyword the grammar does not enforce) again
+    sampled, up to `tries` such times (the forwards of every try are counted). The first try is greedy, unless
+    `draw` samples them all. When no try gave a valid document, the smallest one is returned (`note` says so);
+    `complete` is False only when none could be built and the tightest level ran out. A public family decodes
+    in its own blocks of `block_size` at `threshold` (None: the family's published ones;
+    engine/family_grammar.py); Clover's left-to-right decoding ignores them. `grammar_json_task`: the same as
+    a task (engine/slots.py)."""
     return drive(grammar_json_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, tries,
-                                   threshold, block_size))
+                                   threshold, block_size, draw=draw))
 
 
 def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: str = "", suffix: str = "",
                       max_new_tokens: int = 256, tries: int = TRIES, threshold: float | None = None,
-                      block_size: int | None = None, watch=None):
+                      block_size: int | None = None, watch=None, draw: Draw | None = None):
     """`grammar_json` as a task; `watch`, when given, is handed a function that reads the text a try
-    has decoded so far (for a stream) as the try starts: the first try, when max_tokens cannot cut it."""
+    has decoded so far (for a stream) as the try starts: the first try, when max_tokens cannot cut it.
+    `draw` (engine/sampling.Draw): every try sampled with its params and generator among the tokens
+    the grammar allows, the first one too (None: greedy first, then at temperature 1)."""
     start = time.perf_counter()
     check_budget(tokenizer, schema, max_new_tokens, prefix, suffix)
     level = start_level(schema, max_new_tokens)
@@ -247,11 +250,11 @@ def grammar_json_task(model, tokenizer, prompt_ids: list[int], schema, prefix: s
                 raise _too_slow(COMPILE_SECONDS) from None
             level += 1
             continue
-        generator = None if rejected == 0 else torch.Generator().manual_seed(rejected)
+        generator = draw.generator if draw else None if rejected == 0 else torch.Generator().manual_seed(rejected)
         out = yield from _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens,
                                       generator, grammar, (threshold, block_size),
                                       watch if rejected == 0 and _uncut(schema, level, prefix, suffix, max_new_tokens)
-                                      else None)
+                                      else None, draw.params if draw else None)
         forwards += out.forward_passes
         if out.valid:
             break
@@ -344,7 +347,7 @@ def _decode(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens
 
 
 def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_tokens, generator, grammar,
-                 blocks=(None, None), watch=None):
+                 blocks=(None, None), watch=None, params=None):
     import xgrammar as xgr
 
     start = time.perf_counter()
@@ -377,7 +380,7 @@ def _decode_task(model, tokenizer, prompt_ids, schema, prefix, suffix, max_new_t
     budget = max_new_tokens - len(head) - len(tail)  # the fixed prefix and suffix count against max_tokens too
     tokens, complete, forwards = yield from decode_constrained_task(
         model, list(prompt_ids) + head, allow, accept, set(stops), budget, generator,
-        _closers(tokenizer, stops), budget // 4, *blocks)
+        _closers(tokenizer, stops), budget // 4, *blocks, params)
     text = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     tail = tail if complete else []
     if not complete:
