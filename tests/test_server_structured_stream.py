@@ -2,7 +2,7 @@
 vLLM client sees them, through the official `openai` client on a tiny random model: streamed as
 they decode (several content deltas, the first before the reply is done; tool calls as id + name,
 then arguments fragments), the deltas concatenating to the whole reply exactly; a sampled response_format
-reply samples (tests/test_structured_sampling.py); sampled forced calls, n > 1 samples and stop strings in forced calls
+reply samples (tests/test_structured_sampling.py); sampled forced calls and stop strings in forced calls
 refused naming the field; stop strings cut a response_format reply."""
 
 import json
@@ -91,16 +91,13 @@ def test_forced_tool_calls_stream_as_openai_does(served):
 
 def test_sampling_in_forced_calls_n_and_stop_are_refused_naming_the_field(served):
     """Forced tool calls are decoded greedily: a sampled one is a 400 naming temperature, never the
-    greedy answer passed off as a sample; a sampled response_format reply is one sample (n > 1: a 400)."""
+    greedy answer passed off as a sample."""
     asks = [dict(messages=TOOL_ASK, tools=[WEATHER], tool_choice="required"),
             dict(messages=TOOL_ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})]
     for ask in asks:
         with pytest.raises(openai.BadRequestError) as e:
             served.chat.completions.create(model="tiny", **{"messages": ASK, **ask}, temperature=0.8, seed=1)
         assert e.value.body["param"] == "temperature" and "greedily" in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        served.chat.completions.create(model="tiny", messages=ASK, response_format=PERSON, n=2, temperature=0.8)
-    assert e.value.body["param"] == "n" and e.value.body["code"] == "invalid_value"
     with pytest.raises(openai.BadRequestError) as e:
         served.chat.completions.create(model="tiny", messages=TOOL_ASK, tools=[WEATHER], tool_choice="required",
                                        stop=["}"])

@@ -174,3 +174,25 @@ def test_over_http_a_sampled_reply_validates_and_its_seed_repeats_it_whole_or_st
     chunks = list(served.chat.completions.create(model="tiny", seed=2, stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == replies[2]
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_over_http_n_sampled_choices_are_independent_whole_or_streamed(served):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    kw = dict(messages=ASK, response_format=fmt, max_tokens=100, temperature=0.9, seed=11)
+    one = served.chat.completions.create(model="tiny", **kw)
+    many = served.chat.completions.create(model="tiny", n=3, **kw)
+    texts = [c.message.content for c in many.choices]
+    assert [c.index for c in many.choices] == [0, 1, 2] and len(many.model_extra["clover"]["structured"]) == 3
+    for text in texts:
+        validate(json.loads(text), PERSON)
+    assert texts[0] == one.choices[0].message.content  # choice i is seeded seed + i
+    assert len(set(texts)) > 1, texts
+    assert many.usage.completion_tokens > one.usage.completion_tokens
+    got = {0: "", 1: "", 2: ""}
+    finish = {}
+    for chunk in served.chat.completions.create(model="tiny", n=3, stream=True, **kw):
+        for c in chunk.choices:
+            got[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [got[i] for i in range(3)] == texts and finish == {0: "stop", 1: "stop", 2: "stop"}

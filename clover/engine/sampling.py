@@ -10,7 +10,7 @@ decodes exactly what greedy decodes, in the same steps, and temperature -> 0 ten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +36,14 @@ class Draw:
     def of(cls, params: SamplingParams) -> Draw | None:
         """None for a greedy request."""
         return None if params.greedy else cls(params, make_generator(params, "cpu"))
+
+    @classmethod
+    def each(cls, params: SamplingParams, n: int) -> list[Draw | None]:
+        """[None] for a greedy request (one reply, copied to its n choices); else a draw per choice, choice
+        i seeded with seed + i (choice 0: the n = 1 reply of the same seed)."""
+        if params.greedy:
+            return [None]
+        return [cls.of(params if params.seed is None else replace(params, seed=params.seed + i)) for i in range(n)]
 
 
 def banned_ids(params: SamplingParams, mask_token_id: int, device) -> torch.Tensor:

@@ -23,7 +23,8 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, DecideRequest, 
                        ToolPlan, bad_text, not_honoured, now, usage)
 from .scheduler import Cancelled, Live, QueueFull, RowJob, Ticket
 from .shapes import DONE, SSE_HEADERS, Reply, sse, tool_call_deltas
-from .structured import Infilled, Progress, Sent, format_plan, infill_format_task, infill_tool_call_task
+from .structured import (Infilled, Lane, Progress, Sent, completion_tokens, format_plan, infill_format_task,
+                         infill_tool_call_task)
 
 STATIC = Path(__file__).parent / "static"
 POLL_S = 0.25  # how often a waiting request checks whether its client is still there
@@ -415,46 +416,50 @@ class Routes:
     @staticmethod
     def check_structured(req, tools: bool) -> None:
         """What a structured reply cannot honour, as a 400 naming the field: sampling in forced tool calls
-        (their decoding is greedy, a sampled answer would silently be the greedy one), n > 1 sampled
-        response_format replies, and stop strings in forced tool calls (they would cut the arguments to
-        invalid JSON). A response_format reply samples under its grammar (temperature, top_p, top_k, seed);
-        stop strings cut it, as vLLM's."""
+        (their decoding is greedy, a sampled answer would silently be the greedy one) and stop strings in
+        forced tool calls (they would cut the arguments to invalid JSON). A response_format reply samples
+        under its grammar (temperature, top_p, top_k, seed; n > 1 independent samples); stop strings cut
+        it, as vLLM's."""
         if req.temperature > 0 and tools:
             raise APIError(400, "forced tool calls (tool_choice \"required\" or a named function) are decoded "
                            "greedily: temperature > 0 is not honoured; leave temperature out or set it to 0 (with "
                            "n > 1 for identical copies)", param="temperature", code="invalid_value")
-        if req.temperature > 0 and req.n > 1:
-            raise APIError(400, "a sampled response_format reply (temperature > 0) is one sample: n > 1 is not "
-                           "honoured; send n requests (with different seeds)", param="n", code="invalid_value")
         if tools and req.stop_list():
             raise APIError(400, "stop strings are not applied to forced tool calls (they would cut the arguments to "
                            "invalid JSON): leave stop out", param="stop", code="invalid_value")
 
     async def structured_reply(self, request: Request, req, ids: list[int], plan, max_tokens, arrived: float):
-        """A response_format reply (`plan` a FormatPlan) or forced tool calls (a ToolPlan), whole or streamed."""
+        """A response_format reply (`plan` a FormatPlan) or forced tool calls (a ToolPlan), whole or streamed:
+        greedy, one task whose reply every choice copies; sampled, a task per choice (`Draw.each`)."""
         model, tokenizer = self.model, self.tokenizer
         key = self.check_common(req)
         self.check_structured(req, isinstance(plan, ToolPlan))
         room, threshold = self.budget(ids, max_tokens), self.infill_threshold(req)
-        progress = Progress() if req.stream else None
-        draw = Draw.of(key.sampling)  # temperature > 0: sampled under the grammar (server/structured.py)
-        steps = (infill_tool_call_task(model, tokenizer, ids, plan, threshold, key.block_size, room,
-                                       self.settings.max_tool_calls, progress) if isinstance(plan, ToolPlan)
-                 else infill_format_task(model, tokenizer, ids, plan, threshold, key.block_size, room, progress,
-                                         draw))
+        draws, lanes = Draw.each(key.sampling, req.n), []
+        for k, draw in enumerate(draws):
+            progress = Progress() if req.stream else None
+            steps = (infill_tool_call_task(model, tokenizer, ids, plan, threshold, key.block_size, room,
+                                           self.settings.max_tool_calls, progress) if isinstance(plan, ToolPlan)
+                     else infill_format_task(model, tokenizer, ids, plan, threshold, key.block_size, room, progress,
+                                             draw))
+            lanes.append(Lane(await self.start_task(steps), progress, range(req.n) if draw is None else [k]))
 
-        def finished(done: Infilled) -> None:
-            self.metrics.structured_done(len(ids) * req.n, done.completion_tokens * req.n,
-                                         done.info.get("forward_passes", 0), req.n, time.perf_counter() - arrived)
+        def finished(dones: list[Infilled]) -> None:
+            self.metrics.structured_done(len(ids) * req.n, completion_tokens(lanes, dones),
+                                         sum(d.info.get("forward_passes", 0) for d in dones), req.n,
+                                         time.perf_counter() - arrived)
 
-        task = await self.start_task(steps)
         if req.stream:
-            return await self.stream_structured(request, req, len(ids), task, progress, finished)
-        async for _ in self.ticks(request, task, POLL_S):
-            pass
-        done = (await self.outcome(task)).stopped(req.stop_list())
-        finished(done)
-        return self.respond_infilled(req, len(ids), done)
+            return await self.stream_structured(request, req, len(ids), lanes, finished)
+        try:
+            for lane in lanes:
+                async for _ in self.ticks(request, lane.task, POLL_S):
+                    pass
+            dones = [(await self.outcome(lane.task)).stopped(req.stop_list()) for lane in lanes]
+        finally:
+            self.cancel_lanes(lanes)
+        finished(dones)
+        return self.respond_infilled(req, len(ids), lanes, dones)
 
     async def start_task(self, steps) -> Task:
         """A task (engine/slots.py) planned up to its first job off the event loop, its jobs then run by
@@ -485,6 +490,10 @@ class Routes:
         if not task.future.done():
             self.scheduler.cancel([task])
 
+    def cancel_lanes(self, lanes: list[Lane]) -> None:
+        for lane in lanes:
+            self.cancel_task(lane.task)
+
     @staticmethod
     async def outcome(task: Task):
         """The task's reply; ValueError -> 400, cancelled (its client gone) -> 499."""
@@ -502,60 +511,69 @@ class Routes:
             pass
         return await self.outcome(task)
 
-    def respond_infilled(self, req, n_prompt: int, done: Infilled):
-        """A whole structured reply (deterministic: every one of the n choices is the same) in OpenAI's shape."""
-        reply = Reply(self.settings.model_id, True)
-        message = {"role": "assistant", "content": done.content}
-        if done.tool_calls:
-            message["tool_calls"] = done.tool_calls
-        use = usage(n_prompt * req.n, done.completion_tokens * req.n)
-        choices = [{"index": i, "message": message, "logprobs": None, "finish_reason": done.finish}
-                   for i in range(req.n)]
-        return JSONResponse(reply.whole(choices, use, {"structured": [done.info] * req.n}))
+    def respond_infilled(self, req, n_prompt: int, lanes: list[Lane], dones: list[Infilled]):
+        """A whole structured reply in OpenAI's shape: each lane's reply as its choices."""
+        reply, choices, infos = Reply(self.settings.model_id, True), [], []
+        for lane, done in zip(lanes, dones):
+            message = {"role": "assistant", "content": done.content}
+            if done.tool_calls:
+                message["tool_calls"] = done.tool_calls
+            choices += [{"index": i, "message": message, "logprobs": None, "finish_reason": done.finish}
+                        for i in lane.choices]
+            infos += [done.info] * len(lane.choices)
+        use = usage(n_prompt * req.n, completion_tokens(lanes, dones))
+        return JSONResponse(reply.whole(choices, use, {"structured": infos}))
 
-    async def stream_structured(self, request: Request, req, n_prompt: int, task: Task, progress: Progress,
-                                finished):
+    async def stream_structured(self, request: Request, req, n_prompt: int, lanes: list[Lane], finished):
         """A structured reply streamed as it decodes (`structured_events`). Until its first text the
         response has not started: a request that fails before it is refused with its status."""
-        async for _ in self.ticks(request, task, STREAM_S):
-            if any(call_id or text for call_id, _, text in progress.read()):
+        first = lanes[0]
+        async for _ in self.ticks(request, first.task, STREAM_S):
+            if any(call_id or text for call_id, _, text in first.progress.read()):
                 break
-        if task.future.done():
-            await self.outcome(task)  # raises the task's error as the response
+        if first.task.future.done():
+            try:
+                await self.outcome(first.task)  # raises the task's error as the response
+            except APIError:
+                self.cancel_lanes(lanes)
+                raise
         reply = Reply(self.settings.model_id, True, bool(req.stream_options and req.stream_options.include_usage))
-        events = self.structured_events(request, req, reply, n_prompt, task, progress, finished)
-        return CleanStream(events, on_close=lambda: self.cancel_task(task), media_type="text/event-stream",
+        events = self.structured_events(request, req, reply, n_prompt, lanes, finished)
+        return CleanStream(events, on_close=lambda: self.cancel_lanes(lanes), media_type="text/event-stream",
                            headers=SSE_HEADERS)
 
-    async def structured_events(self, request: Request, req, reply: Reply, n_prompt: int, task: Task,
-                                progress: Progress, finished):
-        """The role chunk, the text (or each call's head, then its arguments) as the task commits it,
-        the finish chunk (with the verdict), usage when asked for, [DONE]. Every choice of n the same."""
-        sent, n = Sent(req.stop_list()), range(req.n)
-        for i in n:
+    async def structured_events(self, request: Request, req, reply: Reply, n_prompt: int, lanes: list[Lane],
+                                finished):
+        """The role chunk, the text (or each call's head, then its arguments) as the tasks commit it,
+        the finish chunk (with the verdict), usage when asked for, [DONE]. Each lane's text goes to its
+        choices (greedy: one lane, every choice the same)."""
+        sents = [Sent(req.stop_list()) for _ in lanes]
+        for i in range(req.n):
             yield reply.chunk(i, {"role": "assistant", "content": ""})
-        async for _ in self.ticks(request, task, STREAM_S):
-            for delta in sent.deltas(progress.read()):
-                for i in n:
-                    yield reply.chunk(i, delta)
+        for lane in lanes:
+            async for _ in self.ticks(request, lane.task, STREAM_S):
+                for other, sent in zip(lanes, sents):
+                    for chunk in other.chunks(reply, sent.deltas(other.progress.read())):
+                        yield chunk
         try:
-            done = (await self.outcome(task)).stopped(req.stop_list())
+            dones = [(await self.outcome(lane.task)).stopped(req.stop_list()) for lane in lanes]
         except APIError as e:
             yield sse(e.body())
             yield DONE
             return
-        for delta in sent.deltas(done.view(), final=True):
-            for i in n:
-                yield reply.chunk(i, delta)
-        if sent.broken:  # a retry under the schema replaced text already sent
+        for lane, sent, done in zip(lanes, sents, dones):
+            for chunk in lane.chunks(reply, sent.deltas(done.view(), final=True)):
+                yield chunk
+        if any(sent.broken for sent in sents):  # a retry under the schema replaced text already sent
             yield sse(APIError(500, "the structured reply was decoded again after part of it was streamed and no "
                                "longer extends what was sent: request it without stream", "server_error").body())
             yield DONE
             return
-        finished(done)
-        for i in n:
-            yield reply.chunk(i, {}, finish=done.finish, clover={"structured": done.info})
-        for line in reply.end(usage(n_prompt * req.n, done.completion_tokens * req.n)):
+        finished(dones)
+        for lane, done in zip(lanes, dones):
+            for chunk in lane.chunks(reply, [{}], finish=done.finish, clover={"structured": done.info}):
+                yield chunk
+        for line in reply.end(usage(n_prompt * req.n, completion_tokens(lanes, dones))):
             yield line
 
     # ---- vLLM's tokenizer endpoints ----------------------------------------------------------------------

@@ -181,6 +181,24 @@ class Infilled:
         return replace(self, content=cut, info=info, finish="stop")
 
 
+@dataclass
+class Lane:
+    """One task of a structured reply and the choices that show its reply: every choice (greedy: the
+    reply is deterministic, copied) or one (sampled: a task, with its own draw, per choice)."""
+    task: object  # engine/slots.Task
+    progress: Progress | None
+    choices: range | list[int]
+
+    def chunks(self, reply, deltas: list[dict], **finish) -> list[str]:
+        """Each delta as a stream chunk of each of the lane's choices."""
+        return [reply.chunk(i, delta, **finish) for delta in deltas for i in self.choices]
+
+
+def completion_tokens(lanes: list[Lane], dones: list[Infilled]) -> int:
+    """The tokens of every choice of a reply (its lanes' replies)."""
+    return sum(done.completion_tokens * len(lane.choices) for lane, done in zip(lanes, dones))
+
+
 class Cut(ValueError):
     """max_tokens ran out before a valid document was complete (and no smaller one could stand in)."""
 
@@ -499,5 +517,5 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
     return out.reply()
 
 
-__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "Progress", "Sent", "another_call", "format_plan", "infill_format", "infill_format_task",
+__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "Lane", "Progress", "Sent", "another_call", "format_plan", "infill_format", "infill_format_task",
            "infill_tool_call", "infill_tool_call_task", "is_json_object"]
