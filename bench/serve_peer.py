@@ -11,7 +11,8 @@
 The same random-weight model (seed 0) per size: `default` (the shipped model's dims, ~6M parameters)
 and `large` (LARGE below, >= 100M parameters: weights beyond the CPU's caches). Clover serves its
 folder (`--runner eager|compiled`, fp32, and an int4 RTN copy made by `clover quantize`, with int8
-activations as q4_0 has unless --int4-activations float32);
+activations as q4_0 has unless --int4-activations float32, and its lm_head in int4 as the q4_0 GGUF's
+output.weight is q4_0, unless --int4-head float);
 llama-server serves its GGUF exports (`clover export-gguf`: f32, bf16, q8_0, q4_0), built by
 `make llama-server`. Every server of a size is up at once, each with its best settings for this
 machine: the same threads for both (--threads N at the large size, default every core; --default-threads
@@ -113,9 +114,10 @@ def size_config(size: str):
     return config
 
 
-def make_folders(size: str, tmp: Path, precisions: set, int4_activations: str = "int8") -> dict:
+def make_folders(size: str, tmp: Path, precisions: set, int4_activations: str = "int8", int4_head: str = "int4") -> dict:
     """The size's random-weight model (seed 0) as an fp32 folder with the default tokenizer, and
-    its int4 copy when asked (`clover quantize --activations int4_activations`): {precision: folder}."""
+    its int4 copy when asked (`clover quantize --activations int4_activations`, `--quantize-head` where `int4_head`
+    is int4): {precision: folder}."""
     import torch
 
     from clover.api import DEFAULT_MODEL
@@ -132,7 +134,8 @@ def make_folders(size: str, tmp: Path, precisions: set, int4_activations: str = 
         shutil.copy(DEFAULT_MODEL / f, folder / f)
     folders = {"fp32": folder, "params": params}
     if "int4" in precisions:
-        quantize_checkpoint(folder, tmp / f"{size}-int4", activations=int4_activations, notice=lambda msg: None)
+        quantize_checkpoint(folder, tmp / f"{size}-int4", activations=int4_activations, quantize_head=int4_head == "int4",
+                            notice=lambda msg: None)
         folders["int4"] = tmp / f"{size}-int4"
     return folders
 
@@ -262,7 +265,8 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
 
     plan = size_plan(args, size)
     levels = [int(x) for x in args.clients.split(",")]
-    files = make_folders(size, tmp, {s.precision for s in servers if s.kind == "clover"}, args.int4_activations)
+    files = make_folders(size, tmp, {s.precision for s in servers if s.kind == "clover"}, args.int4_activations,
+                         args.int4_head)
     for t in {s.precision for s in servers if s.kind == "llama-server"}:
         files[t] = tmp / f"{size}-{t}.gguf"
         export_gguf(files["fp32"], files[t], t)
@@ -470,6 +474,8 @@ def parse(argv=None):
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--int4-activations", choices=("int8", "float32"), default="int8", help="clover int4's activations "
                     "(`clover quantize --activations`; default int8, as q4_0 rounds its activations to q8_0)")
+    ap.add_argument("--int4-head", choices=("int4", "float"), default="int4", help="clover int4's lm_head: int4 "
+                    "(`clover quantize --quantize-head`; default, as the q4_0 GGUF's output.weight is q4_0) or kept float")
     ap.add_argument("--per-task", type=int, default=2, help="held-out task prompts per synthetic task")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--smoke", action="store_true", help="clover eager fp32 only, default size, 1 and 2 clients, "
@@ -519,7 +525,7 @@ def header(args, prompts: list[str]) -> str:
              if "large" in args.sizes else "")
     return (f"`python bench/serve_peer.py --sizes {args.sizes} --clients {args.clients} --requests {args.requests} "
             f"--max-tokens {args.max_tokens} --rounds {args.rounds}{large} --threads {args.threads} --default-threads {args.default_threads} --mode {args.mode} "
-            f"--int4-activations {args.int4_activations}`: "
+            f"--int4-activations {args.int4_activations} --int4-head {args.int4_head}`: "
             f"{os.cpu_count()} CPU cores shared with other work, load average {os.getloadavg()[0]:.1f} at the start; "
             f"{len(prompts)} held-out task prompts (ignore_eos, greedy), streamed; servers interleaved; a compiled "
             "server's graphs loaded (untimed) after each level's warm-up. Clover forwards: the scheduler's time in "

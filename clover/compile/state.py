@@ -95,11 +95,11 @@ class CompileState:
                 self.deferred[key] = None
             return None, False
         found = self.replays.get(key) if replay else None
-        if found is not None and not found.current():
-            found = self.replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
-        logits = found(ids, pad_mask, cache) if found is not None else None
+        logits = found(ids, pad_mask, cache) if found is not None else None  # None too where it is not `current()`
         if logits is not None:
             return logits, True
+        if found is not None and key not in self.untraced and not found.current():
+            self.replays[key] = None  # a weight changed layout: dynamo recompiles, that graph is captured
         if key in self.untraced:  # a loaded graph that does not fit this call: no dynamo graph behind it
             self.untraced.discard(key)
             del self.replays[key]

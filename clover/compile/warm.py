@@ -300,9 +300,13 @@ class Background:
         return [*self.state.fused_deferred, *self.state.deferred]
 
     def can_load(self) -> bool:
-        """Whether `load_one` has a graph to load now."""
+        """Whether `load_one` has a graph to load now (asked between every two turns of a decoding server:
+        with nothing queued it answers without reading the child's pipe)."""
+        queued = self._queued()
+        if not queued:
+            return False
         ready = self.ready()
-        return any(k in self.graphs and (ready is None or k in ready) for k in self._queued())
+        return any(k in self.graphs and (ready is None or k in ready) for k in queued)
 
     def load_one(self, among=None) -> bool:
         """Load one finished graph by its cache key (a fused-function layout first, then the oldest
