@@ -275,6 +275,20 @@ def test_response_format_json_schema(served):
     assert isinstance(json.loads(got.choices[0].message.content), dict)
 
 
+def test_sampled_structured_replies_in_the_family_layout(served):
+    """temperature + seed under the grammar in the family's own blocks: valid, the same seed the same reply,
+    for a response_format reply and forced calls."""
+    c, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    kw = dict(model="fam", messages=ASK, max_tokens=60, temperature=1.5, seed=5)
+    got = c.chat.completions.create(response_format=fmt, **kw).choices[0].message.content
+    jsonschema.validate(json.loads(got), PERSON)
+    assert c.chat.completions.create(response_format=fmt, **kw).choices[0].message.content == got
+    calls = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", **kw).choices[0].message
+    for call in calls.tool_calls:
+        _valid(call.function.arguments, WEATHER if call.function.name == "get_weather" else TIME)
+
+
 def test_request_decoding_reaches_the_family_grammar(served):
     """A request's threshold and block_size decide how a family's structured reply is decoded (its
     forwards), for response_format and for a forced call: at threshold 0 a block's whole masked prefix

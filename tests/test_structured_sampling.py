@@ -151,7 +151,7 @@ def served(tmp_path_factory):
 
     model, tokenizer = tools_model(tmp_path_factory.mktemp("sampled-serve"), 0)
     model.lm_head.weight.data /= 40.0
-    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=8, max_queue=16)
+    settings = Settings(model_id="tiny", block_size=4, threshold=0.5, max_batch=8, max_queue=16, max_tool_calls=3)
     with RunningServer(create_app(model, tokenizer, settings, eos_ids(model, tokenizer))) as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
 
@@ -196,3 +196,39 @@ def test_over_http_n_sampled_choices_are_independent_whole_or_streamed(served):
             if c.finish_reason:
                 finish[c.index] = c.finish_reason
     assert [got[i] for i in range(3)] == texts and finish == {0: "stop", 1: "stop", 2: "stop"}
+
+
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"]}}}
+
+
+def _calls(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+def test_over_http_sampled_forced_tool_calls_validate_and_their_seed_repeats_them(served):
+    from server_utils import TOOL_ASK, WEATHER
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    kw = dict(messages=TOOL_ASK, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=120, temperature=1.0)
+    replies = []
+    for seed in range(6):
+        got = served.chat.completions.create(model="tiny", seed=seed, **kw).choices[0]
+        assert got.finish_reason == "tool_calls" and 1 <= len(got.message.tool_calls) <= 3
+        for name, arguments in _calls(got.message):
+            validate(json.loads(arguments), schemas[name])
+        replies.append(_calls(got.message))
+    assert len(set(map(tuple, replies))) > 1, replies
+    assert _calls(served.chat.completions.create(model="tiny", seed=4, **kw).choices[0].message) == replies[4]
+    calls: dict[int, list[str]] = {}
+    for chunk in served.chat.completions.create(model="tiny", seed=4, stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            calls.setdefault(d.index, ["", ""])
+            calls[d.index][0] += d.function.name or ""
+            calls[d.index][1] += d.function.arguments or ""
+    assert [tuple(calls[i]) for i in sorted(calls)] == replies[4]
+    named = dict(kw, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for seed in range(3):
+        (name, arguments), = _calls(served.chat.completions.create(model="tiny", seed=seed, **named).choices[0].message)
+        assert name == "get_time"
+        validate(json.loads(arguments), schemas[name])

@@ -112,12 +112,18 @@ def choose_token_task(model, prompt: list[int], options: list[int], block_size: 
     """`yield from` in a task: which of the single tokens `options` the model puts right after
     `prompt`, in its own layout (one forward, blocks of `block_size`, default the family's):
     (index of the option, forwards)."""
+    rule = option_rule(model, options)
+    tokens, _, forwards = yield from decode_blocks_task(model, prompt, rule, block_size=block_size)
+    return options.index(tokens[0]), forwards
+
+
+def option_rule(model, options: list[int], draw=None) -> Constraint:
+    """One token among `options` as a `Constraint`: the likeliest, or drawn with `draw` (engine/sampling.Draw)."""
     allowed = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     allowed[options] = True
 
     def allow(logits: torch.Tensor) -> None:
         logits[:, ~allowed.to(logits.device)] = float("-inf")
 
-    rule = Constraint(allow, lambda t: False, set(), None, None, 0, 1, model.config.mask_token_id)
-    tokens, _, forwards = yield from decode_blocks_task(model, prompt, rule, block_size=block_size)
-    return options.index(tokens[0]), forwards
+    return Constraint(allow, lambda t: False, set(), draw and draw.generator, None, 0, 1, model.config.mask_token_id,
+                      draw and draw.params)

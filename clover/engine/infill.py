@@ -39,7 +39,7 @@ from ..settings import DEFAULTS, absolute_blocks, check_block_size
 from .batch import RowBatch, left_padded
 from .constraint import Constraint
 from .engine import DecodeConfig, Engine
-from .family_grammar import decode_blocks_task
+from .family_grammar import decode_blocks_task, option_rule
 from .runner import make_runner
 from .sequence import sequences
 from .slots import Forward, SlotJob, drive
@@ -451,16 +451,29 @@ def decode_constrained_task(model, prompt, allow, accept, stops, max_new_tokens,
         return [], False, 0
     rule = Constraint(allow, accept, stops, generator, closers, wrap_up, max_new_tokens, model.config.mask_token_id,
                       params)
-    if absolute_blocks(model):  # a public family: its own block layout (engine/family_grammar.py)
+    return (yield from rule_task(model, prompt, rule, threshold, block_size))
+
+
+def rule_task(model, prompt: list[int], rule: Constraint, threshold=None, block_size=None):
+    """`yield from` in a task: decode `rule` after `prompt` in the model's layout (`ar` with the rule as
+    its token hook; a public family's blocks, engine/family_grammar.py); (tokens, complete, forwards)."""
+    if absolute_blocks(model):
         return (yield from decode_blocks_task(model, prompt, rule, threshold, block_size))
 
     def start(runner: str = "eager", defer: bool = False):
-        engine = Engine(model, DecodeConfig(mode="ar", block_size=1, max_new_tokens=max_new_tokens + 1, runner=runner),
-                        defer_compile=defer, hook=rule)
+        config = DecodeConfig(mode="ar", block_size=1, max_new_tokens=rule.max_new_tokens + 1, runner=runner)
+        engine = Engine(model, config, defer_compile=defer, hook=rule)
         engine.add([prompt])
         return engine.batch, _constrained(engine, rule)
 
     return (yield SlotJob(start))
+
+
+def sample_option_task(model, prompt: list[int], options: list[int], draw, block_size: int | None = None):
+    """`yield from` in a task: one of the single tokens `options` after `prompt`, drawn with `draw`
+    (engine/sampling.Draw) from the model's distribution over them, in its layout: (index, forwards)."""
+    tokens, _, forwards = yield from rule_task(model, prompt, option_rule(model, options, draw), None, block_size)
+    return options.index(tokens[0]), forwards
 
 
 def _constrained(engine: Engine, rule: Constraint):

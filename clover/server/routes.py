@@ -415,15 +415,10 @@ class Routes:
 
     @staticmethod
     def check_structured(req, tools: bool) -> None:
-        """What a structured reply cannot honour, as a 400 naming the field: sampling in forced tool calls
-        (their decoding is greedy, a sampled answer would silently be the greedy one) and stop strings in
-        forced tool calls (they would cut the arguments to invalid JSON). A response_format reply samples
-        under its grammar (temperature, top_p, top_k, seed; n > 1 independent samples); stop strings cut
-        it, as vLLM's."""
-        if req.temperature > 0 and tools:
-            raise APIError(400, "forced tool calls (tool_choice \"required\" or a named function) are decoded "
-                           "greedily: temperature > 0 is not honoured; leave temperature out or set it to 0 (with "
-                           "n > 1 for identical copies)", param="temperature", code="invalid_value")
+        """What a structured reply cannot honour, as a 400 naming the field: stop strings in forced tool
+        calls (they would cut the arguments to invalid JSON). Sampling is honoured under the grammars
+        (temperature, top_p, top_k, seed; n > 1 independent samples); stop strings cut a response_format
+        reply, as vLLM's."""
         if tools and req.stop_list():
             raise APIError(400, "stop strings are not applied to forced tool calls (they would cut the arguments to "
                            "invalid JSON): leave stop out", param="stop", code="invalid_value")
@@ -439,7 +434,7 @@ class Routes:
         for k, draw in enumerate(draws):
             progress = Progress() if req.stream else None
             steps = (infill_tool_call_task(model, tokenizer, ids, plan, threshold, key.block_size, room,
-                                           self.settings.max_tool_calls, progress) if isinstance(plan, ToolPlan)
+                                           self.settings.max_tool_calls, progress, draw) if isinstance(plan, ToolPlan)
                      else infill_format_task(model, tokenizer, ids, plan, threshold, key.block_size, room, progress,
                                              draw))
             lanes.append(Lane(await self.start_task(steps), progress, range(req.n) if draw is None else [k]))

@@ -26,7 +26,7 @@ from ..structured import check as check_schema
 from ..settings import absolute_blocks, eos_ids
 from ..chat import CALL_CLOSE, CALL_END, CALL_HEAD, CALL_OPEN, TURN_ENDS, new_call_id
 from ..engine.family_grammar import choose_token_task
-from ..engine.infill import Context, Row, Slot, denoise_task, pieces
+from ..engine.infill import Context, Row, Slot, denoise_task, pieces, sample_option_task
 from ..engine.sampling import Draw
 from ..engine.slots import drive
 from .protocol import APIError, ToolPlan, forced_name
@@ -348,14 +348,18 @@ def _end_of_turn(model, tokenizer) -> int:
 
 
 def another_call(model, tokenizer, context: list[int], threshold: float, block_size: int,
-                 laid: Context | None = None) -> tuple[bool, int]:
+                 laid: Context | None = None, draw: Draw | None = None) -> tuple[bool, int]:
     """After a call (`context` ends with its `</tool_call>`): does another call follow? An options slot
     over the next token, the newline before another `<tool_call>` block or the end of the turn; the
-    model's choice, (True: another, forwards). `laid`: the request's committed context (`infill.Context`)."""
+    model's choice, (True: another, forwards), drawn with `draw` when sampled. `laid`: the request's
+    committed context (`infill.Context`)."""
     newline = pieces(tokenizer, ["\n"], before=CALL_CLOSE, after=CALL_OPEN)[0][:1]
+    options = newline + [_end_of_turn(model, tokenizer)]
+    if draw is not None:  # one token drawn between the two, in the model's layout
+        pick, forwards = yield from sample_option_task(model, context, options, draw, block_size)
+        return pick == 0, forwards
     if absolute_blocks(model):  # a public family: one token in its own layout (engine/family_grammar.py)
-        pick, forwards = yield from choose_token_task(model, context, newline + [_end_of_turn(model, tokenizer)],
-                                                      block_size)
+        pick, forwards = yield from choose_token_task(model, context, options, block_size)
         return pick == 0, forwards
     slot = Slot([], [], choices=[newline, [_end_of_turn(model, tokenizer)]], values=[True, False], name="another call")
     row = Row(context, [slot], block_size, model.config.max_block_size)
@@ -364,19 +368,20 @@ def another_call(model, tokenizer, context: list[int], threshold: float, block_s
 
 
 def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan], lead: str, threshold: float,
-              block_size: int, room: int, opened=None, laid: Context | None = None):
+              block_size: int, room: int, opened=None, laid: Context | None = None, draw: Draw | None = None):
     """One call after `context` (`lead` before its frame: the newline between calls): the function (an
     options slot over the callable names when there are several), then its own arguments schema
     (`opened(name)`, when given, is told the name once chosen and returns the arguments' watch).
-    `laid`: the request's committed context (`infill.Context`), which both infills start from.
+    `laid`: the request's committed context (`infill.Context`), which both infills start from. `draw`
+    (sampled): the name and the arguments sampled under their grammars.
     (name, result, arguments text, finish_reason, verdict)."""
     forwards = 0
     if len(plans) > 1:
         names = {"enum": list(plans)}
-        if absolute_blocks(model):  # a public family: the grammar path, in its own layout
+        if absolute_blocks(model) or draw is not None:  # the grammar path (a public family's: in its own layout)
             pick = yield from grammar_json_task(model, tokenizer, context, names, prefix=lead + CALL_HEAD,
                                                 suffix=', "arguments":', max_new_tokens=room, threshold=threshold,
-                                                block_size=block_size)
+                                                block_size=block_size, draw=draw)
         else:
             pick = yield from infill_json_task(model, tokenizer, context, names, prefix=lead + CALL_HEAD,
                                                suffix=', "arguments":', threshold=threshold, block_size=block_size,
@@ -387,13 +392,14 @@ def _one_call(model, tokenizer, context: list[int], plans: dict[str, FormatPlan]
     head = lead + CALL_HEAD + json.dumps(name) + ', "arguments": '
     r = yield from _run(model, tokenizer, context, plans[name], threshold, block_size, room, prefix=head,
                         suffix=CALL_END, param="tools", watch=opened(name) if opened is not None else None,
-                        context=laid)
+                        context=laid, draw=draw)
     text, finish, info = _verdict(r, room, forwards)
     return name, r, text, finish, info
 
 
 def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, threshold: float,
-                     block_size: int, max_tokens: int = 1 << 30, max_calls: int = MAX_TOOL_CALLS) -> Infilled:
+                     block_size: int, max_tokens: int = 1 << 30, max_calls: int = MAX_TOOL_CALLS,
+                     draw: Draw | None = None) -> Infilled:
     """Forced calls: the function (an options slot over the allowed names whose arguments schema can
     be honoured, under "required" with several tools), then its own arguments schema inside the fixed
     call frame (infilled, or decoded under its grammar). The other tools' schemas never matter.
@@ -402,9 +408,11 @@ def infill_tool_call(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, t
     (`another_call`), up to `max_calls`; a later call cut by max_tokens or the context is left out
     (finish "length"), so every returned call is complete and valid.
     APIError(400) when the named function's schema (or, under "required", every one) is refused.
+    `draw` (sampled): the function, its arguments and whether another call follows drawn under their
+    grammars (the grammar path, as a sampled response_format reply).
     Alone; `infill_tool_call_task` is the same as a task the scheduler runs."""
     return drive(infill_tool_call_task(model, tokenizer, prompt_ids, tools, threshold, block_size, max_tokens,
-                                       max_calls))
+                                       max_calls, draw=draw))
 
 
 def _callable(model, tokenizer, tools: ToolPlan) -> dict[str, FormatPlan]:
@@ -476,7 +484,7 @@ class _Calls:
 
 def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPlan, threshold: float,
                           block_size: int, max_tokens: int = 1 << 30, max_calls: int = MAX_TOOL_CALLS,
-                          progress: Progress | None = None):
+                          progress: Progress | None = None, draw: Draw | None = None):
     plans = _callable(model, tokenizer, tools)
     cap = max_calls if tools.parallel and tools.choice == "required" else 1
     ctx = model.config.max_position_embeddings
@@ -490,7 +498,7 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
         try:
             name, r, text, done, info = yield from _one_call(
                 model, tokenizer, out.context, plans, "\n" if out.calls else "", threshold, block_size, room,
-                shown.opener(call_id), laid)
+                shown.opener(call_id), laid, draw)
         except (Unsupported, ValueError) as e:  # a later call the context or max_tokens cannot hold
             if not out.calls:
                 raise budget_error(e) if isinstance(e, (BudgetTooSmall, Cut)) else e
@@ -510,12 +518,13 @@ def infill_tool_call_task(model, tokenizer, prompt_ids: list[int], tools: ToolPl
             break
         if len(out.calls) >= cap:
             break
-        more, forwards = yield from another_call(model, tokenizer, out.context, threshold, block_size, laid)
+        more, forwards = yield from another_call(model, tokenizer, out.context, threshold, block_size, laid, draw)
         out.extra += forwards
         if not more:
             break
     return out.reply()
 
 
-__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "Lane", "Progress", "Sent", "another_call", "format_plan", "infill_format", "infill_format_task",
+__all__ = ["MAX_TOOL_CALLS", "FormatPlan", "Infilled", "Lane", "Progress", "Sent", "another_call", "format_plan",
+           "infill_format", "infill_format_task",
            "infill_tool_call", "infill_tool_call_task", "is_json_object"]
