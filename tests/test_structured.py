@@ -336,11 +336,14 @@ def test_cli_json_schema(tiny, tmp_path, capsys):
         assert main(args + [str(path)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
-    # decoded greedily: a sampling temperature is refused, not silently ignored (the Python API has no
-    # sampling parameters at all)
-    assert main(args + [str(schema), "--temperature", "0.8"]) == 2
-    err = capsys.readouterr().err
-    assert "--temperature" in err and "greedily" in err and err.count("\n") == 1
+    # --temperature samples under the schema's grammar (the seed repeats it); the Python API takes a Draw
+    sampled = args + [str(schema), "--json", "--temperature", "0.8", "--seed", "3"]
+    assert main(sampled) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "grammar" and out["valid"] and "sampled" in out["fallback_reason"]
+    validate(out["value"], SCHEMAS["flat"])
+    assert main(sampled) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == out["text"]
     with pytest.raises(TypeError):
         generate_json(model, tok, PROMPT, SCHEMAS["flat"], temperature=0.8)
 

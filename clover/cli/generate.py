@@ -99,6 +99,7 @@ def read_schema(path: str) -> dict:
 
 def run_schema(args) -> int:
     from ..api import model_folder
+    from ..engine.sampling import Draw
     from ..structured import generate_json
 
     schema = read_schema(args.json_schema)
@@ -106,13 +107,13 @@ def run_schema(args) -> int:
     model_folder(args.model)
     cfg = decode_config(args)
     for flag, given in (("--show", args.show), ("--trajectory-out", args.trajectory_out), ("--think", args.think),
-                        ("--mode", cfg.mode != "low_confidence"),
-                        ("--temperature (structured output is decoded greedily)", cfg.sampling.temperature > 0)):
+                        ("--mode", cfg.mode != "low_confidence")):
         if given:
             raise UserError(f"{flag} does not apply to --json-schema")
     model, tokenizer = load_model(args, len(prompts))  # the torch back end (--backend checked by run)
+    draw = Draw.of(cfg.sampling)  # --temperature > 0: sampled under the schema's grammar, one generator for all
     results = [generate_json(model, tokenizer, p, schema, chat=args.chat, threshold=cfg.threshold,
-                             block_size=cfg.block_size, max_new_tokens=cfg.max_new_tokens) for p in prompts]
+                             block_size=cfg.block_size, max_new_tokens=cfg.max_new_tokens, draw=draw) for p in prompts]
     if args.json:
         dicts = [r.to_dict() for r in results]
         print_json(dicts[0] if len(dicts) == 1 else dicts)

@@ -21,6 +21,7 @@ from functools import partial
 
 from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends_after, in_context, pieces,
                              token_ids, vocab_mask)
+from ..engine.sampling import Draw
 from ..engine.slots import drive
 from ..settings import INFILL_THRESHOLD, absolute_blocks, check_block_size, check_threshold, decode_config, infill_settings
 from . import schema as sk
@@ -34,14 +35,15 @@ _JSON_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?")
 
 def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, threshold: float | None = None,
                   block_size: int | None = None, max_string_tokens: int = 16, max_new_tokens: int = 256,
-                  method: str = "auto") -> JsonResult:
+                  method: str = "auto", draw: Draw | None = None) -> JsonResult:
     """A JSON value for `prompt` (a string, or chat messages) that follows `schema`: the schema is
     normalised, then infilled when the infiller can lay it out (clover.structured.schema), else (and
     for {"type": "json_object"}) decoded under its grammar (clover.structured.grammar) within
     `max_new_tokens`; `Refused` (a ValueError) for a schema nothing can honour. A string slot holds
     at most `max_string_tokens` tokens (and maxLength characters). `method="free"` takes
     unconstrained generation instead (the schema still checked first), to compare with. `threshold`
-    and `block_size` default to INFILL_THRESHOLD and 32, for a public family to its published ones."""
+    and `block_size` default to INFILL_THRESHOLD and 32, for a public family to its published ones.
+    `draw` (engine/sampling.Draw: temperature > 0): sampled under the grammar (the infiller is greedy)."""
     from ..chat import encode
 
     threshold, block_size = infill_settings(model, threshold, block_size)
@@ -49,6 +51,8 @@ def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, th
     start = time.perf_counter()
     if method not in ("auto", "free", "grammar"):
         raise ValueError(f'method must be "auto", "grammar" or "free", got {method!r}')
+    if draw is not None and method == "free":
+        raise ValueError("a draw samples under the grammar: not with method='free'")
     if is_json_object(schema):
         reason, target = "json_object: any JSON object", schema
     else:
@@ -59,6 +63,8 @@ def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, th
         return _free(model, tokenizer, prompt, target, "method='free': free generation asked for", chat,
                      threshold, block_size, max_new_tokens, start)
     ids = encode(tokenizer, prompt, chat)
+    if reason is None and draw is not None:
+        reason = "sampled: the grammar path"
     if reason is None and method == "auto":
         try:
             out = infill_json(model, tokenizer, ids, sk.skeleton(target), threshold=threshold, block_size=block_size,
@@ -68,7 +74,7 @@ def generate_json(model, tokenizer, prompt, schema: dict, chat: bool = False, th
         except sk.Unsupported as e:
             reason = str(e)
     out = grammar_json(model, tokenizer, ids, target, max_new_tokens=max_new_tokens, threshold=threshold,
-                       block_size=block_size)
+                       block_size=block_size, draw=draw)
     out.fallback_reason = reason if method == "auto" else "method='grammar' asked for"
     out.seconds = time.perf_counter() - start
     return out
