@@ -109,6 +109,32 @@ def test_sampled_replies_validate_over_many_seeds_and_a_seed_repeats(loaded):
     assert again.content == replies[3]
 
 
+def test_sampled_requests_batched_by_the_scheduler_equal_their_solo_replies(loaded):
+    """Each request draws from its own generator: batched with others (same seed or not), its reply is
+    the one it gets alone."""
+    from clover.engine import slots
+    from clover.server.scheduler import Scheduler
+    from clover.server.structured import infill_format_task
+
+    model, tok = loaded
+    asks = [("Ann?", 1), ("Bob, please.", 2), ("Ann?", 2), ("Who?", 1)]
+    alone = [_sampled(loaded, PERSON, SamplingParams(temperature=0.9, seed=seed), text).content for text, seed in asks]
+    plan = format_plan({"type": "json_schema", "json_schema": {"schema": PERSON}})
+    sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
+    tasks = [slots.Task(infill_format_task(model, tok, tok(text).input_ids, plan, 0.5, 4, 80,
+                                           draw=Draw.of(SamplingParams(temperature=0.9, seed=seed))))
+             for text, seed in asks]
+    for task in tasks:
+        task.resume()
+    sched.submit(tasks)
+    sched.start()
+    try:
+        together = [t.future.result(timeout=300).content for t in tasks]
+    finally:
+        sched.stop()
+    assert together == alone
+
+
 def test_greedy_is_unchanged_and_a_near_zero_top_p_is_greedy_under_the_grammar(loaded):
     greedy = _sampled(loaded, PERSON, None)
     assert greedy.info["method"] == "infill"  # a greedy reply is still infilled when it can be
