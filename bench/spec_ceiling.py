@@ -16,8 +16,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def oracle_consume(consume, answers: dict, eos: int):
-    """SelfSpecMode.consume with every row's guesses for its next round (drafted in the mask window of
-    the round's forward) replaced by the row's `ar` answer at the guesses' positions."""
+    """SelfSpecMode.consume with every draft it keeps (this round's, or the next one made in the
+    verify forward) replaced by the rows' `ar` answers at the draft's positions."""
     import torch
 
     def drafts(batch, width):
@@ -29,8 +29,13 @@ def oracle_consume(consume, answers: dict, eos: int):
         return torch.tensor(rows, dtype=torch.long, device=batch.window.device)
 
     def patched(self, batch, logits):
+        st = self.state
+        drafting = st.draft is None and st.ready_draft is None
         events = consume(self, batch, logits)
-        self.state.guess = drafts(batch, self.block_size)
+        if drafting:
+            st.draft = drafts(batch, self.block_size)
+        elif st.ready_draft is not None:
+            st.ready_draft = drafts(batch, self.block_size)
         return events
 
     return patched
@@ -48,7 +53,7 @@ def main() -> int:
     import torch
 
     from clover.api import eos_ids, load
-    from clover.engine import spec
+    from clover.engine import modes
     from clover.eval import pareto
     from clover.eval.generation import generate_until
 
@@ -67,14 +72,14 @@ def main() -> int:
         print(f"self_spec's ceiling: {len(exs)} held-out task prompts, answers of {sum(lengths) / len(lengths):.2f} "
               f"tokens on average (ar, until the first newline or end token)\n")
         print("| block | TPF, model's draft | TPF, perfect draft | accuracy (both) |\n|---:|---:|---:|---:|")
-        consume = spec.SelfSpecMode.consume
+        consume = modes.SelfSpecMode.consume
         for b in (int(x) for x in args.block_sizes.split(",")):
             model_run = pareto.evaluate(model, tokenizer, exs, "self_spec", b, 0.0, args.batch, eos)
-            spec.SelfSpecMode.consume = oracle_consume(consume, answers, eos[0])
+            modes.SelfSpecMode.consume = oracle_consume(consume, answers, eos[0])
             try:
                 oracle_run = pareto.evaluate(model, tokenizer, exs, "self_spec", b, 0.0, args.batch, eos)
             finally:
-                spec.SelfSpecMode.consume = consume
+                modes.SelfSpecMode.consume = consume
             assert oracle_run["accuracy"] == model_run["accuracy"]  # lossless both ways: the same answers
             print(f"| {b} | {model_run['tpf']:.2f} | {oracle_run['tpf']:.2f} | {100 * model_run['accuracy']:.1f}% |")
     return 0

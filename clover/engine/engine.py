@@ -1,6 +1,6 @@
 """The decoding engine: the scheduler-facing front of one decoding configuration. Reads top to
 bottom: add requests (validate, prefill, join the row batch) -> step (the mode advances every row:
-one model forward per denoising step / AR step / self-spec round) -> drop finished
+one model forward per denoising step / AR step, one or two per self-spec round) -> drop finished
 rows.
 
 Three parts, each with one job:
@@ -24,8 +24,7 @@ from .batch import Prefill, RowBatch
 from .editing import EditingMode
 from .layout import Layout
 from .model_api import seam_of
-from .modes import ARMode, DiffusionMode, Mode, TokenHook
-from .spec import LookupSpecMode, SelfSpecMode
+from .modes import ARMode, DiffusionMode, LookupSpecMode, Mode, SelfSpecMode, TokenHook
 from .policies import SCORES
 from .runner import make_runner
 from .sampling import make_generator
@@ -149,7 +148,7 @@ class Engine:
         events = []
         if self.seqs:
             events = None
-            while events is None:  # one round (a mode may ask for several forwards)
+            while events is None:  # one round: one forward, two for a self_spec draft + verify
                 events = self.mode.consume(self.batch, self.batch.run(self.mode.plan(self.batch)))
             self._drop_finished()
         if self.joining:

@@ -2,7 +2,7 @@
 own typed per-row state, keeps it in row order when rows join (`join`) or leave (`select`). No mode
 calls the model: `plan(batch)` says the forward it needs next (a `Forward`), `consume(batch, logits)`
 takes that forward's logits and returns the (sequence, new tokens) events of a finished round, or
-None while the round needs another forward. Whoever holds the
+None while the round needs another forward (self_spec's draft before its verify). Whoever holds the
 batch runs the forward (`RowBatch.run`: Engine.step, or the server's scheduler beside other jobs).
 
 * `DiffusionMode` (`low_confidence`, `topk`, `entropy`, `margin`): the draft window is
@@ -15,7 +15,12 @@ batch runs the forward (`RowBatch.run`: Engine.step, or the server's scheduler b
   block bookkeeping as one pure function, `advance`; a compiled runner makes each pure function
   one graph (`runner.fuse`).
 * `ARMode` (`ar`): greedy/sampled next-token decoding; the last token is committed as it is fed.
-* `SelfSpecMode`, `LookupSpecMode` (`self_spec`): engine/spec.py.
+* `SelfSpecMode` (`self_spec`): prefix committed causally (clean_block_size = 1); each round
+  drafts a block in one diffusion step, verifies it causally with the cache recording, keeps the
+  agreeing prefix plus the AR correction and rolls the cache back to it. Lossless w.r.t. `ar`
+  greedy. After a round that accepted whole blocks, the next draft rides along in the verify
+  forward (one forward per round). `LookupSpecMode` (`self_spec` with `draft="lookup"`) drafts
+  from the row's own context instead (engine/lookup.py): one forward per round, no draft forward.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from typing import Protocol
 
 import torch
 
+from ..models.cache_clover import CloverCache, rolled_states
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
 from .layout import Layout
+from .lookup import NgramIndex
 from .policies import make_policy
 from .sampling import banned_ids, sample
 from .sequence import Sequence
@@ -128,6 +135,136 @@ class ARMode(Mode):
                 seq.finish("stop")
             events.append((seq, [] if t is None else [t]))
         batch.window = window
+        return events
+
+
+@dataclass
+class SpecState:
+    ready_draft: torch.Tensor | None = None  # the next block's draft, made by the last verify forward
+    whole_last_round: bool = False  # every running row accepted its whole block last round
+    draft: torch.Tensor | None = None  # this round's draft, once drafted (the verify forward comes next)
+    fuse: bool = False  # the verify forward planned also drafts the next block
+
+
+class SelfSpecMode(Mode):
+    def __init__(self, cfg, mask_id: int, device, generator):
+        super().__init__(cfg, mask_id, device, generator)
+        self.width = cfg.block_size
+        self.state = SpecState()
+        self._rolled = None  # `rolled_states` as the runner calls it, made when first used
+
+    def join(self, seqs: list[Sequence], first: bool) -> None:
+        self.state.ready_draft = self.state.draft = None  # a draft made before covers the old rows only
+        if first:
+            self.state.whole_last_round = False
+
+    def select(self, idx: torch.Tensor) -> None:
+        if self.state.ready_draft is not None:
+            self.state.ready_draft = self.state.ready_draft[idx]
+        if self.state.draft is not None:
+            self.state.draft = self.state.draft[idx]
+
+    def plan(self, batch: RowBatch) -> Forward:
+        """Draft (unless the last verify already drafted this block), then verify causally. When the
+        last round accepted whole blocks, the next block's draft rides along in the verify forward,
+        assuming this block is accepted whole too; it is used only if it was (otherwise the prefix
+        it assumed has been rolled back)."""
+        B, st, window = self.block_size, self.state, batch.window
+        if st.draft is None and st.ready_draft is None:
+            return Forward(window, B, B, B)  # the draft: draft[:, j] = guess for target j
+        draft = st.draft = st.draft if st.draft is not None else st.ready_draft
+        batch.cache.start_recording()
+        verify_ids = torch.cat([window[:, :1], draft[:, :-1]], dim=1)
+        st.fuse = st.ready_draft is not None or st.whole_last_round
+        if st.fuse:
+            next_window = torch.cat([draft[:, -1:], window[:, 1:]], dim=1)  # [d_B, MASK...]
+            return Forward(torch.cat([verify_ids, next_window], dim=1), B, 2 * B, B)
+        return Forward(verify_ids, 0, B)
+
+    def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events | None:
+        st = self.state
+        if st.draft is None and st.ready_draft is None:
+            st.draft = self.tokens(logits)
+            return None
+        draft, fuse, st.draft = st.draft, st.fuse, None
+        return self._verified(batch, draft, fuse, self.tokens(logits))
+
+    def _verified(self, batch: RowBatch, draft: torch.Tensor, fuse: bool, tokens: torch.Tensor) -> Events:
+        """Keep each row's agreeing prefix and its AR correction; roll the cache back to it."""
+        B, st, window = self.block_size, self.state, batch.window
+        ar, next_draft = tokens[:, :B], tokens[:, B:]  # ar[:, j] = greedy AR token for target j
+        agree = (draft == ar).long().cumprod(1).sum(1)
+        # the agreeing prefix equals ar[:, :agree]; ar[:, agree] is the correction (when agree < B)
+        take = (agree + 1).clamp_max(B).tolist()
+        events, keep = [], []
+        for seq, row, n, a in zip(batch.seqs, ar.tolist(), take, agree.tolist()):
+            out = self._cut_at_eos(row[: min(n, seq.remaining)])
+            seq.append(out, [0 if j < a else 1 for j in range(len(out))], self.eos)  # step 1 = AR correction
+            events.append((seq, out))
+            keep.append(len(out))
+        keep_t = torch.tensor(keep, device=self.device)
+        self._rollback(batch, keep_t)  # keeps x_{n-1} and the accepted tokens but the last one
+        st.whole_last_round = all(k == B for k, s in zip(keep, batch.seqs) if not s.finished)
+        st.ready_draft = next_draft if fuse and st.whole_last_round else None
+        batch.window = torch.full_like(window, self.mask_id)
+        batch.window[:, 0] = ar.gather(1, (keep_t - 1)[:, None]).squeeze(1)
+        return events
+
+
+    def _rollback(self, batch: RowBatch, keep: torch.Tensor) -> None:
+        """The cache back to `keep` tokens of the verified segment a row; a Clover cache's GDN states
+        re-advanced by `rolled_states` as the runner calls it (compiled: one graph)."""
+        if not isinstance(batch.cache, CloverCache):
+            batch.cache.rollback(keep)
+            return
+        if self._rolled is None:
+            self._rolled = batch.runner.fuse(rolled_states, ("rolled_states",))
+        batch.cache.rollback(keep, states=self._rolled)
+
+
+class LookupSpecMode(SelfSpecMode):
+    """self_spec with drafts looked up in each row's own context (engine/lookup.py, `draft="lookup"`):
+    a round is one verify forward of [last token, draft[:-1]] (no draft forward), or a plain AR step
+    when no row's context has a suffix seen before (and while a prompt's last chunk waits to commit). Rows without a draft in a verifying batch get
+    their last token repeated (rejected or not, they keep what `ar` makes)."""
+
+    def __init__(self, cfg, mask_id: int, device, generator):
+        super().__init__(cfg, mask_id, device, generator)
+        self.index: list[NgramIndex] = []
+
+    def join(self, seqs: list[Sequence], first: bool) -> None:
+        super().join(seqs, first)
+        new = [NgramIndex(s.prompt_ids) for s in seqs]
+        self.index = new if first else self.index + new
+
+    def select(self, idx: torch.Tensor) -> None:
+        super().select(idx)
+        self.index = [self.index[i] for i in idx.tolist()]
+
+    def plan(self, batch: RowBatch) -> Forward:
+        B, window = self.block_size, batch.window
+        drafts = []
+        for seq, ix in zip(batch.seqs, self.index):
+            ix.extend(seq.token_ids[ix.generated:])
+            drafts.append(ix.draft(B))
+        # a prompt's last chunk still to commit (rows joined) rides with an AR step: a verify's rollback
+        # counts only the columns it verifies
+        if batch.pending is not None or all(d is None for d in drafts):
+            self.state.draft = None
+            return Forward(window[:, :1], 0, 1)  # an AR step
+        rows = [d if d is not None else [ix.ctx[-1]] * B for d, ix in zip(drafts, self.index)]
+        draft = self.state.draft = torch.tensor(rows, dtype=torch.long, device=self.device)
+        batch.cache.start_recording()
+        return Forward(torch.cat([window[:, :1], draft[:, :-1]], dim=1), 0, B)
+
+    def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        draft, self.state.draft = self.state.draft, None
+        if draft is not None:
+            return self._verified(batch, draft, False, self.tokens(logits))
+        tokens = self.tokens(logits[:, -1])
+        events = self._append_each(batch, tokens)
+        batch.window = torch.full_like(batch.window, self.mask_id)
+        batch.window[:, 0] = tokens
         return events
 
 
