@@ -26,7 +26,9 @@ held-out task prompt, exactly --max-tokens generated (`ignore_eos`, honoured by 
 greedy. Per level, each server runs the requests of one round untimed (the same prompts, so a compiled
 clover server meets every shape a round will, then loads their graphs, `clover_graphs_deferred` 0, its
 compiling child at normal priority:
-CLOVER_COMPILE_NICE=0), then --rounds timed rounds, servers interleaved within a round. The large
+CLOVER_COMPILE_NICE=0), then --rounds timed rounds, servers interleaved within a round; before each
+timed run every compiled clover server has its graphs again (a shape first met in a timed round would
+otherwise be compiled beside the next server's run). The large
 size has its own rounds, requests, reply length and servers (default: the matching pairs, clover
 compiled). Tables: median aggregate tokens/s and its min - max over rounds, time to first token p50,
 latency p50 / p99 (all requests of the median round), the ratio of medians against llama-server at
@@ -280,6 +282,7 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
                     ready(s, args.settle_timeout)
             for _ in range(plan.rounds):
                 for s in servers:
+                    quiet(servers, args.settle_timeout)  # no compiled server compiles beside a timed run
                     run = attempt(s, n, prompts, plan.requests, plan.max_tokens)
                     if run:
                         s.runs.setdefault(n, []).append(run)
@@ -299,6 +302,15 @@ def size_plan(args, size: str):
                                max_tokens=args.large_max_tokens or args.max_tokens)
     return SimpleNamespace(rounds=args.rounds, requests=args.requests, max_tokens=args.max_tokens,
                            threads=args.default_threads)
+
+
+def quiet(servers: list[Server], timeout: float) -> None:
+    """Before a timed run: every compiled clover server has loaded the graphs of the shapes it met
+    (a shape first met in a timed round is compiled by the server's child, which would otherwise take
+    a core from whichever server is timed next)."""
+    for s in servers:
+        if s.kind == "clover" and s.runner == "compiled" and s.error is None:
+            ready(s, timeout)
 
 
 def ready(s: Server, timeout: float) -> None:

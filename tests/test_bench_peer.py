@@ -135,3 +135,14 @@ def test_a_server_gone_while_its_graphs_are_awaited_leaves_the_comparison(monkey
     peer.ready(s, 1.0)  # no exception: the run goes on with the other servers
     assert s.error.startswith("waiting for its graphs: ConnectionResetError")
     assert peer.attempt(s, 4, ["p"], 1, 8) is None
+
+
+def test_before_a_timed_run_every_compiled_clover_server_has_its_graphs(monkeypatch):
+    """A shape first met in a timed round is compiled by that server's child: `quiet` waits for it
+    before the next timed run, so no compile runs beside another server's run."""
+    servers = [peer.Server("clover", "compiled", "fp32"), peer.Server("clover", "eager", "fp32"),
+               peer.Server("llama-server", "-", "f32"), peer.Server("clover", "compiled", "int4", error="gone")]
+    waited = []
+    monkeypatch.setattr(peer, "ready", lambda s, timeout: waited.append((s.name, timeout)))
+    peer.quiet(servers, 5.0)
+    assert waited == [("clover compiled fp32", 5.0)]
