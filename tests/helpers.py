@@ -56,6 +56,16 @@ def tiny_model(seed: int, peak: float = 40.0, **overrides):
     return m
 
 
+def with_block_additions(m, std: float = 0.3):
+    """`m` with its block additions (right conv, block calibration) moved off their zero start, so a
+    clean window's width changes what it computes (a layout mistake then changes the logits)."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if any(x in name for x in ("right_conv", "block_calibration")):
+                p.normal_(0, std)
+    return m
+
+
 @contextlib.contextmanager
 def runner_calls(runner: str):
     """While inside: (logits, logits_index) of every forward of the eager or compiled runner class."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import tiny_model, with_block_additions
 
 from clover.engine import infill
 from clover.engine.batch import RowBatch
@@ -21,12 +21,7 @@ from functools import partial
 @pytest.fixture(scope="module")
 def model():
     """Its block additions perturbed from their zero start, so a clean window's width changes what it computes."""
-    m = tiny_model(5)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if any(x in name for x in ("right_conv", "block_calibration")):
-                p.normal_(0, 0.3)
-    return m
+    return with_block_additions(tiny_model(5))
 
 
 def test_a_clean_window_width_changes_the_cache(model):
@@ -203,10 +198,7 @@ def test_forced_tool_calls_reply_as_with_every_job_fed_whole(tmp_path, monkeypat
     from clover.server.protocol import ToolPlan
 
     model, tok = clover.load(save_tiny_model(tmp_path / "m", seed=2))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if any(x in name for x in ("right_conv", "block_calibration")):
-                p.normal_(0, 0.3)
+    with_block_additions(model)
     tools = [{"type": "function", "function": {"name": n, "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
         "required": ["city", "n"]}}} for n in ("weather", "time", "place")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import tiny_model, with_block_additions
 
 from clover.engine.batch import RowBatch, merge
 from clover.engine.runner import make_runner
@@ -15,7 +15,8 @@ from clover.engine.slots import prefix_groups, share_prefixes
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(3)
+    """Block additions off zero: a prefix committed in the wrong window widths would change the logits."""
+    return with_block_additions(tiny_model(3))
 
 
 def _batches(model, prompts: list[list[list[int]]], width: int) -> list[RowBatch]:
