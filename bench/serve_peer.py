@@ -24,11 +24,10 @@ batches up to that many rows (`--max-batch`).
 Each client is a closed loop (the official async `openai` client, streaming, /v1/completions): a
 held-out task prompt, exactly --max-tokens generated (`ignore_eos`, honoured by both servers),
 greedy. Per level, each server runs the requests of one round untimed (the same prompts, so a compiled
-clover server meets every shape a round will, then loads their graphs, `clover_graphs_deferred` 0, its
-compiling child at normal priority:
-CLOVER_COMPILE_NICE=0), then --rounds timed rounds, servers interleaved within a round; before each
-timed run every compiled clover server has its graphs again (a shape first met in a timed round would
-otherwise be compiled beside the next server's run). The large
+clover server meets every shape a round will), then --rounds timed rounds, servers interleaved within a
+round. Before each timed run every compiled clover server has loaded the graphs of every shape it has
+met (`clover_graphs_deferred` 0; its compiling child at normal priority, CLOVER_COMPILE_NICE=0), so no
+compile runs beside a timed run, whichever server it times. The large
 size has its own rounds, requests, reply length and servers (default: the matching pairs, clover
 compiled). Tables: median aggregate tokens/s and its min - max over rounds, time to first token p50,
 latency p50 / p99 (all requests of the median round), the ratio of medians against llama-server at
@@ -277,9 +276,8 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
         for s in servers:
             start(s, args, files, max(levels), slot_ctx, plan.threads)
         for n in levels:
-            for s in servers:  # untimed, the requests of a round: a compiled server meets their shapes, then loads their graphs
-                if attempt(s, n, prompts, plan.requests, plan.max_tokens) and s.runner == "compiled":
-                    ready(s, args.settle_timeout)
+            for s in servers:  # untimed, the requests of a round: a compiled server meets their shapes
+                attempt(s, n, prompts, plan.requests, plan.max_tokens)
             for _ in range(plan.rounds):
                 for s in servers:
                     quiet(servers, args.settle_timeout)  # no compiled server compiles beside a timed run
@@ -540,7 +538,7 @@ def header(args, prompts: list[str]) -> str:
             f"--int4-activations {args.int4_activations} --int4-head {args.int4_head}`: "
             f"{os.cpu_count()} CPU cores shared with other work, load average {os.getloadavg()[0]:.1f} at the start; "
             f"{len(prompts)} held-out task prompts (ignore_eos, greedy), streamed; servers interleaved; a compiled "
-            "server's graphs loaded (untimed) after each level's warm-up. Clover forwards: the scheduler's time in "
+            "server's graphs loaded (untimed) before each timed run. Clover forwards: the scheduler's time in "
             "forwards over the round's wall time, the mean forward, and forwards run eagerly (compiled servers).")
 
 
