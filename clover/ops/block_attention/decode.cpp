@@ -23,6 +23,7 @@
 #endif
 
 #include "../linear/parallel.h"
+#include "../linear/define_op.h"
 
 namespace {
 
@@ -212,10 +213,4 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-}
+CLOVER_CPU_OP(decode_attention, "(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor")

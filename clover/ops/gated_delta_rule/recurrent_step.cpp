@@ -19,6 +19,7 @@
 #endif
 
 #include "../linear/parallel.h"
+#include "../linear/define_op.h"
 
 namespace {
 
@@ -122,10 +123,4 @@ at::Tensor recurrent_step_(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
-  m.def("recurrent_step_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) state) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
-  m.impl("recurrent_step_", &recurrent_step_);
-}
+CLOVER_CPU_OP(recurrent_step_, "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor(a!) state) -> Tensor")

@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
+#include "../linear/define_op.h"
+
 namespace {
 
 at::Tensor unit_lower_solve(const at::Tensor& system, const at::Tensor& rhs) {
@@ -45,13 +47,7 @@ at::Tensor unit_lower_solve(const at::Tensor& system, const at::Tensor& rhs) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
-  m.def("unit_lower_solve(Tensor system, Tensor rhs) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
-  m.impl("unit_lower_solve", &unit_lower_solve);
-}
+CLOVER_CPU_OP(unit_lower_solve, "(Tensor system, Tensor rhs) -> Tensor")
 
 // The C entry point a compiled graph calls directly (see tiled.cpp's C entry points).
 extern "C" __attribute__((visibility("default"))) AOTITorchError aoti_torch_cpu_unit_lower_solve(

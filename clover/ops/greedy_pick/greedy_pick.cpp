@@ -19,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../linear/define_op.h"
+
 namespace {
 
 // One vector register of floats as one value (GCC/Clang vector extension): 16 lanes on AVX-512, else
@@ -160,10 +162,4 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits, const a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(clover_cpu, m) {
-  m.def("greedy_pick(Tensor logits, Tensor banned) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(clover_cpu, CPU, m) {
-  m.impl("greedy_pick", &greedy_pick);
-}
+CLOVER_CPU_OP(greedy_pick, "(Tensor logits, Tensor banned) -> (Tensor, Tensor)")
