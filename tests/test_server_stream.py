@@ -258,3 +258,42 @@ def test_the_served_socket_turns_nagle_off_on_every_connection():
     asyncio.run(main())
     assert sock.proto == socket.IPPROTO_TCP
     assert seen and seen[0] != 0
+
+
+def test_a_real_loop_is_woken_through_its_pipe_in_order():
+    """A ticket made in its loop's thread sets up the loop's wake-up pipe; a turn's posts from the decoding
+    thread arrive whole and in order, and a loop first met from another thread is woken without one."""
+    from clover.server.scheduler import Inbox
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        t1, t2 = Ticket(loop), Ticket(loop)
+        assert Inbox.of(loop).pipe is not None
+
+        def turns():
+            for turn in range(50):
+                with held_posts():
+                    t1.post(("a", turn))
+                    t2.post(("b", turn))
+
+        th = threading.Thread(target=turns)
+        th.start()
+        got1 = [await asyncio.wait_for(t1.queue.get(), 10) for _ in range(50)]
+        got2 = [await asyncio.wait_for(t2.queue.get(), 10) for _ in range(50)]
+        th.join()
+        return got1, got2
+
+    got1, got2 = asyncio.run(go())
+    assert got1 == [("a", i) for i in range(50)] and got2 == [("b", i) for i in range(50)]
+
+    async def elsewhere():
+        loop = asyncio.get_running_loop()
+        box = []
+        th = threading.Thread(target=lambda: box.append(Inbox.of(loop)))
+        th.start()
+        th.join()
+        t = _ticket(loop)
+        threading.Thread(target=t.post, args=("x",)).start()
+        return box[0].pipe, await asyncio.wait_for(t.queue.get(), 10)
+
+    assert asyncio.run(elsewhere()) == (None, "x")

@@ -45,6 +45,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import threading
 import time
 import traceback
@@ -107,10 +109,12 @@ class Cancelled(Exception):
 
 class Ticket:
     """One HTTP request's mailbox: the scheduler thread posts, the request's coroutine reads. Inside
-    `held_posts` a post waits for the end of that block, where every held post goes out together."""
+    `held_posts` a post waits for the end of that block, where every held post goes out together.
+    Made in the event loop's thread (its loop's `Inbox` is set up there)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
+        Inbox.of(loop)
 
     def post(self, item: Event) -> None:
         held = getattr(_held, "posts", None)
@@ -146,17 +150,56 @@ def deliver(posts: list[tuple[Ticket, Event]]) -> None:
         Inbox.of(loop).add(loop, items)
 
 
+def _holding_write():
+    """libc's write(2) called with the GIL held (ctypes.PyDLL), or None where there is none."""
+    try:
+        write = ctypes.PyDLL(None).write
+    except (OSError, AttributeError):
+        return None
+    write.argtypes, write.restype = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ctypes.c_ssize_t
+    return write
+
+
+_WRITE = _holding_write()
+
+
 class Inbox:
-    """The posts on their way to one event loop. A post finds the loop's wake-up (`call_soon_threadsafe`,
-    a write to its self-pipe) already pending while the loop has not run it yet, and just joins it: a
-    loop that lags behind the decoding takes several turns' posts in one wake-up, and the decoding
-    thread does not hand the GIL to the loop's thread once per turn."""
+    """The posts on their way to one event loop. A post finds the loop's wake-up already pending while
+    the loop has not run it yet, and just joins it: a loop that lags behind the decoding takes several
+    turns' posts in one wake-up.
+
+    The wake-up is a byte on a pipe the loop reads (`add_reader`), written with the GIL held: the
+    decoding thread keeps the GIL until its next forward lets go of it, so the loop's thread, woken,
+    runs while the forward does instead of taking the GIL from the decoding thread mid-turn (which a
+    write that releases the GIL, as `call_soon_threadsafe`'s, lets it do). Where the loop has no
+    `add_reader` (or there is no libc write): `call_soon_threadsafe`."""
 
     _all: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     _made = threading.Lock()
 
-    def __init__(self):
+    def __init__(self, loop=None):
         self.lock, self.items, self.pending = threading.Lock(), [], False
+        self.pipe = self._open(loop) if loop is not None and _WRITE is not None else None
+
+    def _open(self, loop):
+        """The wake-up pipe (read end, write end), or None; only in the loop's own thread (`add_reader`
+        is not thread-safe): a loop first met elsewhere wakes by `call_soon_threadsafe`."""
+        try:
+            if asyncio.get_running_loop() is not loop:
+                return None
+            r, w = os.pipe()
+        except (OSError, RuntimeError):
+            return None
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        try:
+            loop.add_reader(r, self._woken, r)
+        except (NotImplementedError, AttributeError, RuntimeError):
+            os.close(r)
+            os.close(w)
+            return None
+        weakref.finalize(self, _close, r, w)
+        return r, w
 
     @classmethod
     def of(cls, loop) -> Inbox:
@@ -165,7 +208,7 @@ class Inbox:
             try:
                 box = cls._all.get(loop)
                 if box is None:
-                    box = cls._all[loop] = cls()
+                    box = cls._all[loop] = cls(loop)
             except TypeError:
                 box = cls()
             return box
@@ -176,11 +219,21 @@ class Inbox:
             if self.pending:
                 return
             self.pending = True
+        if self.pipe is not None and not loop.is_closed():
+            _WRITE(self.pipe[1], b"\0", 1)  # a full pipe (-1): a wake-up is pending anyway
+            return
         try:
             loop.call_soon_threadsafe(self.drain)
         except RuntimeError:  # the loop is gone (server shutting down)
             with self.lock:
                 self.items, self.pending = [], False
+
+    def _woken(self, r: int) -> None:
+        try:
+            os.read(r, 4096)
+        except OSError:
+            pass
+        self.drain()
 
     def drain(self) -> None:
         """(In the loop's thread) everything posted so far, into the tickets' queues, in order."""
@@ -188,6 +241,14 @@ class Inbox:
             items, self.items, self.pending = self.items, [], False
         for queue, item in items:
             queue.put_nowait(item)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 @dataclass(eq=False)
