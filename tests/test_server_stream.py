@@ -297,3 +297,33 @@ def test_a_real_loop_is_woken_through_its_pipe_in_order():
         return box[0].pipe, await asyncio.wait_for(t.queue.get(), 10)
 
     assert asyncio.run(elsewhere()) == (None, "x")
+
+
+def test_deferred_posts_go_right_before_the_next_graph_call_or_the_next_turn():
+    from clover.compile.replay import run_before_graph
+    from clover.server.scheduler import flush_posts
+
+    loop = RecordingLoop()
+    t = _ticket(loop)
+    with held_posts(defer=True):
+        t.post("a")
+    assert not loop.calls  # held for the next graph call
+    run_before_graph()  # the next turn's forward starts its graph
+    assert len(loop.calls) == 1
+    loop.run()
+    assert _drain(t.queue) == ["a"]
+    run_before_graph()  # once
+    assert not loop.calls
+    with held_posts(defer=True):
+        t.post("b")
+    with held_posts(defer=True):  # a turn without a graph call: "b" goes at its end, before its own posts
+        t.post("c")
+        assert not loop.calls
+    loop.run()
+    assert _drain(t.queue) == ["b"]
+    flush_posts()  # idle: no graph call is coming
+    loop.run()
+    assert _drain(t.queue) == ["c"]
+    flush_posts()
+    run_before_graph()
+    assert not loop.calls

@@ -29,9 +29,11 @@
   arrives during that waits for it. A restarted server loads the graphs an earlier server's child
   noted on disk by their keys at start-up, before it answers.
 * Results cross to the asyncio side on the tickets' queues: the posts of one loop turn go together,
-  one `loop.call_soon_threadsafe` per turn (`held_posts`), so the event loop's thread takes the GIL
+  one wake-up of the event loop per turn (`held_posts`), so the event loop's thread takes the GIL
   once per step instead of once per row; while that wake-up is still pending (the event loop lags
-  behind) later turns' posts join it instead of waking the loop again (`Inbox`).
+  behind) later turns' posts join it instead of waking the loop again (`Inbox`). With
+  `--runner compiled` a turn's posts go right before the next turn's first graph call, so the loop's
+  thread runs beside that graph (`held_posts(defer=True)`).
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
   a batched `step()` that raises does not say which row caused it. Rows that joined since the
@@ -58,6 +60,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ..compile.replay import before_next_graph
 from ..compile.warm import Background
 from ..engine import DEFAULTS, DecodeConfig, Engine, Sequence
 from ..engine.slots import SlotJob
@@ -128,15 +131,32 @@ _held = threading.local()  # `posts`: the posts held by this thread's open `held
 
 
 @contextmanager
-def held_posts():
+def held_posts(defer: bool = False):
     """Posts made in the block reach their requests at its end, one wake-up of each event loop for
     all of them (a scheduler turn: one hand-off to the event loop's thread per step, not one per
-    row), in the order they were made."""
+    row), in the order they were made. `defer`: they go instead right before this thread's next
+    compiled graph call (`before_next_graph`), where it lets go of the GIL for the graph's run, so the
+    woken loop's thread runs beside the graph rather than taking the GIL at the first short op before
+    it (every torch op lets go of the GIL) while this thread waits; posts no graph call took by the
+    end of the next block go there (first), or at `flush_posts`."""
     _held.posts = []
     try:
         yield
     finally:
         posts, _held.posts = _held.posts, None
+        flush_posts()
+        if defer and posts:
+            _held.deferred = posts
+            before_next_graph(flush_posts)
+        else:
+            deliver(posts)
+
+
+def flush_posts() -> None:
+    """The posts a `held_posts(defer=True)` block of this thread left for a graph call, now."""
+    posts = getattr(_held, "deferred", None)
+    if posts:
+        _held.deferred = None
         deliver(posts)
 
 
@@ -352,6 +372,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
+            if not self._busy():
+                flush_posts()  # no graph call is coming to take the last turn's posts
             with self.cv:
                 while not self._busy() and (wait := self._compile_wait()) != 0:
                     self.cv.wait(timeout=wait)
@@ -365,13 +387,14 @@ class Scheduler:
                 cancels, self.to_cancel = self.to_cancel, []
                 admit = self._take(sum(isinstance(j, RowJob) and j.state == "running" for j, _ in cancels))
             try:
-                with torch.inference_mode(), held_posts():
+                with torch.inference_mode(), held_posts(defer=self.runner == "compiled"):
                     for item, reason in cancels:
                         self._cancel(item, reason)
                     self._admit(admit)
                     self._step_all()
             except Exception:  # never let the loop die: fail the rows and tasks involved, keep serving
                 traceback.print_exc()
+                flush_posts()  # what the turn posted goes before the errors
                 self._fail_all("internal error in the decoding loop")
             self.metrics.running_rows = self.running_rows
             self.idle_since = time.perf_counter()
@@ -380,7 +403,9 @@ class Scheduler:
                 self.compiles.sync()  # the shapes new in this turn go to the compiling child
                 self.metrics.graphs_deferred = self.compiles.waiting()
                 if self.compiles.can_load():  # between turns: a graph loaded by its key takes milliseconds
+                    flush_posts()
                     self._compile_one(traced=False)
+        flush_posts()
         with self.cv, torch.inference_mode():  # nothing is left pending: every request gets its answer
             self._fail_all("the server is shutting down", waiting=True)
 
