@@ -221,3 +221,26 @@ def test_forced_tool_calls_reply_as_with_every_job_fed_whole(tmp_path, monkeypat
     _, apart = replies(lambda width: None)
     assert ids(got) == ids(want) and all(len(calls) == 3 for calls, _ in got)
     assert reused < apart and reused < whole
+
+
+@pytest.mark.parametrize("seed", [0, 6])
+def test_a_request_context_feeds_the_first_windows_scaffold_as_prompt(model, seed):
+    """Under a request context of its own width, window 0's scaffold before its first slot rides with the
+    prompt (`Row.lead_in`): the job computes what a job whose prompt ends with that scaffold computes, its
+    draft window starts at the slot, and its row's tokens still hold the scaffold."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(0, 100, (n,), generator=g).tolist()  # noqa: E731
+    prompt, head, ends = rand(23), rand(4), rand(1)
+    units = lambda scaffold: [Slot(scaffold, ends, text=TextRule(lambda t: (t, t)), width=3),  # noqa: E731
+                              Slot([7, 8], ends, choices=[[9], [10, 11]], values=[0, 1])]
+    mask = model.config.mask_token_id
+    got, want = Row(prompt, units(head), 5, model.config.max_block_size), Row(prompt + head, units([]), 5, 64)
+    with torch.inference_mode():
+        for row in (got, want):
+            mode = SlotMode()
+            mode.join(SlotJob(partial(infill._start_denoise, model, [row], 0.6, Context(1))))
+            while mode.running:
+                mode.step()
+    assert got.lead == len(head) and got.fed == prompt + head and got.draft(0, mask)[0] == want.draft(0, mask)[0]
+    assert [s.value for s in got.slots] == [s.value for s in want.slots]
+    assert got.tokens(mask) == head + want.tokens(mask)

@@ -824,3 +824,21 @@ def test_json_object_numbers_never_overflow_to_infinity(tiny):
     with pytest.raises(ValueError, match="overflows to infinity"):
         finite_loads('{"a": 8888E88888}')
     assert finite_loads('{"a": 1.5e3, "b": 7}') == {"a": 1500.0, "b": 7}
+
+
+def test_kept_token_ids_and_smallest_documents_equal_fresh_ones():
+    """infill.token_ids and grammar.smallest_document keep their answers per tokenizer: equal to a fresh
+    computation, handed out as copies (a caller's edit does not reach the next caller)."""
+    from clover.engine import infill
+    from clover.structured import grammar
+
+    tok = tiny_tokenizer()
+    for text in ['{"city": "', ', "b": ', "x" * (infill.SHORT + 5)]:
+        first = infill.token_ids(tok, text)
+        first.append(-1)
+        assert infill.token_ids(tok, text) == tok(text, add_special_tokens=False).input_ids
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    want = grammar._smallest_document(tok, schema, "<c>", "</c>")
+    got = grammar.smallest_document(tok, schema, "<c>", "</c>")
+    got[1].append(-1)
+    assert grammar.smallest_document(tok, schema, "<c>", "</c>") == want and want is not None

@@ -46,16 +46,30 @@ from .slots import Forward, SlotJob, drive
 
 _PIECES: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(before, text, after): ids})
 _MASKS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {(name, size): bool mask})
+_TEXTS: dict[int, tuple[object, dict]] = {}  # id(tokenizer) -> (tokenizer, {short text: ids})
+CACHED = 4096  # entries a tokenizer's store keeps (a full store starts over)
+SHORT = 256  # characters of the longest text `token_ids` keeps (scaffold, keys, values; not whole prompts)
 
 
 def token_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False).input_ids
+    """The text's token ids (no special tokens); short texts' kept per tokenizer (the scaffold of every
+    structured reply is tokenized again and again)."""
+    if len(text) > SHORT:
+        return tokenizer(text, add_special_tokens=False).input_ids
+    cache = _cache(_TEXTS, tokenizer)
+    ids = cache.get(text)
+    if ids is None:
+        ids = cache[text] = tuple(tokenizer(text, add_special_tokens=False).input_ids)
+    return list(ids)
 
 
 def _cache(store: dict, tokenizer) -> dict:
+    """The tokenizer's store (bounded: cleared once it holds CACHED entries)."""
     entry = store.get(id(tokenizer))
     if entry is None or entry[0] is not tokenizer:
         entry = store[id(tokenizer)] = (tokenizer, {})
+    if len(entry[1]) >= CACHED:
+        entry[1].clear()
     return entry[1]
 
 
@@ -235,6 +249,7 @@ class Row:
 
     def __init__(self, prompt: list[int], units: list[Unit], block_size: int, max_block: int):
         self.prompt, self.forwards, self.max_block = list(prompt), 0, max_block
+        self.lead, self.fed = 0, self.prompt  # scaffold tokens at window 0's start fed with the prompt (`lead_in`)
         self.units: list[Unit] = []
         for u in units:
             if u.width > max_block:
@@ -270,6 +285,21 @@ class Row:
             if not u.dropped:
                 tokens += u.tokens if u.tokens is not None else [mask] * u.width
         return tokens, offsets
+
+    def lead_in(self) -> None:
+        """Feed window 0's scaffold before its first open slot with the prompt (clean, committed as the
+        prompt is: `fed`) instead of in the draft window: the window holds only what is denoised from there
+        on, and a later job whose prompt holds this row's text finds that scaffold already in its context."""
+        units, (tokens, offsets) = self.windows[0] if self.windows else [], self.region(0, -1)
+        self.lead = next((off for u, off in zip(units, offsets) if u.open), 0)
+        self.fed = self.prompt + tokens[: self.lead]
+
+    def draft(self, w: int, mask: int) -> tuple[list[int], list[int]]:
+        """`region` less the scaffold fed with the prompt (`lead_in`): the tokens window w drafts."""
+        tokens, offsets = self.region(w, mask)
+        if w or not self.lead:
+            return tokens, offsets
+        return tokens[self.lead:], [off - self.lead for off in offsets]
 
     def absorb(self, w: int) -> None:
         """Merge window w into the next while it has nothing to denoise (scaffold only, or its slots
@@ -326,12 +356,12 @@ class Context:
     def extends(self, rows: list[Row]) -> bool:
         """Whether a job of `rows` can start after these tokens: one row whose prefill begins with them."""
         n = len(self.tokens)
-        return len(rows) == 1 and len(rows[0].prompt) > n and rows[0].prompt[:n] == self.tokens
+        return len(rows) == 1 and len(rows[0].fed) > n and rows[0].fed[:n] == self.tokens
 
     def keep(self, batch: RowBatch, rows: list[Row]) -> None:
         """After a job's first forward: its cache holds its prompt's prefill (unless the forward committed
         more: a window with nothing to denoise); kept (a copy)."""
-        tokens = batch.layout.prefilled(rows[0].prompt, batch.clean_block_size)
+        tokens = batch.layout.prefilled(rows[0].fed, batch.clean_block_size)
         if len(rows) == 1 and int(batch.cache.lens[0]) == len(tokens):
             self.tokens, self.cache = tokens, batch.cache.copy_rows()
 
@@ -347,17 +377,20 @@ def denoise_task(model, rows: list[Row], threshold: float, context: Context | No
 def _start_denoise(model, rows: list[Row], threshold: float, context: Context | None = None, runner: str = "eager",
                    defer: bool = False):
     mask = model.config.mask_token_id
+    if context is not None and context.width:  # a request of several jobs: scaffold rides with the prompt
+        for r in rows:
+            r.lead_in()
     longest = max(sum(len(u.scaffold) + u.width for u in r.units) for r in rows)
     # the prompt's clean windows get the first draft window's size, as in training (clean and noisy
     # windows of one size), or the request context's width; the row batch prefills prompt[:-1] (what
     # the context does not hold), its last chunk with the first window
-    first = max(max(len(r.region(0, mask)[0]) for r in rows), 2)
+    first = max(max(len(r.draft(0, mask)[0]) for r in rows), 2)
     check_block_size(first, model)
-    seqs = sequences([r.prompt for r in rows], [longest + 1] * len(rows), model.config.max_position_embeddings)
+    seqs = sequences([r.fed for r in rows], [longest + 1] * len(rows), model.config.max_position_embeddings)
     clean = context.width if context is not None and context.width else first
     batch = RowBatch.for_runner(make_runner(runner, model, defer=defer), first, clean, mask, model.device,
                                 DEFAULTS.prefill_chunk)
-    batch.join(seqs, capacity=max(len(r.prompt) for r in rows) + longest + 1 + first,
+    batch.join(seqs, capacity=max(len(r.fed) for r in rows) + longest + 1 + first,
                start=context.start(rows) if context is not None else None)
     return batch, _denoise_steps(batch, rows, threshold, mask, context)
 
@@ -368,7 +401,7 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
     segment, one clean block of its own width (left-padded across rows; or in clean windows of the
     context's width, when it has one). After the first forward the prompt is committed: `context`
     keeps it."""
-    anchors = [r.prompt[-1] for r in rows]
+    anchors = [r.fed[-1] for r in rows]
     calls, w = 0, -1
     while (w := w + 1) < max(len(r.windows) for r in rows):
         if not any(u.open for r in rows for later in r.windows[w:] for u in later):
@@ -378,7 +411,7 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
         if not any(r.region(w, mask)[0] for r in rows):
             continue  # every unit of this window was dropped
         while True:
-            regions = [r.region(w, mask) for r in rows]
+            regions = [r.draft(w, mask) for r in rows]
             work = [any(u.open for u in r.windows[w]) if w < len(r.windows) else False for r in rows]
             if not any(work):
                 break
@@ -419,7 +452,7 @@ def _commit_sure(row: Row, w: int, offsets: list[int], logp: torch.Tensor, thres
 def _finished_window(rows: list[Row], w: int, mask: int, anchors: list[int], device):
     """The finished window [anchor, region[:-1]] of every row, left-padded: the pending segment
     committed with the next forward, and its clean window size (its width). Moves the anchors."""
-    regions = [r.region(w, mask)[0] for r in rows]
+    regions = [r.draft(w, mask)[0] for r in rows]
     clean = [[a] + tokens[:-1] if tokens else [] for a, tokens in zip(anchors, regions)]
     for i, tokens in enumerate(regions):
         anchors[i] = tokens[-1] if tokens else anchors[i]

@@ -461,9 +461,16 @@ class Routes:
         the scheduler (batched with other requests'). The public families (blocks at absolute positions)
         decode under the grammar in their own block layout (engine/family_grammar.py)."""
         task = Task(steps)
-        await self.off_loop(task.resume)
+        self.scheduler.expect()
+        try:
+            await self.off_loop(task.resume)
+        except BaseException:
+            self.scheduler.expect(-1)
+            raise
         if task.job is not None:
-            self.scheduler.submit([task])
+            self.scheduler.submit([task], planned=True)
+        else:
+            self.scheduler.expect(-1)
         return task
 
     async def ticks(self, request: Request, task: Task, every: float):

@@ -69,6 +69,7 @@ from .metrics import Metrics
 
 COMPILE_POLL_S = 0.2  # idle with shapes in the compiling child: how often the loop looks for a finished one
 IDLE_BEFORE_COMPILE_S = 2.0  # how long the loop must have had nothing to do before it loads a graph
+GATHER_S = 0.03  # fresh tasks wait for tasks still being planned at most this long after the last arrival
 
 
 # ---- what the scheduler posts to a request (typed; tuples underneath, so `event[0]` is the kind) ----
@@ -305,6 +306,7 @@ class Scheduler:
         self.stopping = False
         self.compiling = False  # in `_compile_one` (nothing decoding)
         self.idle_since = 0.0  # when the loop last had work (time.perf_counter)
+        self.planning, self.arrival = 0, 0.0  # tasks being planned off the event loop (`expect`); the last one's time
         self.core = SlotMode(runner, defer=True)  # the running jobs of tasks (infill, grammar, decide)
         self.compiles: Background | None = None  # --runner compiled: made by `start` (it forks a child)
 
@@ -314,11 +316,21 @@ class Scheduler:
         raises ValueError (-> 400) for settings the model can't run."""
         return key.with_(max_new_tokens=max_new_tokens, eos_token_ids=self.eos, runner=self.runner).check(self.model)
 
-    def submit(self, items: list[RowJob | Task]) -> None:
+    def expect(self, n: int = 1) -> None:
+        """`n` tasks are being planned (-n: their planning ended without a job to submit). While any is,
+        tasks that have not run a forward yet wait for them (`_gather`)."""
+        with self.cv:
+            self.planning += n
+            self.arrival = time.perf_counter()
+            self.cv.notify()
+
+    def submit(self, items: list[RowJob | Task], planned: bool = False) -> None:
         """Queue a request's rows (a full queue refuses them: QueueFull), or a task (its first job
-        planned: `Task.resume`)."""
+        planned: `Task.resume`; `planned`: one `expect` announced, no longer being planned)."""
         rows = sum(isinstance(i, RowJob) for i in items)
         with self.cv:
+            self.planning -= planned
+            self.arrival = time.perf_counter() if planned else self.arrival
             if rows and len(self.waiting) + rows > self.max_queue:
                 self.metrics.rejected_queue_full += 1
                 raise QueueFull(f"the queue is full ({len(self.waiting)} of {self.max_queue} rows waiting)")
@@ -384,6 +396,7 @@ class Scheduler:
             with self.cv:
                 if self.stopping:
                     break
+                self._gather()
                 cancels, self.to_cancel = self.to_cancel, []
                 admit = self._take(sum(isinstance(j, RowJob) and j.state == "running" for j, _ in cancels))
             try:
@@ -408,6 +421,22 @@ class Scheduler:
         flush_posts()
         with self.cv, torch.inference_mode():  # nothing is left pending: every request gets its answer
             self._fail_all("the server is shutting down", waiting=True)
+
+    def _gather(self) -> None:
+        """(Under the lock) while only tasks that have not run a forward would run and other tasks are
+        being planned (a burst of requests), wait for those, up to GATHER_S after the last arrival: the
+        burst's first jobs then share one forward (and their common prefix) instead of the first arrivals
+        running one of their own. A lone request never waits (nothing else is being planned)."""
+        while (left := self._gather_for(time.perf_counter())) > 0:
+            self.cv.wait(timeout=left)
+
+    def _gather_for(self, now: float) -> float:
+        """(Under the lock) how long `_gather` waits from `now` (0: not at all)."""
+        if self.planning <= 0 or self.stopping or self.to_cancel or self.engines:
+            return 0.0
+        if not (all(isinstance(i, Task) for i in self.waiting) and all(j.fresh for j in self.core.jobs)):
+            return 0.0
+        return max(self.arrival + GATHER_S - now, 0.0)
 
     def _compile_wait(self) -> float | None:
         """(Idle, under the lock) 0: load a compiled graph now; else how long to wait before looking

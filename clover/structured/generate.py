@@ -19,7 +19,7 @@ from dataclasses import replace
 from decimal import ROUND_HALF_EVEN, Decimal
 from functools import partial
 
-from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends_after, in_context, pieces,
+from ..engine.infill import (Gate, Row, Slot, TextRule, Unit, denoise_task, ends_after, pieces,
                              token_ids, vocab_mask)
 from ..engine.sampling import Draw
 from ..engine.slots import drive
@@ -197,7 +197,7 @@ class _Layout:
         vocab = self.model.config.vocab_size
 
         def encode(text: str) -> list[int]:  # the whole text's tokens, whatever tokens the model chose
-            return in_context(self.tok, [text], before, after)[0]
+            return list(pieces(self.tok, [text], before, after)[0])
 
         def decode(tokens: list[int]) -> str:
             return self.tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
