@@ -386,39 +386,40 @@ def test_tasks_a_step_apart_meet_in_phase_and_reply_as_alone(loaded, monkeypatch
     assert forwards < forwards_lockstep
 
 
-def test_fresh_tasks_wait_for_tasks_still_being_planned(loaded):
-    """While a task is being planned (`expect`), tasks that have not run a forward wait for it, at most
-    GATHER_S after the last arrival; a lone request (nothing being planned) never waits."""
+def test_fresh_tasks_wait_for_requests_on_their_way(loaded):
+    """While a request that may submit a task is on its way (`arriving`), tasks that have not run a forward
+    wait for it, at most GATHER_S after the last arrival; a lone request (nothing on its way) never waits."""
     from clover.server import scheduler as sch
 
     model, tok = loaded
     sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
     sched.submit([_task(model, tok, ASKS[0], SCHEMA)])
     assert sched._gather_for(time.perf_counter()) == 0  # nothing on its way
-    sched.expect()
-    now = time.perf_counter()
-    assert 0 < sched._gather_for(now) <= sch.GATHER_S
-    assert sched._gather_for(now + sch.GATHER_S) == 0  # the wait is bounded
-    sched.submit([_task(model, tok, ASKS[1], SCHEMA)], planned=True)
+    with sched.arriving() as arrival:
+        now = time.perf_counter()
+        assert 0 < sched._gather_for(now) <= sch.GATHER_S
+        assert sched._gather_for(now + sch.GATHER_S) == 0  # the wait is bounded
+        sched.submit([_task(model, tok, ASKS[1], SCHEMA)], arrival)
+        assert sched.planning == 0 and sched._gather_for(time.perf_counter()) == 0
+    assert sched.planning == 0
+    with sched.arriving():
+        pass  # ended without a task (an error, a plain reply)
     assert sched.planning == 0 and sched._gather_for(time.perf_counter()) == 0
-    sched.expect()
-    sched.expect(-1)  # planned to no job: nothing on its way
-    assert sched._gather_for(time.perf_counter()) == 0
 
 
-def test_tasks_planned_in_a_burst_start_in_one_forward(loaded):
-    """The scheduler runs while a second task is still being planned: the first waits for it, so their
-    first jobs share one forward, and each replies as it would alone."""
+def test_tasks_arriving_in_a_burst_start_in_one_forward(loaded):
+    """The scheduler runs while a second request is still on its way: the first task waits for it, so
+    their first jobs share one forward, and each replies as it would alone."""
     model, tok = loaded
     alone = [_reply(model, tok, t, SCHEMA) for t in ASKS[:2]]
     sched = Scheduler(model, (tok.eos_token_id,), max_batch=8)
     sched.start()
     tasks = [_task(model, tok, t, SCHEMA) for t in ASKS[:2]]
     with Counted(model) as counted:
-        sched.expect()
-        sched.submit([tasks[0]])
-        time.sleep(0.005)
-        sched.submit([tasks[1]], planned=True)
+        with sched.arriving() as arrival:
+            sched.submit([tasks[0]])
+            time.sleep(0.005)
+            sched.submit([tasks[1]], arrival)
         out = [_result(t) for t in tasks]
     sched.stop()
     assert out == alone

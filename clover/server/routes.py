@@ -387,6 +387,13 @@ class Routes:
                            "tools (a long enum?)", param="tools", code="context_length_exceeded") from None
 
     async def chat_completions(self, req: ChatRequest, request: Request):
+        """A request that may be structured is on its way to the scheduler from here (`Scheduler.arriving`)."""
+        if req.response_format is None and not (req.tools and req.tool_choice not in (None, "auto", "none")):
+            return await self.chat_reply(req, request)
+        with self.scheduler.arriving() as request.state.arrival:
+            return await self.chat_reply(req, request)
+
+    async def chat_reply(self, req: ChatRequest, request: Request):
         tokenizer = self.tokenizer
         run = partial(self.encode_off_loop, request)
         arrived = time.perf_counter()
@@ -437,7 +444,8 @@ class Routes:
                                            self.settings.max_tool_calls, progress, draw) if isinstance(plan, ToolPlan)
                      else infill_format_task(model, tokenizer, ids, plan, threshold, key.block_size, room, progress,
                                              draw))
-            lanes.append(Lane(await self.start_task(steps), progress, range(req.n) if draw is None else [k]))
+            task = await self.start_task(steps, getattr(request.state, "arrival", None))
+            lanes.append(Lane(task, progress, range(req.n) if draw is None else [k]))
 
         def finished(dones: list[Infilled]) -> None:
             self.metrics.structured_done(len(ids) * req.n, completion_tokens(lanes, dones),
@@ -456,21 +464,15 @@ class Routes:
         finished(dones)
         return self.respond_infilled(req, len(ids), lanes, dones)
 
-    async def start_task(self, steps) -> Task:
+    async def start_task(self, steps, arrival=None) -> Task:
         """A task (engine/slots.py) planned up to its first job off the event loop, its jobs then run by
         the scheduler (batched with other requests'). The public families (blocks at absolute positions)
-        decode under the grammar in their own block layout (engine/family_grammar.py)."""
+        decode under the grammar in their own block layout (engine/family_grammar.py). `arrival`: the
+        request's `Scheduler.arriving`, which the submission ends."""
         task = Task(steps)
-        self.scheduler.expect()
-        try:
-            await self.off_loop(task.resume)
-        except BaseException:
-            self.scheduler.expect(-1)
-            raise
+        await self.off_loop(task.resume)
         if task.job is not None:
-            self.scheduler.submit([task], planned=True)
-        else:
-            self.scheduler.expect(-1)
+            self.scheduler.submit([task], arrival)
         return task
 
     async def ticks(self, request: Request, task: Task, every: float):

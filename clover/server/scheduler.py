@@ -306,7 +306,7 @@ class Scheduler:
         self.stopping = False
         self.compiling = False  # in `_compile_one` (nothing decoding)
         self.idle_since = 0.0  # when the loop last had work (time.perf_counter)
-        self.planning, self.arrival = 0, 0.0  # tasks being planned off the event loop (`expect`); the last one's time
+        self.planning, self.arrival = 0, 0.0  # requests on their way to a task (`arriving`); the last arrival's time
         self.core = SlotMode(runner, defer=True)  # the running jobs of tasks (infill, grammar, decide)
         self.compiles: Background | None = None  # --runner compiled: made by `start` (it forks a child)
 
@@ -316,21 +316,32 @@ class Scheduler:
         raises ValueError (-> 400) for settings the model can't run."""
         return key.with_(max_new_tokens=max_new_tokens, eos_token_ids=self.eos, runner=self.runner).check(self.model)
 
-    def expect(self, n: int = 1) -> None:
-        """`n` tasks are being planned (-n: their planning ended without a job to submit). While any is,
-        tasks that have not run a forward yet wait for them (`_gather`)."""
+    @contextmanager
+    def arriving(self):
+        """A request that may submit a task, from its arrival until it submits one (`submit(..., arrival)`)
+        or ends: while any is on its way, tasks that have not run a forward wait for it (`_gather`)."""
+        arrival = [True]  # on its way
         with self.cv:
-            self.planning += n
+            self.planning += 1
             self.arrival = time.perf_counter()
+        try:
+            yield arrival
+        finally:
+            with self.cv:
+                self._arrived(arrival)
+
+    def _arrived(self, arrival: list | None) -> None:
+        """(Under the lock) `arrival` is no longer on its way."""
+        if arrival and arrival[0]:
+            arrival[0], self.planning, self.arrival = False, self.planning - 1, time.perf_counter()
             self.cv.notify()
 
-    def submit(self, items: list[RowJob | Task], planned: bool = False) -> None:
+    def submit(self, items: list[RowJob | Task], arrival: list | None = None) -> None:
         """Queue a request's rows (a full queue refuses them: QueueFull), or a task (its first job
-        planned: `Task.resume`; `planned`: one `expect` announced, no longer being planned)."""
+        planned: `Task.resume`; `arrival`: the request's `arriving`, which this ends)."""
         rows = sum(isinstance(i, RowJob) for i in items)
         with self.cv:
-            self.planning -= planned
-            self.arrival = time.perf_counter() if planned else self.arrival
+            self._arrived(arrival)
             if rows and len(self.waiting) + rows > self.max_queue:
                 self.metrics.rejected_queue_full += 1
                 raise QueueFull(f"the queue is full ({len(self.waiting)} of {self.max_queue} rows waiting)")
