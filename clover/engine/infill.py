@@ -190,20 +190,30 @@ class Slot(Unit):
         stops = set(self.ends) | self.eos
         pick = lp
         if self.text.allowed is not None or self.text.min_tokens:
-            stop = torch.zeros(lp.shape[1], dtype=torch.bool)
-            stop[sorted(stops)] = True
-            ok = (self.text.allowed if self.text.allowed is not None else ~stop) | stop
-            ok = ok[None, :].expand(lp.shape[0], -1).clone()
-            ok[: self.text.min_tokens] &= ~stop
-            pick = lp.masked_fill(~ok.to(lp.device), float("-inf"))
+            pick = lp.masked_fill(self._banned(lp.shape[0], lp.shape[1], stops).to(lp.device), float("-inf"))
+        best = pick.argmax(-1)
         tokens, total = [], 0.0
-        for i, t in enumerate(pick.argmax(-1).tolist()):
-            total += float(lp[i, t])
+        for t, p in zip(best.tolist(), lp.gather(1, best[:, None]).squeeze(1).tolist()):
+            total += p
             if t in stops:
                 break
             tokens.append(t)
         tokens, value = self.text.finish(tokens)
         return tokens, value, float(torch.tensor(total).exp())
+
+    def _banned(self, rows: int, vocab: int, stops: set[int]) -> torch.Tensor:
+        """[rows, vocab] bool: the tokens position i may not hold (outside the rule's `allowed`, stops
+        excepted; a stop before `min_tokens`), kept per shape (the slot reads again each forward)."""
+        kept = getattr(self, "_masks", None) or {}
+        if (rows, vocab) not in kept:
+            stop = torch.zeros(vocab, dtype=torch.bool)
+            stop[sorted(stops)] = True
+            ok = (self.text.allowed if self.text.allowed is not None else ~stop) | stop
+            ok = ok[None, :].expand(rows, -1).clone()
+            ok[: self.text.min_tokens] &= ~stop
+            kept[rows, vocab] = ~ok
+            self._masks = kept
+        return kept[rows, vocab]
 
     def commit(self, tokens, value, confidence) -> None:
         self.tokens, self.value, self.confidence = list(tokens), value, confidence
@@ -345,6 +355,7 @@ class Context:
     def __init__(self, width: int | None = None):
         self.tokens: list[int] = []
         self.cache, self.width = None, width
+        self.live: RowBatch | None = None  # the job whose cache `cache` is, while it may still write it
 
     def start(self, rows: list[Row]) -> tuple[object, int] | None:
         """Where a job of `rows` starts (`RowBatch.join`'s `start`, which copies it): the cache and the
@@ -360,10 +371,18 @@ class Context:
 
     def keep(self, batch: RowBatch, rows: list[Row]) -> None:
         """After a job's first forward: its cache holds its prompt's prefill (unless the forward committed
-        more: a window with nothing to denoise); kept (a copy)."""
+        more: a window with nothing to denoise); kept: the job's cache itself, copied only if the job runs
+        another forward (`hold`), which would write it."""
         tokens = batch.layout.prefilled(rows[0].fed, batch.clean_block_size)
         if len(rows) == 1 and int(batch.cache.lens[0]) == len(tokens):
-            self.tokens, self.cache = tokens, batch.cache.copy_rows()
+            self.tokens, self.cache, self.live = tokens, batch.cache, batch
+
+    def hold(self) -> None:
+        """Before the job that kept the context runs another forward: the context gets a copy of its own
+        (a job that ran its forward alone writes its cache in place)."""
+        if self.live is not None and self.live.cache is self.cache:
+            self.cache = self.cache.copy_rows()
+        self.live = None
 
 
 def denoise_task(model, rows: list[Row], threshold: float, context: Context | None = None):
@@ -419,6 +438,8 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
             window = torch.full((len(rows), width), mask, dtype=torch.long)
             for i, ((tokens, _), a) in enumerate(zip(regions, anchors)):
                 window[i, : len(tokens)] = torch.tensor([a] + tokens[:-1]) if tokens else torch.tensor([a])
+            if context is not None:
+                context.hold()
             logits = (yield Forward(window.to(batch.device), width, width, width)).float()
             if calls == 0 and context is not None:
                 context.keep(batch, rows)
@@ -430,6 +451,8 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
                     row.forwards += 1
                     _commit_sure(row, w, offsets, logp[i], threshold)
         if batch.pending is not None:  # nothing to denoise here and too long to absorb: commit the previous window alone
+            if context is not None:
+                context.hold()
             yield Forward(batch.window[:, :0], 0, 1)
             if calls == 0 and context is not None:
                 context.keep(batch, rows)
