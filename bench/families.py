@@ -1,6 +1,8 @@
 """Decoding speed of the public block-diffusion families (docs/families.md): for each family, a
 small random-weight folder of the published layout and shape (written here, as the tests write
-theirs), decoded greedily with the family's published block size and threshold by
+theirs; stored in bf16 as every family publishes its checkpoints, unless `--weights fp32`; both
+sides load the weights as fp32 and compute in fp32), decoded greedily with the family's published
+block size and threshold by
 
 * the family's published generate algorithm (clover/models/reference_generate.py) run over
   transformers' own model loaded from the same folder (`TransformersBlockLM`: Qwen3, Qwen3-MoE,
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 VOCAB, MASK_ID, PROMPT_LEN = 4096, 4095, 32
+STORED = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --weights: how the folder stores them (both sides compute in fp32)
 COMMON = dict(vocab_size=VOCAB, mask_token_id=MASK_ID, torch_dtype="float32", eos_token_id=2, hidden_size=256,
               intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               rms_norm_eps=1e-6, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -66,9 +69,10 @@ def family_config(name: str, hidden: int) -> dict:
     return cfg
 
 
-def write_folder(folder: Path, cfg: dict, peak: float, seed: int = 0) -> None:
+def write_folder(folder: Path, cfg: dict, peak: float, seed: int = 0, stored=torch.float32) -> None:
     """Random weights under the published tensor names (a fan-in scaled normal; norms near 1), the
-    head scaled by `peak`, and config.json."""
+    head scaled by `peak`, stored in `stored` (bf16: as the families publish theirs; a router's expert
+    bias stays fp32, as LLaDA2's does), and config.json."""
     from safetensors.torch import save_file
 
     from clover.models.families import family_of
@@ -83,9 +87,9 @@ def write_folder(folder: Path, cfg: dict, peak: float, seed: int = 0) -> None:
             t = 0.1 * t
         elif "embed" not in name:
             t = t / math.sqrt(shape[-1]) * (peak if "lm_head" in name else 1.0)
-        state[name] = t.contiguous()
+        state[name] = (t if name.endswith("expert_bias") else t.to(stored)).contiguous()
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    (folder / "config.json").write_text(json.dumps({**cfg, "torch_dtype": str(stored).split(".")[-1]}, indent=2))
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -139,7 +143,7 @@ class Family:
 
         hf_cls = FAMILIES[name][1]
         cfg = family_config(name, args.hidden)
-        write_folder(root / name, cfg, args.peak)
+        write_folder(root / name, cfg, args.peak, stored=STORED[args.weights])
         self.name, self.loaded = name, load_family(root / name, dtype=torch.float32, with_tokenizer=False)
         self.seam = FamilySeam(self.loaded)
         self.weight_mb = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters()) / 2**20
@@ -236,6 +240,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per request (to whole blocks, as the loops)")
     p.add_argument("--peak", type=float, default=15.0, help="head scale: how confident the random model is")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (a multiple of 128; the other dims follow it)")
+    p.add_argument("--weights", choices=sorted(STORED), default="bf16",
+                   help="how the folder stores the weights (bf16: as every family publishes its checkpoints; fp32: "
+                        "random values bf16 cannot hold); both sides load them as fp32 and compute in fp32")
     p.add_argument("--no-compiled", dest="compiled", action="store_false", help="eager only (no compiling)")
     p.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
     args = p.parse_args(argv)
@@ -254,7 +261,9 @@ def main(argv=None) -> int:
     load = f"{load:.1f}-{os.getloadavg()[0]:.1f}"
     h = args.hidden
     print(f"Public families, random weights of the published layout (hidden {h}, 4 layers, {h // 64} heads / "
-          f"{h // 128} KV, vocab {VOCAB}; MoE: 16 experts, top 4; weights {weights(fams)} MiB fp32), "
+          f"{h // 128} KV, vocab {VOCAB}; MoE: 16 experts, top 4; weights {weights(fams)} MiB fp32 in memory, "
+          f"stored {args.weights}{' as the families publish theirs' if args.weights == 'bf16' else ''}; "
+          "both sides compute in fp32), "
           f"greedy, {PROMPT_LEN}-token prompts, "
           f"{args.new_tokens} new tokens per request (to whole blocks), head x{args.peak}; cpu, {args.threads} "
           f"thread(s), load average {load} (a shared machine); median of {args.rounds} interleaved rounds. "

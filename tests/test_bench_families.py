@@ -39,3 +39,19 @@ def test_the_default_width_is_the_published_small_config_and_a_bad_width_is_one_
     assert families.main(["--hidden", "300"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--hidden" in err and "\n" not in err
+
+
+def test_the_folder_stores_bf16_as_published_and_both_sides_load_fp32(tmp_path):
+    from safetensors import safe_open
+
+    cfg = families.family_config("llada2", 128)
+    families.write_folder(tmp_path / "llada2", cfg, peak=1.0, stored=families.STORED["bf16"])
+    with safe_open(str(tmp_path / "llada2" / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}
+    bias = {n for n in dtypes if n.endswith("expert_bias")}
+    assert bias and {dtypes[n] for n in bias} == {families.torch.float32}  # LLaDA2 publishes its router bias in fp32
+    assert {dtypes[n] for n in dtypes if n not in bias} == {families.torch.bfloat16}
+    from clover.models.families import load_family
+
+    model = load_family(tmp_path / "llada2", dtype=families.torch.float32, with_tokenizer=False).model
+    assert {p.dtype for p in model.parameters()} == {families.torch.float32}
