@@ -228,8 +228,10 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
                  f"{(taken * a + (fed - step) * b) / (n * a + fed * b):.2f}x in {taken:.0f}.")
     lines.append("\nA request lays its context out once (engine/infill.Context), causally (clean windows of one token) when "
                  "several jobs may run: its later jobs start from that cache and feed only what their prompts add, and "
-                 "concurrent requests' first jobs commit their common beginning once (slots.share_prefixes); the prefix-cache "
-                 "rows above count the first jobs' contexts only.")
+                 "concurrent requests' first jobs commit their common beginning once (slots.share_prefixes); the scaffold "
+                 "before a job's first slot rides with its prompt (infill.Row.lead_in), so the 'another call?' job re-feeds "
+                 "only the arguments; a burst's tasks wait for the requests still on their way (Scheduler.arriving) and "
+                 "start in one forward. The prefix-cache rows above count the first jobs' contexts only.")
     return "\n".join(lines)
 
 
