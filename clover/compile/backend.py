@@ -1,7 +1,13 @@
 """The inductor backend of a CPU step: its graphs' ops that have a clover_cpu kernel are sent to it
 (the choice is each op's, in clover/ops), the graph is compiled with inductor's C++ wrapper, and
 every graph it compiles is remembered with the inputs and outputs of the call that compiled it (for
-a `Replay`)."""
+a `Replay`).
+
+Inductor's own loops are compiled for one thread (`cpp.threads`): a step's large ops are clover_cpu
+kernels that split over threads of their own (ops/linear/parallel.h), and what inductor fuses between
+them is small at decode shapes, where an OpenMP region per loop (a team woken and joined each time)
+costs more than the loop. The server's compiling child, which runs on one thread, always compiled this
+way; a graph compiled in the process itself now gets the same code whatever torch's thread count."""
 
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ def capturing_backend(captures: list, c_shims: bool):
         from torch._inductor.compile_fx import compile_fx
 
         route_ops(gm)
-        with torch._inductor.config.patch(cpp_wrapper=True, **(c_shim_config() if c_shims else {})):
+        with torch._inductor.config.patch({"cpp_wrapper": True, "cpp.threads": 1, **(c_shim_config() if c_shims else {})}):
             compiled = compile_fx(gm, example_inputs)
         record = {"fn": compiled, "inputs": list(example_inputs)}
         captures.append(record)

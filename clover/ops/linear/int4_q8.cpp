@@ -41,6 +41,11 @@ using clover_tiles::row_tiles;
 
 constexpr int64_t kPanel = 16, kBlock = 32, kChunk = 8;
 
+// The rows below which a call's time is its codes' reading, not its multiply-adds: `split` counts a
+// call of fewer rows as this many, so that a one-row product over a few hundred KiB of codes, which a
+// second thread reads at once beside the first, is split (bench/step_ab.py --rows 1 --threads 2).
+constexpr int64_t kStreamRows = 12;
+
 // Quantised activations of M rows of K columns: a int8 [M, K], d [M, K/32], zsum [M, K/g] (per group,
 // sum over its blocks in order of d_b * sum(a over b)).
 struct Acts {
@@ -318,7 +323,10 @@ at::Tensor int4_q8_linear(const at::Tensor& x, const at::Tensor& packed, const a
     const uint8_t* wp = w.data_ptr<uint8_t>();
     const float* sp = s.data_ptr<float>();
     const int64_t np = (n + kPanel - 1) / kPanel, pairs = (np + 1) / 2;
-    clover_parallel::split(pairs, M * K * 2 * kPanel / clover_parallel::kInt8MacsPerFp32, [&](int64_t g0, int64_t g1) {
+    // a pair's work: its int8 multiply-adds, but at least what reading its codes costs, which every
+    // call pays whatever its rows and which a call of a few rows is bound by (kStreamRows)
+    const int64_t rows = std::max<int64_t>(M, kStreamRows);
+    clover_parallel::split(pairs, rows * K * 2 * kPanel / clover_parallel::kInt8MacsPerFp32, [&](int64_t g0, int64_t g1) {
       panels(q, M, wp, sp, yp, n, 2 * g0, std::min<int64_t>(2 * g1, np));
     });
   }
