@@ -5,6 +5,8 @@ runner's forward counts in /metrics, and small prompts encoded on the event loop
 import asyncio
 import threading
 
+import torch
+
 from clover.server import routes
 from clover.server.metrics import Metrics
 from clover.server.scheduler import Ticket, held_posts
@@ -300,12 +302,14 @@ def test_a_real_loop_is_woken_through_its_pipe_in_order():
 
 
 def test_deferred_posts_go_right_before_the_next_graph_call_or_the_next_turn():
-    from clover.compile.replay import run_before_graph
+    from clover.compile.state import state_of
     from clover.server.scheduler import flush_posts
 
+    model = torch.nn.Linear(1, 1)  # any module: the hook is kept by its compile state
+    run_before_graph = state_of(model).run_before_graph
     loop = RecordingLoop()
     t = _ticket(loop)
-    with held_posts(defer=True):
+    with held_posts(defer=model):
         t.post("a")
     assert not loop.calls  # held for the next graph call
     run_before_graph()  # the next turn's forward starts its graph
@@ -314,9 +318,9 @@ def test_deferred_posts_go_right_before_the_next_graph_call_or_the_next_turn():
     assert _drain(t.queue) == ["a"]
     run_before_graph()  # once
     assert not loop.calls
-    with held_posts(defer=True):
+    with held_posts(defer=model):
         t.post("b")
-    with held_posts(defer=True):  # a turn without a graph call: "b" goes at its end, before its own posts
+    with held_posts(defer=model):  # a turn without a graph call: "b" goes at its end, before its own posts
         t.post("c")
         assert not loop.calls
     loop.run()

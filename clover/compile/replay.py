@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import threading
 import weakref
 
 from .shapes import layout_of
@@ -70,7 +69,9 @@ class Replay:
     def fetch(self, ids, pad, cache) -> list:
         return [ids if p == "ids" else pad if p == "pad" else cache.get(p) for p in self.paths]
 
-    def __call__(self, ids, pad, cache):
+    def __call__(self, ids, pad, cache, before=None):
+        """The graph's logits, or None where this call does not fit it; `before()` runs right before
+        the graph does (not where it does not)."""
         if not self.current():
             return None
         args = list(self.args)
@@ -78,29 +79,13 @@ class Replay:
             if t.shape != shape or t.stride() != stride:
                 return None
             args[i] = t
-        run_before_graph()
+        if before is not None:
+            before()
         out = self.fn(*args)
         if self.records:  # a recorded forward: its records, as its layers' `cache.record` stored them
             for layer, (kind, fields) in self.records.items():
                 cache.recorded[layer] = kind(*(out[i] if i is not None else None for i in fields))
         return out[0]  # the logits (build)
-
-
-_before = threading.local()  # `fn`: what runs in this thread right before its next graph call
-
-
-def before_next_graph(fn) -> None:
-    """`fn()` runs once, in this thread, right before its next Replay graph call (replacing one set
-    before and not run yet): the moment the thread lets go of the GIL for the graph's whole run (a
-    server hands its posts to the event loop's thread there)."""
-    _before.fn = fn
-
-
-def run_before_graph() -> None:
-    fn = getattr(_before, "fn", None)
-    if fn is not None:
-        _before.fn = None
-        fn()
 
 
 def record_outputs(recorded: dict, outputs) -> dict | None:

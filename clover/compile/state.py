@@ -55,6 +55,7 @@ class CompileState:
         self.fused_deferred: dict = {}  # the same keys -> the Fused that ran them eagerly
         self.fused_compiles = 0  # graphs compiled for fused functions (tests count recompilation)
         self._limits = threading.local()  # `raised`: this thread raised dynamo's recompile limits
+        self._before = threading.local()  # `fn`: what runs in this thread right before its next Replay graph call
 
     def step(self):
         """The model's compiled step function, made on the first call."""
@@ -95,7 +96,7 @@ class CompileState:
                 self.deferred[key] = None
             return None, False
         found = self.replays.get(key) if replay else None
-        logits = found(ids, pad_mask, cache) if found is not None else None  # None too where it is not `current()`
+        logits = found(ids, pad_mask, cache, self.run_before_graph) if found is not None else None  # None too where not `current()`
         if logits is not None:
             return logits, True
         if found is not None and key not in self.untraced and not found.current():
@@ -105,6 +106,18 @@ class CompileState:
             del self.replays[key]
             return self.call(key, ids, pad_mask, cache, replay, defer)
         return self.through_dynamo(key, ids, pad_mask, cache), False
+
+    def before_next_graph(self, fn) -> None:
+        """`fn()` runs once, in this thread, right before its next Replay graph call of this model
+        (replacing one set before and not run yet): the moment the thread lets go of the GIL for the
+        graph's whole run (a server hands its posts to the event loop's thread there)."""
+        self._before.fn = fn
+
+    def run_before_graph(self) -> None:
+        fn = getattr(self._before, "fn", None)
+        if fn is not None:
+            self._before.fn = None
+            fn()
 
     def through_dynamo(self, key: ShapeKey, ids, pad_mask, cache) -> torch.Tensor | None:
         """The step through dynamo, which compiles the key's graph if it has none; the key is then

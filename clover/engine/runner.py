@@ -125,6 +125,12 @@ def deferred(model) -> int:
     return state_of(model).waiting()
 
 
+def before_next_graph(model, fn) -> None:
+    """`fn()` runs once, in this thread, right before its next compiled graph call of `model`, where the
+    thread lets go of the GIL for the graph's whole run (`CompileState.before_next_graph`)."""
+    state_of(model).before_next_graph(fn)
+
+
 def compile_deferred(model) -> bool:
     """Compile one graph that a deferring runner (`CompiledRunner(defer=True)`) of `model` ran eagerly
     (a fused-function layout first, then the oldest model shape); False when none waits."""

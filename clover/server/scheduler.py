@@ -33,7 +33,7 @@
   once per step instead of once per row; while that wake-up is still pending (the event loop lags
   behind) later turns' posts join it instead of waking the loop again (`Inbox`). With
   `--runner compiled` a turn's posts go right before the next turn's first graph call, so the loop's
-  thread runs beside that graph (`held_posts(defer=True)`).
+  thread runs beside that graph (`held_posts(defer=model)`).
 * Failures stay with the request that caused them. Admission: a group whose engine cannot be built
   or whose prefill raises is retried job by job, so only the jobs that fail alone get an error. Step:
   a batched `step()` that raises does not say which row caused it. Rows that joined since the
@@ -60,9 +60,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from ..compile.replay import before_next_graph
 from ..compile.warm import Background
 from ..engine import DEFAULTS, DecodeConfig, Engine, Sequence
+from ..engine.runner import before_next_graph
 from ..engine.slots import SlotJob
 from ..engine.slots import SlotMode, Task
 from .metrics import Metrics
@@ -132,12 +132,12 @@ _held = threading.local()  # `posts`: the posts held by this thread's open `held
 
 
 @contextmanager
-def held_posts(defer: bool = False):
+def held_posts(defer=None):
     """Posts made in the block reach their requests at its end, one wake-up of each event loop for
     all of them (a scheduler turn: one hand-off to the event loop's thread per step, not one per
-    row), in the order they were made. `defer`: they go instead right before this thread's next
-    compiled graph call (`before_next_graph`), where it lets go of the GIL for the graph's run, so the
-    woken loop's thread runs beside the graph rather than taking the GIL at the first short op before
+    row), in the order they were made. `defer` (a model): they go instead right before this thread's
+    next compiled graph call of that model (`runner.before_next_graph`), where it lets go of the GIL
+    for the graph's run, so the woken loop's thread runs beside the graph rather than taking the GIL at the first short op before
     it (every torch op lets go of the GIL) while this thread waits; posts no graph call took by the
     end of the next block go there (first), or at `flush_posts`."""
     _held.posts = []
@@ -146,15 +146,15 @@ def held_posts(defer: bool = False):
     finally:
         posts, _held.posts = _held.posts, None
         flush_posts()
-        if defer and posts:
+        if defer is not None and posts:
             _held.deferred = posts
-            before_next_graph(flush_posts)
+            before_next_graph(defer, flush_posts)
         else:
             deliver(posts)
 
 
 def flush_posts() -> None:
-    """The posts a `held_posts(defer=True)` block of this thread left for a graph call, now."""
+    """The posts a `held_posts(defer=model)` block of this thread left for a graph call, now."""
     posts = getattr(_held, "deferred", None)
     if posts:
         _held.deferred = None
@@ -411,7 +411,7 @@ class Scheduler:
                 cancels, self.to_cancel = self.to_cancel, []
                 admit = self._take(sum(isinstance(j, RowJob) and j.state == "running" for j, _ in cancels))
             try:
-                with torch.inference_mode(), held_posts(defer=self.runner == "compiled"):
+                with torch.inference_mode(), held_posts(defer=self.model if self.runner == "compiled" else None):
                     for item, reason in cancels:
                         self._cancel(item, reason)
                     self._admit(admit)
