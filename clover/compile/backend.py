@@ -6,8 +6,8 @@ a `Replay`).
 Inductor's own loops are compiled for one thread (`cpp.threads`): a step's large ops are clover_cpu
 kernels that split over threads of their own (ops/linear/parallel.h), and what inductor fuses between
 them is small at decode shapes, where an OpenMP region per loop (a team woken and joined each time)
-costs more than the loop. The server's compiling child, which runs on one thread, always compiled this
-way; a graph compiled in the process itself now gets the same code whatever torch's thread count."""
+costs more than the loop. A shape's graph is then the same code whatever torch's thread count and
+whoever compiles it (the process itself, or a server's compiling child, which runs on one thread)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def capturing_backend(captures: list, c_shims: bool):
         from torch._inductor.compile_fx import compile_fx
 
         route_ops(gm)
-        with torch._inductor.config.patch({"cpp_wrapper": True, "cpp.threads": 1, **(c_shim_config() if c_shims else {})}):
+        config = {"cpp_wrapper": True, "cpp.threads": 1, **(c_shim_config() if c_shims else {})}
+        with torch._inductor.config.patch(config):
             compiled = compile_fx(gm, example_inputs)
         record = {"fn": compiled, "inputs": list(example_inputs)}
         captures.append(record)

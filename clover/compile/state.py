@@ -96,7 +96,8 @@ class CompileState:
                 self.deferred[key] = None
             return None, False
         found = self.replays.get(key) if replay else None
-        logits = found(ids, pad_mask, cache, self.run_before_graph) if found is not None else None  # None too where not `current()`
+        # None too where the Replay is not `current()` or the call does not fit it
+        logits = found(ids, pad_mask, cache, self.run_before_graph) if found is not None else None
         if logits is not None:
             return logits, True
         if found is not None and key not in self.untraced and not found.current():

@@ -56,15 +56,16 @@ def token_ids(tokenizer, text: str) -> list[int]:
     structured reply is tokenized again and again)."""
     if len(text) > SHORT:
         return tokenizer(text, add_special_tokens=False).input_ids
-    cache = _cache(_TEXTS, tokenizer)
+    cache = per_tokenizer(_TEXTS, tokenizer)
     ids = cache.get(text)
     if ids is None:
         ids = cache[text] = tuple(tokenizer(text, add_special_tokens=False).input_ids)
     return list(ids)
 
 
-def _cache(store: dict, tokenizer) -> dict:
-    """The tokenizer's store (bounded: cleared once it holds CACHED entries)."""
+def per_tokenizer(store: dict, tokenizer) -> dict:
+    """The tokenizer's own dict in `store` (keyed by id, checked by identity; bounded: cleared once it
+    holds CACHED entries)."""
     entry = store.get(id(tokenizer))
     if entry is None or entry[0] is not tokenizer:
         entry = store[id(tokenizer)] = (tokenizer, {})
@@ -75,7 +76,7 @@ def _cache(store: dict, tokenizer) -> dict:
 
 def pieces(tokenizer, texts: list[str], before: str = "", after: str = "") -> list[list[int]]:
     """`in_context`, cached per tokenizer (for the texts a slot offers: options, answers)."""
-    cache = _cache(_PIECES, tokenizer)
+    cache = per_tokenizer(_PIECES, tokenizer)
     todo = [t for t in dict.fromkeys(texts) if (before, t, after) not in cache]
     for t, ids in zip(todo, in_context(tokenizer, todo, before, after) if todo else []):
         cache[before, t, after] = ids
@@ -104,7 +105,7 @@ def in_context(tokenizer, texts: list[str], before: str = "", after: str = "") -
 def vocab_mask(tokenizer, size: int, name: str, keep: Callable[[str], bool]) -> torch.Tensor:
     """[size] bool: the tokens whose own text `keep` accepts. Special and added tokens, tokens that
     decode to nothing or to part of a character, and ids past the tokenizer are never kept."""
-    cache = _cache(_MASKS, tokenizer)
+    cache = per_tokenizer(_MASKS, tokenizer)
     if (name, size) not in cache:
         n = min(len(tokenizer), size)
         texts = tokenizer.batch_decode([[i] for i in range(n)], clean_up_tokenization_spaces=False)

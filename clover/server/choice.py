@@ -9,7 +9,8 @@ import weakref
 from ..chat import split_partial
 from .protocol import ToolPlan
 
-_BYTE_LEVEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> whether `Text` may go on from a prefix
+# tokenizer -> whether `Text` may go on from a prefix
+_BYTE_LEVEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def byte_level(tokenizer) -> bool:

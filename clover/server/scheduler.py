@@ -137,9 +137,9 @@ def held_posts(defer=None):
     all of them (a scheduler turn: one hand-off to the event loop's thread per step, not one per
     row), in the order they were made. `defer` (a model): they go instead right before this thread's
     next compiled graph call of that model (`runner.before_next_graph`), where it lets go of the GIL
-    for the graph's run, so the woken loop's thread runs beside the graph rather than taking the GIL at the first short op before
-    it (every torch op lets go of the GIL) while this thread waits; posts no graph call took by the
-    end of the next block go there (first), or at `flush_posts`."""
+    for the graph's run, so the woken loop's thread runs beside the graph rather than taking the GIL
+    at the first short op before it (every torch op lets go of the GIL) while this thread waits;
+    posts no graph call took by the end of the next block go there (first), or at `flush_posts`."""
     _held.posts = []
     try:
         yield

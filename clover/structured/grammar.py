@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.infill import CACHED, decode_constrained_task, token_ids, vocab_mask
+from ..engine.infill import decode_constrained_task, per_tokenizer, token_ids, vocab_mask
 from ..engine.sampling import Draw
 from ..engine.slots import drive
 from .compiler import IN_PROCESS_CHARS, CompileError, CompileTimeout, compile_in_worker, compile_options
@@ -189,20 +189,19 @@ def check_grammar(model, tokenizer, schema, seconds: float | None = None) -> Non
         raise _too_slow(seconds) from None
 
 
-_SMALLEST: dict = {}  # (id(tokenizer), schema as JSON, prefix, suffix) -> (tokenizer, smallest_document's answer)
+_SMALLEST: dict = {}  # per tokenizer (infill.per_tokenizer): (schema JSON, prefix, suffix) -> the answer
 
 
 def smallest_document(tokenizer, schema, prefix: str = "", suffix: str = "") -> tuple[str, list[int]] | None:
     """(text, token ids with prefix and suffix) of the schema's smallest valid document (smallest.py),
     or None when none could be built (or the schema is refused). Kept per tokenizer, schema and frame
     (every forced call of a tool asks again)."""
-    key = (id(tokenizer), json.dumps(schema, sort_keys=True, default=repr), prefix, suffix)
-    hit = _SMALLEST.get(key)
-    if hit is None or hit[0] is not tokenizer:
-        if len(_SMALLEST) >= CACHED:
-            _SMALLEST.clear()
-        hit = _SMALLEST[key] = (tokenizer, _smallest_document(tokenizer, schema, prefix, suffix))
-    return None if hit[1] is None else (hit[1][0], list(hit[1][1]))
+    kept = per_tokenizer(_SMALLEST, tokenizer)
+    key = (json.dumps(schema, sort_keys=True, default=repr), prefix, suffix)
+    if key not in kept:
+        kept[key] = _smallest_document(tokenizer, schema, prefix, suffix)
+    hit = kept[key]
+    return None if hit is None else (hit[0], list(hit[1]))
 
 
 def _smallest_document(tokenizer, schema, prefix: str, suffix: str) -> tuple[str, list[int]] | None:
