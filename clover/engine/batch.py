@@ -74,7 +74,7 @@ class RowBatch:
         window = torch.tensor(first, dtype=torch.long, device=self.device)
         if self.seqs:
             self.cache.append_rows(cache)
-            self.pending = _stack_pending(self.pending, len(self.seqs), pending, len(seqs), self.device)
+            self.pending = _stack_pending([(self.pending, len(self.seqs)), (pending, len(seqs))], self.device)
             window = torch.cat([self.window, window])
         else:
             self.cache, self.pending = cache, pending
@@ -229,10 +229,10 @@ class Prefill:
         return self.ids[:, a:], pad if pad.any() else None
 
 
-def _stack_pending(a, rows_a: int, b, rows_b: int, device) -> Pending | None:
-    """Pending clean segments of two row groups as one, left-padded to a common width."""
+def _stack_pending(groups: list[tuple[Pending | None, int]], device) -> Pending | None:
+    """Pending clean segments of row groups ((segment, rows) each) as one, left-padded to a common width."""
     parts = []
-    for p, rows in ((a, rows_a), (b, rows_b)):
+    for p, rows in groups:
         ids, pad = p if p is not None else (torch.zeros(rows, 0, dtype=torch.long, device=device), None)
         parts.append((ids, pad if pad is not None else torch.zeros_like(ids, dtype=torch.bool)))
     width = max(ids.shape[1] for ids, _ in parts)
@@ -245,27 +245,24 @@ def _stack_pending(a, rows_a: int, b, rows_b: int, device) -> Pending | None:
 
 def merge(batches: list[RowBatch], clean_block_size: int) -> RowBatch:
     """One temporary batch over the rows of several (for one shared forward): their caches copied
-    side by side, their pending segments (one clean window size, `clean_block_size`) left-padded to a
-    common width. `split` hands the rows back afterwards."""
+    side by side (`RowCache.joined`), their pending segments (one clean window size, `clean_block_size`)
+    left-padded to a common width. `split` hands the rows back afterwards."""
     first = batches[0]
     out = RowBatch(first.runner, first.width, clean_block_size, first.mask_id, first.device, first.prefill_chunk)
-    out.cache = first.cache.copy_rows()
-    out.pending, rows = first.pending, len(first.seqs)
-    for b in batches[1:]:
-        out.cache.append_rows(b.cache)
-        out.pending = _stack_pending(out.pending, rows, b.pending, len(b.seqs), first.device)
-        rows += len(b.seqs)
+    out.cache = first.cache.joined([b.cache for b in batches[1:]])
+    out.pending = _stack_pending([(b.pending, len(b.seqs)) for b in batches], first.device)
     out.seqs = [s for b in batches for s in b.seqs]
     return out
 
 
 def split(merged: RowBatch, batches: list[RowBatch]) -> None:
-    """After a forward of `merge(batches)`: each batch takes its rows of the merged cache back (its
-    pending segment was consumed by that forward)."""
+    """After a forward of `merge(batches)`: each batch takes its rows of the merged cache back, as views
+    (`RowCache.rows_view`: the merged batch is not used again; its pending segment was consumed by that
+    forward)."""
     start = 0
     for b in batches:
         n = len(b.seqs)
-        b.cache = merged.cache.copy_rows(torch.arange(start, start + n, device=b.device))
+        b.cache = merged.cache.rows_view(start, n)
         b.pending, start = None, start + n
 
 

@@ -88,13 +88,17 @@ def partition(jobs: list[SlotJob]) -> list[list[SlotJob]]:
 
 def ready(groups: list[list[SlotJob]]) -> list[list[SlotJob]]:
     """The groups from `partition` that run this step. Jobs before their first forward sit out one step
-    (once) while other groups run when they have no partner, or when their tasks are ahead of a task
-    running beside them (more jobs done, `SlotJob.ordinal`): of requests that arrived a step apart, the
-    early ones' next jobs wait for the late ones' to reach the same phase, and from then on their jobs
-    share forwards instead of running a step apart in forwards of their own. A job's forwards, and so its
-    tokens, do not change; it only starts a step later."""
+    (once) while other groups run when their tasks are ahead of a task running beside them (more jobs
+    done, `SlotJob.ordinal`), or when they have no partner and are their task's first (a request just
+    arrived, whom one arriving a step later may join): of requests that arrived a step apart, the early
+    ones' next jobs wait for the late ones' to reach the same phase, and from then on their jobs share
+    forwards instead of running a step apart in forwards of their own. A later job with no partner whose
+    task is behind no other does not wait: every task beside it is in its phase or past it, so waiting
+    would only put its task a step behind theirs. A job's forwards, and so its tokens, do not change; it
+    only starts a step later."""
     behind = min(j.ordinal for g in groups for j in g) if groups else 0
-    wait = [g for g in groups if all(j.fresh and not j.waited for j in g) and (len(g) == 1 or g[0].ordinal > behind)]
+    wait = [g for g in groups if all(j.fresh and not j.waited for j in g)
+            and (g[0].ordinal > behind or (len(g) == 1 and g[0].ordinal == 0))]
     if len(wait) == len(groups):
         return groups
     for g in wait:

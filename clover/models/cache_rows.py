@@ -124,6 +124,40 @@ class RowCache:
         out.select_rows(rows if rows is not None else torch.arange(self.batch_size, device=self.device))
         return out
 
+    def joined(self, others: list["RowCache"]) -> "RowCache":
+        """A cache of its own holding this cache's rows, then each of `others`' in order (one copy of each
+        store, the K/V at the largest capacity), nothing recorded: `append_rows` of every other into a
+        `copy_rows`, which copies the rows gathered so far again at each append."""
+        caches = [self, *others]
+        out, cap = self._empty(), max(c.capacity for c in caches)
+        for name in self.STORES:
+            store = getattr(out, name)
+            for i in store:
+                parts = [getattr(c, name)[i] for c in caches]
+                if name in KV:
+                    parts = [F.pad(t, (0, 0, 0, cap - t.shape[2])) if t.shape[2] < cap else t for t in parts]
+                store[i] = torch.cat(parts)
+        out.lens = torch.cat([c.lens for c in caches])
+        out.capacity, out.batch_size = cap, sum(c.batch_size for c in caches)
+        return out
+
+    def rows_view(self, start: int, n: int) -> "RowCache":
+        """A cache of rows [start, start + n) of this one as views, not copies (nothing recorded): its
+        forwards write this cache's rows in place, and this cache's other rows never. For handing the
+        rows of a shared forward's cache back to their owners (`joined`), which no longer use it."""
+        out = self._empty()
+        for name in self.STORES:
+            store = getattr(out, name)
+            for i, t in getattr(self, name).items():
+                store[i] = t[start: start + n]
+        out.lens = self.lens[start: start + n]
+        out.batch_size = n
+        return out
+
+    def _empty(self) -> "RowCache":
+        """A cache like this one with no rows (the subclass's bookkeeping as `copy_rows` leaves it)."""
+        return self.copy_rows(torch.zeros(0, dtype=torch.long, device=self.device))
+
     def put_rows(self, rows, other: "RowCache") -> None:
         """Write the rows of `other` (a `copy_rows(rows)` of this cache, then advanced) back at `rows`,
         in place; this cache grows first if `other` did."""
@@ -151,9 +185,10 @@ class RowCache:
             store, full = getattr(self, name), {}
             for i, t in store.items():
                 base = t._base
-                if (base is None or base.shape[0] != rows or base.shape[1:] != t.shape[1:]
-                        or base.data_ptr() != t.data_ptr()):
+                if (base is None or not getattr(base, "spare_rows", False) or base.shape[0] != rows
+                        or base.shape[1:] != t.shape[1:] or base.data_ptr() != t.data_ptr()):
                     base = t.new_zeros((rows, *t.shape[1:]))
+                    base.spare_rows = True  # made here: its rows past this cache's are spare (not another's, `rows_view`)
                     base[:real].copy_(t)
                     store[i] = base[:real]
                 full[i] = base
