@@ -244,3 +244,43 @@ def test_a_request_context_feeds_the_first_windows_scaffold_as_prompt(model, see
     assert got.lead == len(head) and got.fed == prompt + head and got.draft(0, mask)[0] == want.draft(0, mask)[0]
     assert [s.value for s in got.slots] == [s.value for s in want.slots]
     assert got.tokens(mask) == head + want.tokens(mask)
+
+
+
+class Unclosed(Context):
+    """A causal context that keeps only where each job's first forward left it (never where a job ended)."""
+
+    def close(self, batch, rows, committed):
+        pass
+
+
+def _two_jobs(model, context, seed: int):
+    """A job of several windows, then a job whose prompt is the first's prompt, its row and a few tokens:
+    each job's (values, confidences)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt, mask, out = torch.randint(0, 100, (17 + seed,), generator=g).tolist(), model.config.mask_token_id, []
+    for k, shape in enumerate([[(3, 2, 0), (1, 3, 1), (2, 2, 0)], [(1, 2, 0), (0, 3, 1)]]):
+        row = Row(prompt, _units(g, shape), 5, model.config.max_block_size)
+        mode = SlotMode()
+        mode.join(SlotJob(partial(infill._start_denoise, model, [row], 0.6, context)))
+        while mode.running:
+            mode.step()
+        assert k or len(row.windows) > 2
+        out.append([(s.value, s.confidence) for s in row.slots])
+        prompt = prompt + row.tokens(mask) + torch.randint(0, 100, (seed % 3,), generator=g).tolist()
+    return out
+
+
+@pytest.mark.parametrize("seed", [2, 7])
+def test_a_job_starts_where_the_last_job_ended_under_a_causal_context(model, seed):
+    """Context(1).close: a job whose prompt holds the last job's row starts after the windows that job
+    committed (fewer tokens fed) and replies as the job that starts after its prompt only, and as fed whole."""
+    with torch.inference_mode(), Fed(model) as ended:
+        got = _two_jobs(model, Context(1), seed)
+    with torch.inference_mode(), Fed(model) as first:
+        want = _two_jobs(model, Unclosed(1), seed)
+    with torch.inference_mode():
+        whole = _two_jobs(model, Whole(model, 1), seed)
+    _same(got, want)
+    _same(got, whole)
+    assert ended.tokens < first.tokens

@@ -351,24 +351,31 @@ class Context:
     With `width`, every segment, and every window a job finishes, is committed in clean windows of that
     width instead (1: causally, so concurrent requests whose prompts begin alike share that beginning
     whatever their lengths, `slots.share_prefixes`, and jobs whose finished windows differ in length
-    still share forwards). Only the request's own jobs read it (one after another)."""
+    still share forwards). Only the request's own jobs read it (one after another). A causal context (width
+    1) also keeps where a job ended (`close`): its prompt and the windows it committed after it, laid out as a
+    prefill of them would be, so the next job whose prompt extends those feeds only what follows them."""
 
     def __init__(self, width: int | None = None):
         self.tokens: list[int] = []
         self.cache, self.width = None, width
         self.live: RowBatch | None = None  # the job whose cache `cache` is, while it may still write it
+        self.ended: tuple[list[int], object] | None = None  # (tokens, cache) where the last job ended (`close`)
 
     def start(self, rows: list[Row]) -> tuple[object, int] | None:
         """Where a job of `rows` starts (`RowBatch.join`'s `start`, which copies it): the cache and the
         count of its prompt's tokens it holds, or None (a whole prefill)."""
+        if self.ended is not None and self.extends(rows, self.ended[0]):
+            return self.ended[1], len(self.ended[0])
         if self.cache is None or not self.extends(rows):
             return None
         return self.cache, len(self.tokens)
 
-    def extends(self, rows: list[Row]) -> bool:
-        """Whether a job of `rows` can start after these tokens: one row whose prefill begins with them."""
-        n = len(self.tokens)
-        return len(rows) == 1 and len(rows[0].fed) > n and rows[0].fed[:n] == self.tokens
+    def extends(self, rows: list[Row], tokens: list[int] | None = None) -> bool:
+        """Whether a job of `rows` can start after these tokens (or `tokens`): one row whose prefill begins
+        with them."""
+        tokens = self.tokens if tokens is None else tokens
+        n = len(tokens)
+        return len(rows) == 1 and len(rows[0].fed) > n and rows[0].fed[:n] == tokens
 
     def keep(self, batch: RowBatch, rows: list[Row]) -> None:
         """After a job's first forward: its cache holds its prompt's prefill (unless the forward committed
@@ -376,7 +383,18 @@ class Context:
         another forward (`hold`), which would write it."""
         tokens = batch.layout.prefilled(rows[0].fed, batch.clean_block_size)
         if len(rows) == 1 and int(batch.cache.lens[0]) == len(tokens):
-            self.tokens, self.cache, self.live = tokens, batch.cache, batch
+            self.tokens, self.cache, self.live, self.ended = tokens, batch.cache, batch, None
+
+    def close(self, batch: RowBatch, rows: list[Row], committed: list[int]) -> None:
+        """After a job's last forward, of a causal context: the job's cache (which no forward writes again)
+        holds its prompt's prefill then `committed`, the finished windows' clean tokens its later forwards
+        committed one by one (in windows of one token, as a prefill of them); kept as where the next job may
+        start. Nothing kept for a job of several rows or one that committed no window."""
+        if self.width != 1 or len(rows) != 1 or not committed:
+            return
+        tokens = batch.layout.prefilled(rows[0].fed, batch.clean_block_size) + committed
+        if int(batch.cache.lens[0]) == len(tokens):
+            self.ended, self.live = (tokens, batch.cache), None
 
     def hold(self) -> None:
         """Before the job that kept the context runs another forward: the context gets a copy of its own
@@ -422,7 +440,7 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
     context's width, when it has one). After the first forward the prompt is committed: `context`
     keeps it."""
     anchors = [r.fed[-1] for r in rows]
-    calls, w = 0, -1
+    calls, w, committed, pending_row = 0, -1, [], []  # row 0's clean tokens committed after its prompt, and pending
     while (w := w + 1) < max(len(r.windows) for r in rows):
         if not any(u.open for r in rows for later in r.windows[w:] for u in later):
             break  # the rest is scaffold: nothing left to denoise or to commit for
@@ -444,7 +462,7 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
             logits = (yield Forward(window.to(batch.device), width, width, width)).float()
             if calls == 0 and context is not None:
                 context.keep(batch, rows)
-            calls += 1
+            calls, committed, pending_row = calls + 1, committed + pending_row, []
             logits[..., mask] = float("-inf")
             logp = torch.log_softmax(logits, -1).cpu()  # column j predicts region position j
             for i, (row, (_, offsets)) in enumerate(zip(rows, regions)):
@@ -457,11 +475,13 @@ def _denoise_steps(batch, rows: list[Row], threshold: float, mask: int, context:
             yield Forward(batch.window[:, :0], 0, 1)
             if calls == 0 and context is not None:
                 context.keep(batch, rows)
-            calls += 1
+            calls, committed, pending_row = calls + 1, committed + pending_row, []
             for r in rows:
                 r.forwards += 1
-        pending, width = _finished_window(rows, w, mask, anchors, batch.device)
+        pending, width, pending_row = _finished_window(rows, w, mask, anchors, batch.device)
         batch.commit_next(pending, context.width if context is not None and context.width else width)
+    if context is not None:
+        context.close(batch, rows, committed)
     return calls
 
 
@@ -475,12 +495,13 @@ def _commit_sure(row: Row, w: int, offsets: list[int], logp: torch.Tensor, thres
 
 def _finished_window(rows: list[Row], w: int, mask: int, anchors: list[int], device):
     """The finished window [anchor, region[:-1]] of every row, left-padded: the pending segment
-    committed with the next forward, and its clean window size (its width). Moves the anchors."""
+    committed with the next forward, its clean window size (its width), and the first row's clean tokens.
+    Moves the anchors."""
     regions = [r.draft(w, mask)[0] for r in rows]
     clean = [[a] + tokens[:-1] if tokens else [] for a, tokens in zip(anchors, regions)]
     for i, tokens in enumerate(regions):
         anchors[i] = tokens[-1] if tokens else anchors[i]
-    return left_padded(clean, device), max(map(len, regions))
+    return left_padded(clean, device), max(map(len, regions)), clean[0]
 
 
 # ---- constrained left-to-right decoding (the grammar path) ------------------------------------------------
