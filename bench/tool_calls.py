@@ -230,8 +230,11 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
                  "several jobs may run: its later jobs start from that cache and feed only what their prompts add, and "
                  "concurrent requests' first jobs commit their common beginning once (slots.share_prefixes); the scaffold "
                  "before a job's first slot rides with its prompt (infill.Row.lead_in), so the 'another call?' job re-feeds "
-                 "only the arguments; a burst's tasks wait for the requests still on their way (Scheduler.arriving) and "
-                 "start in one forward. The prefix-cache rows above count the first jobs' contexts only.")
+                 "only the arguments, and a causal context also keeps where a job ended (infill.Context.close), so the job "
+                 "after arguments of several windows feeds only the last one; a burst's tasks wait for the requests still "
+                 "on their way (Scheduler.arriving) and start in one forward, and a later job with no partner runs at once "
+                 "rather than putting its request a step behind the others (slots.ready). Jobs of different window widths "
+                 "still take forwards of their own. The prefix-cache rows above count the first jobs' contexts only.")
     return "\n".join(lines)
 
 
