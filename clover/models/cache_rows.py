@@ -125,9 +125,8 @@ class RowCache:
         return out
 
     def joined(self, others: list["RowCache"]) -> "RowCache":
-        """A cache of its own holding this cache's rows, then each of `others`' in order (one copy of each
-        store, the K/V at the largest capacity), nothing recorded: `append_rows` of every other into a
-        `copy_rows`, which copies the rows gathered so far again at each append."""
+        """A cache of its own holding this cache's rows, then each of `others`' in order, nothing recorded:
+        one copy of each store (the K/V at the largest capacity) whatever the number of caches."""
         caches = [self, *others]
         out, cap = self._empty(), max(c.capacity for c in caches)
         for name in self.STORES:
