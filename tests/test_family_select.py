@@ -141,3 +141,53 @@ def test_sub_block_steps_ask_for_their_head(tmp_path):
     with torch.no_grad():
         plain = seam(window, cache=committed(seam.family_model, (4,)), block_size=4, draft_len=4, logits_to_keep=4)
     assert bool((plain.logits != 0).all())
+
+
+def test_asked_sub_block_step_returns_its_columns_alone(tmp_path):
+    """A sub-block step that asks (`sub_block_head=True`, as the engine's greedy steps do) gets the
+    logits of its `sub_block_columns` alone, [rows, 8, V], compiled layout and eager: the full step's
+    logits at those columns, for rows of odd, different lengths; the cache as the full step leaves it."""
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    loaded = confident(tmp_path, "Fast_dLLM_Qwen")
+    seam = FamilySeam(loaded)
+    mask_id = seam.config.mask_token_id
+    window = random_windows(torch.Generator().manual_seed(5), len(LENGTHS), 32, mask_id)
+    cols = sub_block_columns(window, mask_id, 8)
+    with torch.no_grad():
+        full_cache, cache = committed(loaded.model, LENGTHS), committed(loaded.model, LENGTHS)
+        full = loaded.model.static_forward(window, full_cache, 32, None, 32)
+        got = seam.graph_step(window, None, cache, 32, 32, 32, 32, sub_block_head=True)
+        eager_ref = loaded.model(window, cache=committed(loaded.model, LENGTHS), block_size=32)
+        eager = seam(window, cache=committed(loaded.model, LENGTHS), block_size=32, draft_len=32, logits_to_keep=32,
+                     sub_block_head=True).logits
+    index = cols[:, :, None].expand(-1, -1, full.shape[-1])
+    assert got.shape == eager.shape == (len(LENGTHS), 8, full.shape[-1])
+    torch.testing.assert_close(got, full.gather(1, index), rtol=1e-5, atol=3e-4)
+    torch.testing.assert_close(eager, eager_ref.gather(1, index), rtol=1e-5, atol=3e-4)
+    for layer in full_cache.key:
+        torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)
+
+
+def test_sub_block_pick_equals_the_pick_over_every_column():
+    """engine.modes.pick_sub_block_and_advance (the logits of each row's sub-block columns alone) gives
+    the state, window and finished rows of pick_and_advance over every column's logits (the other
+    columns' logits anything), on random windows, block states and logits."""
+    from clover.engine.modes import BlockState, pick_and_advance, pick_sub_block_and_advance
+    from clover.engine.policies import make_policy
+
+    g = torch.Generator().manual_seed(6)
+    rows, width, sub, mask_id = 24, 32, 8, VOCAB - 1
+    window = random_windows(g, rows, width, mask_id)
+    filled = torch.cat([window[:, 1:] != mask_id, torch.zeros(rows, 1, dtype=torch.bool)], dim=1)
+    eligible = torch.arange(width)[None] < torch.randint(width - 6, width, (rows, 1), generator=g)
+    state = BlockState(filled, torch.randint(4, VOCAB, (rows, width), generator=g), torch.zeros(rows, width).long(),
+                       torch.randint(0, 5, (rows,), generator=g), eligible)
+    logits = torch.randn(rows, width, VOCAB, generator=g) * 4
+    cols = sub_block_columns(window, mask_id, sub)
+    policy, banned, eos = make_policy("low_confidence", width, 0.5), torch.tensor([mask_id]), torch.tensor([3])
+    want = pick_and_advance(policy, logits, banned, *state.fields(), window, eos, shift=True, sub_block=sub)
+    got = pick_sub_block_and_advance(policy, mask_id, logits.gather(1, cols[:, :, None].expand(-1, -1, VOCAB)),
+                                     banned, *state.fields(), window, eos, shift=True, sub_block=sub)
+    assert not torch.equal(want[0], filled) and not torch.equal(want[-2], window)  # some targets filled
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from ..models.cache_clover import CloverCache, rolled_states
+from ..models.family_seam import spread, sub_block_columns
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
 from .layout import Layout
@@ -304,7 +305,7 @@ class DiffusionMode(Mode):
         self.commit_only = False  # the forward planned last commits the pending segment alone (no draft)
         self.awaiting: torch.Tensor | None = None  # [rows]: the window's first column comes from this forward's clean pass
         # `advance`, `sample_and_score`, `pick_and_advance` as the runner calls them (`fuse`), made when first used
-        self._advance = self._scored = self._pick_advance = None
+        self._advance = self._scored = self._pick_advance = self._pick_sub = None
 
     def _eligible(self, seqs: list[Sequence], start: list[int] | None = None) -> torch.Tensor:
         """Targets a new block may fill: all B, or the remaining budget in a last partial block; from
@@ -353,7 +354,7 @@ class DiffusionMode(Mode):
             return Forward(batch.window, B, B + 1, B)
         cols = None
         sub_block = self.layout.sub_block if self.cfg.sampling.greedy else 0  # sampled: every masked column draws
-        if not batch.runner.full_head:  # the head runs only on columns some row may fill this step; the others can't be chosen
+        if not batch.runner.full_head and not sub_block:  # the head runs only on columns some row may fill this step
             cols = fillable(st.eligible, st.filled, sub_block).any(0).nonzero().squeeze(1)
             cols = None if cols.numel() == B else cols
         self.cols = cols
@@ -384,18 +385,39 @@ class DiffusionMode(Mode):
         return events
 
     def _step(self, batch: RowBatch, logits: torch.Tensor) -> Events:
+        """`logits`: of every column [rows, B, V], of the columns `self.cols`, or (a sub-block step's
+        head, `Forward.sub_block_head`, where the model computes only those) [rows, sub_block, V] of
+        each row's `sub_block_columns`."""
         st, runner, cols = self.state, batch.runner, self.cols
-        if cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
+        compact = cols is None and logits.shape[1] != self.block_size
+        if compact and self.cfg.sampling.greedy and self.policy.by_probability:
+            if self._pick_sub is None:  # the greedy pick on the sub-block's columns, spread, and `advance` as one call
+                self._pick_sub = runner.fuse(functools.partial(pick_sub_block_and_advance, self.policy, self.mask_id,
+                                                               **self._window_args()),
+                                             ("pick_sub_block", self.policy, self.layout, self.mask_id), shared=(1, 8))
+            *fields, batch.window, done = self._pick_sub(logits, self.banned, *st.fields(), batch.window, self.eos_t)
+        elif compact:  # a distribution-scored policy: the other columns' logits 0 (never chosen)
+            cols = sub_block_columns(batch.window, self.mask_id, self.layout.sub_block)
+            return self._step_scored(batch, spread(logits, cols, self.block_size), None)
+        elif cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
             if self._pick_advance is None:  # the greedy pick and `advance` as one call
                 self._pick_advance = runner.fuse(functools.partial(pick_and_advance, self.policy, **self._window_args()),
                                                  ("pick_advance", self.policy, self.layout), shared=(1, 8))  # banned, eos_t
             *fields, batch.window, done = self._pick_advance(logits, self.banned, *st.fields(), batch.window, self.eos_t)
         else:
-            tokens, score = self._score(runner, logits, cols)
-            if self._advance is None:
-                self._advance = runner.fuse(functools.partial(advance, self.policy, **self._window_args()),
-                                            ("advance", self.policy, self.layout), shared=(8,))  # eos_t
-            *fields, batch.window, done = self._advance(tokens, score, *st.fields(), batch.window, self.eos_t)
+            return self._step_scored(batch, logits, cols)
+        return self._advanced(batch, fields, done)
+
+    def _step_scored(self, batch: RowBatch, logits: torch.Tensor, cols: torch.Tensor | None) -> Events:
+        """`_step` through `_score` (sampled, or a distribution-scored policy) and `advance`."""
+        tokens, score = self._score(batch.runner, logits, cols)
+        if self._advance is None:
+            self._advance = batch.runner.fuse(functools.partial(advance, self.policy, **self._window_args()),
+                                              ("advance", self.policy, self.layout), shared=(8,))  # eos_t
+        *fields, batch.window, done = self._advance(tokens, score, *self.state.fields(), batch.window, self.eos_t)
+        return self._advanced(batch, fields, done)
+
+    def _advanced(self, batch: RowBatch, fields: list, done: torch.Tensor) -> Events:
         self.state = BlockState(*fields)
         if self.awaiting is not None:
             done = done & ~self.awaiting  # nothing to fill yet: not a finished block
@@ -503,6 +525,19 @@ def pick_and_advance(policy, logits, banned, *state, shift=True, sub_block=0):
     """A greedy step of a probability-scored policy from the logits of every column [R, B, V]: each
     column's token and probability (ops/greedy_pick; `banned`: ids never chosen), then `advance`."""
     return advance(policy, *greedy_pick(logits, banned), *state, shift=shift, sub_block=sub_block)
+
+
+def pick_sub_block_and_advance(policy, mask_id, logits, banned, *state, shift=True, sub_block=0):
+    """`pick_and_advance` from the logits of a sub-block step's columns alone [R, sub_block, V], those
+    `sub_block_columns` of each row's window names (the state's sixth tensor): their tokens and
+    probabilities go to those columns, the others get the mask token and 0 (not fillable: never
+    chosen)."""
+    window = state[5]
+    cols = sub_block_columns(window, mask_id, sub_block)
+    picked, prob = greedy_pick(logits, banned)
+    tokens = torch.full_like(window, mask_id).scatter(1, cols, picked)
+    score = prob.new_zeros(window.shape).scatter(1, cols, prob)
+    return advance(policy, tokens, score, *state, shift=shift, sub_block=sub_block)
 
 
 def sample_and_score(policy, sampling, mask_id, logits):

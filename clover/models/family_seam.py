@@ -65,17 +65,19 @@ class FamilySeam(nn.Module):
         written into the cache in place, the attention reading its first `span` slots (0: all;
         modeling_family.static_block_step). A sub-block family's draft window (every column kept, no
         clean segment) of a sub-block step (`sub_block_head`) computes only the logits that step reads
-        (`sub_block_columns`), the others 0."""
+        and returns those alone, [rows, sub_block, V] of the columns `sub_block_columns` (`trims`)."""
         if not self.trims(ids.shape[1], draft_len, logits_to_keep, asked=sub_block_head):
             return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
         cols = sub_block_columns(ids, self.config.mask_token_id, self.sub_block)
-        return spread(self.family_model.static_forward(ids, cache, block, pad_mask, span=span, select=cols), cols,
-                      ids.shape[1])
+        logits = self.family_model.static_forward(ids, cache, block, pad_mask, span=span, select=cols)
+        return logits if sub_block_head else spread(logits, cols, ids.shape[1])
 
     def trims(self, width: int, draft_len: int, keep: int, index=None, asked: bool = False) -> bool:
         """Whether a call is a sub-block family's draft window alone, every column kept, of a
         sub-block step (`asked`, or `sub_block_head` on for every call): that step reads the logits
-        of one sub-block (`sub_block_columns`), the only ones computed (the others 0)."""
+        of one sub-block (`sub_block_columns`), the only ones computed. An asked call returns those
+        alone ([rows, sub_block, V]); a call trimmed by `sub_block_head` alone returns every column's,
+        the others 0."""
         return ((asked or self.sub_block_head) and bool(self.sub_block) and draft_len == width and keep in (0, width) and index is None
                 and width % self.sub_block == 0 and width > self.sub_block)
 
@@ -94,7 +96,9 @@ class FamilySeam(nn.Module):
         """input_ids [rows, L] = [clean segment ; draft window of `draft_len`]: the clean segment is
         committed and the draft read against it, positions absolute (the family's own); logits of the
         last `logits_to_keep` columns (0: all), `logits_index` of those (the last layer and the head
-        run on those only); `sub_block_head`: a sub-block step's draft (`trims`)."""
+        run on those only); `sub_block_head`: a sub-block step's draft, whose logits are those of its
+        `sub_block_columns` alone, [rows, sub_block, V], where the seam `trims` it (`logits_index` is
+        then ignored)."""
         width = input_ids.shape[1]
         block = self.block_of(block_size, clean_block_size)
         asked_index = None if sub_block_head else logits_index  # a sub-block step's: its index slices, as a graph's
@@ -107,7 +111,10 @@ class FamilySeam(nn.Module):
         hidden = self.family_model(input_ids, cache=cache, commit=width - draft_len if cache is not None else False,
                                    block_size=block, pad=pad_mask, hidden_only=True, select=keep)
         if cols is not None:
-            logits = spread(self.family_model.logits(hidden), cols, width)
+            logits = self.family_model.logits(hidden)
+            if sub_block_head:
+                return SimpleNamespace(logits=logits)
+            logits = spread(logits, cols, width)
             return SimpleNamespace(logits=logits if logits_index is None else logits[:, logits_index])
         if logits_index is not None:
             hidden = hidden[:, logits_index]

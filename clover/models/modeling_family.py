@@ -82,11 +82,22 @@ class Step:
     rope: tuple | None = None
     slots: torch.Tensor | None = None  # static: [B, L] the cache slot each column's K/V is written to
     select: torch.Tensor | None = None  # [B, n] the only columns whose outputs a layer returns (`hidden`)
+    inv_freq: torch.Tensor | None = None  # the model's RoPE frequencies (`rope_frequencies`), made once
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
-        if self.rope is None:
+        """(cos, sin) [B, L, rotary_dim] at the step's positions, once per step."""
+        if self.rope is None and self.inv_freq is not None and 2 * self.inv_freq.numel() == rotary_dim:
+            freqs = self.positions[..., None].float() * self.inv_freq.float()
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.rope = emb.cos().to(dtype), emb.sin().to(dtype)
+        elif self.rope is None:
             self.rope = rope_cos_sin(self.positions, rotary_dim, theta, dtype)
         return self.rope
+
+
+def rope_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
+    """[rotary_dim / 2] fp32 RoPE inverse frequencies, as `rope_cos_sin` (and transformers) compute them."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
 def block_step(input_ids, block_size: int, positions=None, cache=None, commit: bool | int = False, pad=None) -> Step:
@@ -176,9 +187,16 @@ class Experts(CloverExperts):
 
 def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
     """q [B, H, L, D], k/v [B, Hkv, L, D] of the new tokens -> attention output [B, L, H*D]:
-    RoPE at the step's positions, the committed K/V in front, the block mask; commits if asked."""
+    RoPE at the step's positions, the committed K/V in front, the block mask; commits if asked.
+    With `step.select` [B, n], q may be of those columns alone ([B, H, n, D]; the output is theirs)."""
     cos, sin = step.rope_for(rotary_dim, theta, q.dtype)
-    q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+    k = apply_partial_rope(k, cos, sin)
+    if step.select is not None and q.shape[2] != k.shape[2]:  # the selected columns' queries alone
+        q = apply_partial_rope(q, take_columns(cos, step.select, 1), take_columns(sin, step.select, 1))
+    else:
+        q = apply_partial_rope(q, cos, sin)
+        if step.select is not None:
+            q = take_columns(q, step.select, 2)
     keys, values = k, v
     if step.slots is not None:  # static: every column written in place, then the step's span of slots read
         step.cache.write_kv(layer, step.slots, k, v)
@@ -187,7 +205,7 @@ def attend(q, k, v, step: Step, layer: int, rotary_dim: int, theta: float):
         keys, values = step.cache.extend_kv(layer, step.prefix, k, v)
     mask = step.mask
     if step.select is not None:  # every column's K/V above; queries only for the selected columns
-        q, mask = take_columns(q, step.select, 2), take_columns(mask, step.select, 2)
+        mask = take_columns(mask, step.select, 2)
     out = masked_attention(q, keys, values, mask, q.shape[-1] ** -0.5)
     if step.commit is not None:  # after reading the scratch slots
         step.cache.write(layer, k, v, *step.commit)
@@ -278,6 +296,7 @@ class BlockFamilyModel(nn.Module):
                               [self.build_layer(i) for i in range(c.num_hidden_layers)], c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_frequencies(c.rotary_dim, c.rope_theta), persistent=False)
 
     def build_layer(self, i: int) -> nn.Module:  # pragma: no cover - every family defines it
         raise NotImplementedError
@@ -320,6 +339,7 @@ class BlockFamilyModel(nn.Module):
         """The final hidden states of a forward laid out by `step`; with `select` [B, n], those of
         the columns it names (the last layer returns only them; the K/V of every column are written)."""
         x = self.model.embed(input_ids)
+        step.inv_freq = self.inv_freq
         *layers, last = self.model.layers
         for layer in layers:
             x = layer(x, step)
@@ -363,6 +383,7 @@ class BlockFamilyModel(nn.Module):
                                   f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
                                   f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
         model.load_state_dict(mapped, strict=True, assign=True)
+        model.inv_freq = rope_frequencies(config.rotary_dim, config.rope_theta, device or "cpu")  # not stored
         return model.eval()
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_sdar import SDARConfig, SDARMoeConfig
-from .modeling_family import BlockFamilyModel, DecoderLayer, Experts, RMSNorm, SwiGLU, attend
+from .modeling_family import BlockFamilyModel, DecoderLayer, Experts, RMSNorm, SwiGLU, attend, take_columns
 
 
 class QwenAttention(nn.Module):
@@ -32,7 +32,8 @@ class QwenAttention(nn.Module):
 
     def forward(self, x, step):
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
+        xq = x if step.select is None else take_columns(x, step.select, 1)  # queries of the selected columns only
+        q = self.q_proj(xq).view(b, xq.shape[1], self.heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
         if self.qk_norm:
