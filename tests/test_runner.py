@@ -225,3 +225,33 @@ def test_replay_of_a_recorded_forward_stores_its_records():
     assert Replay.build(dict(record), m, outputs[0], x, None, cache) is None
     cache.recorded = {}  # an output nothing accounts for: a side effect the Replay would skip
     assert Replay.build(dict(record), m, outputs[0], x, None, cache) is None
+
+
+def test_replay_bindings_see_every_replaced_module_parameter_and_buffer():
+    """A Replay's weight check (`Bindings`): unchanged after in-place updates, changed when any
+    submodule, parameter or buffer of the model is replaced or removed."""
+    from clover.compile.replay import Bindings
+
+    def owner_of(model, kind):
+        return next(m for m in model.modules() if next(getattr(m, kind)(recurse=False), None) is not None)
+
+    for change in ("in place", "parameter", "module", "buffer", "removed"):
+        model = tiny_model(4322)
+        model.lm_head.register_buffer("probe", torch.zeros(3))
+        bindings = Bindings(model)
+        assert bindings.unchanged()
+        if change == "in place":
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+        elif change == "parameter":
+            owner = owner_of(model, "parameters")
+            name, param = next(owner.named_parameters(recurse=False))
+            setattr(owner, name, torch.nn.Parameter(param.detach().clone()))
+        elif change == "module":
+            model.model.layers[0] = torch.nn.Identity()
+        elif change == "buffer":
+            model.lm_head._buffers["probe"] = torch.zeros(3)  # a direct store write counts too
+        else:
+            owner = owner_of(model, "parameters")
+            delattr(owner, next(owner.named_parameters(recurse=False))[0])
+        assert bindings.unchanged() == (change == "in place"), change

@@ -107,15 +107,17 @@ class Bindings:
     by identity: any of them replaced since shows as changed (held, so no id is reused)."""
 
     def __init__(self, model):
-        self.slots, self.objects = [], []
+        self.stores, self.names, self.objects = [], [], []
         for m in model.modules() if model is not None else ():
             for store in (m._modules, m._parameters, m._buffers):
                 for name, obj in store.items():
-                    self.slots.append((store, name))
+                    self.stores.append(store)
+                    self.names.append(name)
                     self.objects.append(obj)
 
     def unchanged(self) -> bool:
-        return all(map(operator.is_, [store.get(name) for store, name in self.slots], self.objects))
+        # checked before every graph call: one pass in C (no Python frame per slot)
+        return all(map(operator.is_, map(dict.get, self.stores, self.names), self.objects))
 
 
 def named_weights(model) -> dict:
