@@ -32,8 +32,9 @@ size has its own rounds, requests, reply length and servers (default: the matchi
 compiled). Tables: median aggregate tokens/s and its min - max over rounds, time to first token p50,
 latency p50 / p99 (all requests of the median round), the ratio of medians against llama-server at
 the matching precision (fp32 vs f32, int4 vs q4_0), what a clover round's forwards took (their
-share of the wall, the mean forward, the eager ones of a compiled server: `/metrics`), and the load
-average during the level. A missed point is listed with both servers' figures and that share.
+share of the wall, the mean forward, the eager ones of a compiled server: `/metrics`), each server's
+CPU per generated token (its busiest thread, the decoding one, with how often per token it was
+preempted, and all its threads: /proc, Linux) and the load average during the level. A missed point is listed with both servers' figures and that share.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -336,7 +338,9 @@ def attempt(s: Server, n: int, prompts: list[str], requests: int, max_tokens: in
         return None
     try:
         before = counters(s.url) if s.kind == "clover" else None
+        clock = thread_clock(s.proc.pid) if s.proc is not None else {}
         run = asyncio.run(level(s.url, prompts, n, requests, max_tokens))
+        run["cpu"] = thread_costs(clock, thread_clock(s.proc.pid) if s.proc is not None else {}, run["tokens"])
         after = counters(s.url) if before else None
         if after:
             run["server"] = {k: after[k] - before[k] for k in after}
@@ -347,6 +351,40 @@ def attempt(s: Server, n: int, prompts: list[str], requests: int, max_tokens: in
         if s.log is not None and s.log.exists():  # what the server said last
             print("".join(s.log.read_text(errors="replace").splitlines(True)[-20:]), file=sys.stderr)
         return None
+
+
+def thread_clock(pid: int) -> dict:
+    """{thread id: (CPU ns, involuntary context switches)} of a process's threads now (Linux /proc:
+    schedstat, status); {} where there is none."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            cpu = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            out[tid] = (cpu, int(re.search(r"^nonvoluntary_ctxt_switches:\s*(\d+)", status, re.M).group(1)))
+        except (OSError, ValueError, AttributeError, IndexError):  # a thread gone meanwhile, another kernel
+            continue
+    return out
+
+
+def thread_costs(before: dict, after: dict, tokens: float) -> dict | None:
+    """A round's server CPU per generated token (us): its busiest thread's (the decoding one) and all
+    its threads', and how often per token the busiest thread was preempted (involuntary switches)."""
+    deltas = [(cpu - before.get(t, (0, 0))[0], inv - before.get(t, (0, 0))[1]) for t, (cpu, inv) in after.items()]
+    if not deltas or tokens <= 0:
+        return None
+    busiest = max(deltas)
+    return dict(busiest_us=busiest[0] / tokens / 1e3, all_us=sum(d[0] for d in deltas) / tokens / 1e3,
+                preempted=busiest[1] / tokens)
+
+
+def cpu_text(run: dict) -> str:
+    c = run.get("cpu")
+    return "-" if not c else f"{c['busiest_us']:.0f} us ({c['preempted']:.1f}), {c['all_us']:.0f} us"
 
 
 COUNTERS = ("clover_step_seconds_sum", "clover_model_forwards_total", "clover_graph_forwards_total",
@@ -395,8 +433,9 @@ def print_size(size: str, facts: dict, servers: list[Server], args) -> list[str]
           f"requests per client of {plan.max_tokens} tokens, medians of {plan.rounds} rounds\n")
     print("| clients | server | aggregate tokens/s | min - max | TTFT p50 s | latency p50 s | latency p99 s "
           "| vs llama-server, same precision (ratio of medians) | p99 / llama-server's "
-          "| clover forwards: share of wall, mean, eager | load avg |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| clover forwards: share of wall, mean, eager | server CPU per token: busiest thread (its preemptions "
+          "per token), all threads | load avg |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     verdicts = []
     for n in facts["levels"]:
         for s in servers:
@@ -431,7 +470,7 @@ def print_row(size: str, n: int, s: Server, servers: list[Server], plan) -> list
     short = sum(r.get("short", 0) for r in s.runs[n])  # replies not of the asked tokens: flagged
     name = s.name + (f" ({short} replies not {plan.max_tokens} tokens)" if short else "")
     print(f"| {n} | {name} | {m['tps']:.1f} | {m['lo']:.1f} - {m['hi']:.1f} | {m['ttft']:.3f} | "
-          f"{m['p50']:.2f} | {m['p99']:.2f} | {ratio} | {p99} | {fw} | {m['load']:.1f} |")
+          f"{m['p50']:.2f} | {m['p99']:.2f} | {ratio} | {p99} | {fw} | {cpu_text(m)} | {m['load']:.1f} |")
     return verdict
 
 
@@ -539,7 +578,9 @@ def header(args, prompts: list[str]) -> str:
             f"{os.cpu_count()} CPU cores shared with other work, load average {os.getloadavg()[0]:.1f} at the start; "
             f"{len(prompts)} held-out task prompts (ignore_eos, greedy), streamed; servers interleaved; a compiled "
             "server's graphs loaded (untimed) before each timed run. Clover forwards: the scheduler's time in "
-            "forwards over the round's wall time, the mean forward, and forwards run eagerly (compiled servers).")
+            "forwards over the round's wall time, the mean forward, and forwards run eagerly (compiled servers). "
+            "Server CPU per token: CPU time per generated token of the server's busiest thread (involuntary "
+            "context switches per token in brackets) and of all its threads (/proc).")
 
 
 if __name__ == "__main__":

@@ -146,3 +146,19 @@ def test_before_a_timed_run_every_compiled_clover_server_has_its_graphs(monkeypa
     monkeypatch.setattr(peer, "ready", lambda s, timeout: waited.append((s.name, timeout)))
     peer.quiet(servers, 5.0)
     assert waited == [("clover compiled fp32", 5.0)]
+
+
+def test_server_cpu_per_token_names_the_busiest_thread_and_all_threads():
+    before = {"1": (1_000_000, 10), "2": (0, 0)}
+    after = {"1": (5_000_000, 30), "2": (2_000_000, 1), "3": (1_000_000, 2)}  # thread 3 new in the round
+    c = peer.thread_costs(before, after, 100)
+    assert c == dict(busiest_us=40.0, all_us=70.0, preempted=0.2)
+    assert peer.cpu_text(dict(cpu=c)) == "40 us (0.2), 70 us"
+    assert peer.thread_costs({}, {}, 100) is None and peer.cpu_text({}) == "-"
+    import os
+    import sys
+
+    now = peer.thread_clock(os.getpid())
+    if sys.platform.startswith("linux"):
+        assert str(os.getpid()) in now and all(cpu >= 0 and inv >= 0 for cpu, inv in now.values())
+    assert peer.thread_clock(-1) == {}
