@@ -199,7 +199,9 @@ async def client_loop(c, prompts: list[str], cid: int, requests: int, max_tokens
 async def level(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
     import openai
 
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
+    # the client's default retries, for both servers alike: a connection llama-server drops when 32 clients
+    # connect at once is retried (its wait counts in that request's latency), as a user's client would
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=1800)
     out: list = []
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     await asyncio.gather(*(client_loop(c, prompts, i, requests, max_tokens, out) for i in range(clients)))
