@@ -136,3 +136,18 @@ def check_int4(y, x, w, activations=None):
     err = (y.reshape(ref.shape).double() - ref).abs()
     assert (err <= bound + 1e-30).all(), err.max().item()
 
+
+def prefilled_batches(model, prompts: list[list[list[int]]], width: int, spare_windows: int = 2) -> list:
+    """One eager row batch per job (`prompts`: each job's rows' token ids), its rows prefilled (every
+    prompt token but the last pending), room for `spare_windows` more windows of `width`."""
+    from clover.engine.batch import RowBatch
+    from clover.engine.runner import make_runner
+    from clover.engine.sequence import sequences
+
+    runner, out = make_runner("eager", model), []
+    for rows in prompts:
+        b = RowBatch.for_runner(runner, width, width, model.config.mask_token_id, "cpu", 512)
+        b.join(sequences(rows, [8] * len(rows), model.config.max_position_embeddings),
+               capacity=max(map(len, rows)) + spare_windows * width)
+        out.append(b)
+    return out

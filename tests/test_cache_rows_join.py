@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model, with_block_additions
+from helpers import prefilled_batches, tiny_model, with_block_additions
 
-from clover.engine.batch import RowBatch, merge, split
-from clover.engine.runner import make_runner
-from clover.engine.sequence import sequences
+from clover.engine.batch import merge, split
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +85,9 @@ def test_merged_step_then_split_equals_each_batch_alone(model, width):
     prompts = [[torch.randint(0, 100, (n,), generator=g).tolist() for n in rows] for rows in shapes]
     windows = [[torch.randint(0, 100, (len(rows), width), generator=g) for rows in prompts] for _ in range(2)]
 
-    def batches():
-        runner, out = make_runner("eager", model), []
-        for rows in prompts:
-            b = RowBatch.for_runner(runner, width, width, model.config.mask_token_id, "cpu", 512)
-            b.join(sequences(rows, [8] * len(rows), model.config.max_position_embeddings),
-                   capacity=max(map(len, rows)) + 3 * width)
-            out.append(b)
-        return out
-
-    alone = batches()
+    alone = prefilled_batches(model, prompts, width, spare_windows=3)
     want = [[b.forward(w, width, width, width) for b, w in zip(alone, windows[k])] for k in range(2)]
-    shared = batches()
+    shared = prefilled_batches(model, prompts, width, spare_windows=3)
     merged = merge(shared, width)
     logits = merged.forward(torch.cat(windows[0]), width, width, width)
     split(merged, shared)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model, with_block_additions
+from helpers import prefilled_batches, tiny_model, with_block_additions
 
 from clover.engine.batch import RowBatch, merge
-from clover.engine.runner import make_runner
-from clover.engine.sequence import sequences
 from clover.engine.slots import prefix_groups, share_prefixes
 
 
@@ -17,17 +15,6 @@ from clover.engine.slots import prefix_groups, share_prefixes
 def model():
     """Block additions off zero: a prefix committed in the wrong window widths would change the logits."""
     return with_block_additions(tiny_model(3))
-
-
-def _batches(model, prompts: list[list[list[int]]], width: int) -> list[RowBatch]:
-    """One row batch per job, its rows prefilled (every prompt token but the last pending)."""
-    runner, out = make_runner("eager", model), []
-    for rows in prompts:
-        b = RowBatch.for_runner(runner, width, width, model.config.mask_token_id, "cpu", 512)
-        b.join(sequences(rows, [8] * len(rows), model.config.max_position_embeddings),
-               capacity=max(map(len, rows)) + 2 * width)
-        out.append(b)
-    return out
 
 
 def _step(batch: RowBatch, width: int, seed: int) -> torch.Tensor:
@@ -44,8 +31,8 @@ def test_a_shared_prefix_committed_once_equals_every_row_fed_whole(model, width,
     tail = lambda n: torch.randint(0, 100, (n,), generator=g).tolist()  # noqa: E731
     prompts = [[shared + tail(7), shared + tail(16)], [shared + tail(7), shared[:20] + tail(5)],
                [shared + tail(16), tail(9)]]  # pairs of one length: one phase whatever the width
-    plain = merge(_batches(model, prompts, width), width)
-    cached = merge(_batches(model, prompts, width), width)
+    plain = merge(prefilled_batches(model, prompts, width), width)
+    cached = merge(prefilled_batches(model, prompts, width), width)
     calls = []
     runner = cached.runner
     monkeypatch.setattr(runner, "forward", lambda *a, f=runner.forward, **k: calls.append(a[0].shape) or f(*a, **k))
