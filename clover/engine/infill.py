@@ -161,6 +161,7 @@ class Slot(Unit):
         self.ends, self.eos, self.name, self.text = list(ends), set(eos), name, text
         self.tokens, self.value, self.confidence = None, None, 0.0
         self.choices, self.values = choices, values
+        self._banned_by_shape: dict[tuple[int, int], torch.Tensor] = {}  # `_banned`'s masks
         if choices is None:
             self.width = width
             return
@@ -205,7 +206,7 @@ class Slot(Unit):
     def _banned(self, rows: int, vocab: int, stops: set[int]) -> torch.Tensor:
         """[rows, vocab] bool: the tokens position i may not hold (outside the rule's `allowed`, stops
         excepted; a stop before `min_tokens`), kept per shape (the slot reads again each forward)."""
-        kept = getattr(self, "_masks", None) or {}
+        kept = self._banned_by_shape
         if (rows, vocab) not in kept:
             stop = torch.zeros(vocab, dtype=torch.bool)
             stop[sorted(stops)] = True
@@ -213,7 +214,6 @@ class Slot(Unit):
             ok = ok[None, :].expand(rows, -1).clone()
             ok[: self.text.min_tokens] &= ~stop
             kept[rows, vocab] = ~ok
-            self._masks = kept
         return kept[rows, vocab]
 
     def commit(self, tokens, value, confidence) -> None:
