@@ -174,9 +174,17 @@ def _fp32(x):
     return cast(x, torch.float32)
 
 
-def rope_cos_sin(positions, rotary_dim, theta, dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim))
-    freqs = positions[..., None].float() * inv_freq
+def rope_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
+    """[rotary_dim / 2] fp32 RoPE inverse frequencies (as transformers computes them)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
+def rope_cos_sin(positions, rotary_dim, theta, dtype, inv_freq=None):
+    """(cos, sin) [..., rotary_dim] at `positions`; `inv_freq`: the frequencies made once (a model's
+    buffer) instead of computed here."""
+    if inv_freq is None:
+        inv_freq = rope_frequencies(rotary_dim, theta, positions.device)
+    freqs = positions[..., None].float() * inv_freq.float()
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

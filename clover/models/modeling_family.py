@@ -21,7 +21,7 @@ from torch import nn
 
 from ..ops.block_attention import masked_attention
 from .cache_rows import RowCache
-from .modeling_clover import CloverExperts, apply_partial_rope, commit_slots, rope_cos_sin
+from .modeling_clover import CloverExperts, apply_partial_rope, commit_slots, rope_cos_sin, rope_frequencies
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,18 +86,10 @@ class Step:
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
         """(cos, sin) [B, L, rotary_dim] at the step's positions, once per step."""
-        if self.rope is None and self.inv_freq is not None and 2 * self.inv_freq.numel() == rotary_dim:
-            freqs = self.positions[..., None].float() * self.inv_freq.float()
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self.rope = emb.cos().to(dtype), emb.sin().to(dtype)
-        elif self.rope is None:
-            self.rope = rope_cos_sin(self.positions, rotary_dim, theta, dtype)
+        if self.rope is None:
+            made = self.inv_freq is not None and 2 * self.inv_freq.numel() == rotary_dim
+            self.rope = rope_cos_sin(self.positions, rotary_dim, theta, dtype, self.inv_freq if made else None)
         return self.rope
-
-
-def rope_frequencies(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
-    """[rotary_dim / 2] fp32 RoPE inverse frequencies, as `rope_cos_sin` (and transformers) compute them."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
 def block_step(input_ids, block_size: int, positions=None, cache=None, commit: bool | int = False, pad=None) -> Step:
