@@ -60,6 +60,16 @@ def test_engine_equals_the_published_loop(tmp_path, model_type):
     assert min(len(t) / f for t, f in zip(together, forwards)) > 1  # the threshold fills several per forward
 
 
+def fast_dllm_reference(loaded, ps):
+    """The published Fast-dLLM v2 loop's tokens of each prompt (blocks of 8 in sub-blocks of 4)."""
+    want = []
+    for p in ps:
+        out, _ = fast_dllm_generate(loaded.model, torch.tensor([p]), loaded.mask_token_id, max_new_tokens=16,
+                                    block_size=8, small_block_size=4, threshold=THRESHOLD)
+        want.append(out[0, len(p):].tolist())
+    return want
+
+
 def test_fast_dllm_engine_equals_the_published_loop(tmp_path):
     """Shift with absolute blocks of 8 in sub-blocks of 4: each block's first token from the clean
     pass of the block before (the prompt's, for a prompt of whole blocks), as the published loop."""
@@ -68,16 +78,42 @@ def test_fast_dllm_engine_equals_the_published_loop(tmp_path):
     seam = FamilySeam(loaded)
     seam.sub_block = 4
     ps = [p + p[:3] for p in prompts()]  # lengths 8, 10, 11, 6
-    want = []
-    for p in ps:
-        out, _ = fast_dllm_generate(loaded.model, torch.tensor([p]), loaded.mask_token_id, max_new_tokens=16,
-                                    block_size=8, small_block_size=4, threshold=THRESHOLD)
-        want.append(out[0, len(p):].tolist())
+    want = fast_dllm_reference(loaded, ps)
     budgets = [len(w) for w in want]
     alone = [engine_tokens(seam, [p], [n], block=8)[0][0] for p, n in zip(ps, budgets)]
     together, forwards = engine_tokens(seam, ps, budgets, block=8)
     assert alone == want and together == want
     assert min(len(t) / f for t, f in zip(together, forwards)) > 1
+
+
+def test_fast_dllm_split_steps_run_the_window_as_a_sub_block_step(tmp_path):
+    """A step where some rows commit their finished block and wait for its clean pass's token while
+    the others draft, split (RowBatch.split_commit: the committing rows' clean pass first), runs
+    every row's window as a sub-block step (its head on the sub-block's columns) and gives the
+    tokens of each prompt alone and of the published loop."""
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    loaded = confident(tmp_path, "Fast_dLLM_Qwen")
+    seam = FamilySeam(loaded)
+    seam.sub_block = 4
+    ps = [p + p[:3] for p in prompts()] + prompts(7)[:3]  # 7 rows of odd lengths
+    want = fast_dllm_reference(loaded, ps)
+    budgets = [len(w) for w in want]
+    engine = Engine(seam, DecodeConfig(block_size=8, threshold=THRESHOLD, max_new_tokens=64))
+    engine.batch.split_min_saved = 1  # split whenever a row commits nothing
+    calls, forward = [], engine.runner.forward
+
+    def recorded(ids, cache, **kw):
+        logits = forward(ids, cache, **kw)
+        calls.append((ids.shape[0] > 1 and kw.get("sub_block_head", False), logits.shape[1]))
+        return logits
+
+    engine.runner.forward = recorded
+    seqs = engine.add(ps, budgets)
+    while engine.running:
+        engine.step()
+    assert [s.token_ids for s in seqs] == want
+    assert (True, 4) in calls  # a batch's sub-block step
+    assert not any(width == 8 for _, width in calls)  # never every column's logits of a window alone
 
 
 @pytest.mark.parametrize("model_type, mode, why", [("sdar", "ar", "no shift"), ("sdar", "self_spec", "no shift"),

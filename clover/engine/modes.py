@@ -304,6 +304,7 @@ class DiffusionMode(Mode):
         self.cols: torch.Tensor | None = None  # the head's columns of the forward planned last (None: all)
         self.commit_only = False  # the forward planned last commits the pending segment alone (no draft)
         self.awaiting: torch.Tensor | None = None  # [rows]: the window's first column comes from this forward's clean pass
+        self.first_from_clean = False  # the forward planned last keeps its clean pass's last column first (awaiting rows)
         # `advance`, `sample_and_score`, `pick_and_advance` as the runner calls them (`fuse`), made when first used
         self._advance = self._scored = self._pick_advance = self._pick_sub = None
 
@@ -345,15 +346,18 @@ class DiffusionMode(Mode):
 
     def plan(self, batch: RowBatch) -> Forward:
         B, st = self.block_size, self.state
-        self.commit_only = False
+        self.commit_only = self.first_from_clean = False
+        sub_block = self.layout.sub_block if self.cfg.sampling.greedy else 0  # sampled: every masked column draws
         if self.awaiting is not None and bool(self.awaiting.any()):  # + the last clean column's logits
             self.cols = None
             if bool(self.awaiting.all()) and batch.pending is not None:  # nothing to draft yet: the clean pass alone
                 self.commit_only = True
                 return Forward(batch.window[:, :0], 0, 1, B)
-            return Forward(batch.window, B, B + 1, B)
+            # a split step (RowBatch.split_commit) runs the window as a sub-block step of its own: its head on
+            # the sub-block's columns (logits [rows, 1 + sub_block, V]); fused with the clean columns, every column's
+            self.first_from_clean = True
+            return Forward(batch.window, B, B + 1, B, sub_block_head=bool(sub_block))
         cols = None
-        sub_block = self.layout.sub_block if self.cfg.sampling.greedy else 0  # sampled: every masked column draws
         if not batch.runner.full_head and not sub_block:  # the head runs only on columns some row may fill this step
             cols = fillable(st.eligible, st.filled, sub_block).any(0).nonzero().squeeze(1)
             cols = None if cols.numel() == B else cols
@@ -364,7 +368,7 @@ class DiffusionMode(Mode):
         if self.commit_only:  # every row waited: its window's first column, nothing drafted
             return self._first_columns(batch, self.awaiting, self.tokens(logits[:, -1:])[:, 0])
         waiting = None
-        if logits.shape[1] == self.block_size + 1:  # rows waiting for their first column: the clean pass's token
+        if self.first_from_clean:  # rows waiting for their first column: the clean pass's token
             waiting, first, logits = self.awaiting, self.tokens(logits[:, :1])[:, 0], logits[:, 1:]
         events = self._step(batch, logits)
         return events if waiting is None else events + self._first_columns(batch, waiting, first)
