@@ -9,7 +9,16 @@ block size and threshold by
   Qwen2); LLaDA2 has no transformers class, so its published loop (no cache: the whole prefix
   recomputed every forward, as published) runs over Clover's LLaDA2 model;
 * Clover's engine, eager and compiled (the compiled runner where it runs the families; otherwise
-  the row says why not), one request (batch 1) and 8 requests at once (batch 8: aggregate tokens/s).
+  the row says why not), one request at a time (batch 1) and 8 requests at once (batch 8).
+
+Every variant decodes the same 8 prompts: the loop and batch 1 one prompt after another, batch 8
+all at once; tokens/s is the 8 requests' tokens over their time. (A random model fills some prompts
+in a quarter of the forwards of others, so a batch-1 figure of one prompt against 8 at once compares
+other work.) The batch-8 ceiling is the most batching can gain on this machine: each forward's
+floor, max(weight bytes / copy bandwidth, weight FLOPs / GEMM rate) (bench/step.py's
+`forward_floor`, measured here), summed over the forwards batch 1 ran (the columns the layers and
+the head computed, as recorded), against the same row-forwards 8 at a time; in brackets, against the
+forwards the batch-8 run ran (rows finishing apart, commit columns carried by rows with none).
 
 Rounds are interleaved (every variant once per round, the order rotated); each figure is the median
 over rounds, each ratio the ratio of medians with the range of the per-round ratios in brackets.
@@ -33,6 +42,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from step import bandwidth, forward_floor, gemm_rate, weight_itemsize  # bench/step.py: the floor
 
 VOCAB, MASK_ID, PROMPT_LEN = 4096, 4095, 32
 STORED = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --weights: how the folder stores them (both sides compute in fp32)
@@ -122,14 +133,46 @@ def published_loop(name: str, model, loaded, prompt: list[int], new_tokens: int)
     return out[0, len(prompt):].tolist(), forwards
 
 
-def engine_run(seam, cfg, prompts: list[list[int]], budget: int):
-    """Clover's engine on `prompts` at once: (tokens per row, forwards of the batch, seconds)."""
+def engine_run(seam, cfg, prompts: list[list[int]], budget: int, record: list | None = None):
+    """Clover's engine on `prompts` at once: (tokens per row, forwards of the batch, seconds). With
+    `record`, each model call's (rows, columns, columns whose logits came out) is appended to it."""
     from clover.engine import Engine
 
     engine = Engine(seam, cfg.with_(max_new_tokens=budget))
+    if record is not None:
+        call = engine.runner.forward
+
+        def recorded(ids, cache, **kw):
+            logits = call(ids, cache, **kw)
+            record.append((ids.shape[0], ids.shape[1], logits.shape[1]))
+            return logits
+
+        engine.runner.forward = recorded
     start = time.perf_counter()
     seqs = engine.generate(prompts)
     return [s.token_ids for s in seqs], max(s.forward_passes for s in seqs), time.perf_counter() - start
+
+
+def one_at_a_time(seam, cfg, prompts: list[list[int]], budget: int, record: list | None = None):
+    """`engine_run` on each prompt alone, one after another: (tokens per prompt, forwards, seconds)."""
+    runs = [engine_run(seam, cfg, [p], budget, record) for p in prompts]
+    return [r[0][0] for r in runs], sum(r[1] for r in runs), sum(r[2] for r in runs)
+
+
+def loops(name: str, model, loaded, prompts: list[list[int]], new_tokens: int):
+    """`published_loop` on each prompt, one after another: (tokens per prompt, forwards)."""
+    runs = [published_loop(name, model, loaded, p, new_tokens) for p in prompts]
+    return [t for t, _ in runs], sum(f for _, f in runs)
+
+
+def ceiling(floor, single: list[tuple], batched: list[tuple], rows: int = 8) -> tuple[float, float]:
+    """The most `rows` requests at once can gain over one at a time in aggregate tokens/s, at the
+    floor (`floor(columns, kept)`: seconds of a forward): (the calls `single` of batch 1 each run by
+    `rows` rows at once, the calls `batched` of the batch run as recorded). Calls: (rows, columns,
+    kept columns); both runs make the same tokens."""
+    alone = sum(floor(r * c, r * k) for r, c, k in single)
+    together = sum(floor(rows * r * c, rows * r * k) for r, c, k in single) / rows
+    return alone / together, alone / sum(floor(r * c, r * k) for r, c, k in batched)
 
 
 class Family:
@@ -152,18 +195,21 @@ class Family:
         self.loop_over = f"transformers {hf_cls}" if hf_cls else "Clover's LLaDA2 model (no transformers class)"
         g = torch.Generator().manual_seed(1)
         self.prompts = [torch.randint(4, VOCAB - 1, (PROMPT_LEN,), generator=g).tolist() for _ in range(8)]
-        self.want, _ = published_loop(name, self.loop_model, self.loaded, self.prompts[0], args.new_tokens)
-        self.budget, self.new_tokens = len(self.want), args.new_tokens
+        self.want, _ = loops(name, self.loop_model, self.loaded, self.prompts, args.new_tokens)
+        self.budget, self.new_tokens = max(map(len, self.want)), args.new_tokens
         self.cfg = DecodeConfig(block_size=self.loaded.block_size, threshold=self.loaded.threshold)
         self.compiled_refusal, compiled = self._try_compiled() if args.compiled else ("not run (--no-compiled)", None)
-        eager = engine_run(self.seam, self.cfg, self.prompts[:1], self.budget)[0][0]
+        self.single, self.batched = [], []  # the model calls of batch 1 and batch 8 (`ceiling`)
+        eager = one_at_a_time(self.seam, self.cfg, self.prompts, self.budget, self.single)[0]
+        engine_run(self.seam, self.cfg, self.prompts, self.budget, self.batched)
         self.same = eager == self.want and compiled in (None, self.want)
+        self.floor = forward_floor(self.loaded.model, weight_itemsize(self.loaded.model), args.bandwidth, args.gemm_rate)
 
-    def _try_compiled(self) -> tuple[str | None, list[int] | None]:
-        """(None, its batch-1 tokens) when the compiled runner runs this family (its graphs made by a
-        first run), else (why not, None)."""
+    def _try_compiled(self) -> tuple[str | None, list[list[int]] | None]:
+        """(None, its batch-1 tokens of each prompt) when the compiled runner runs this family (its
+        graphs made by a first run), else (why not, None)."""
         try:
-            tokens = engine_run(self.seam, self.cfg.with_(runner="compiled"), self.prompts[:1], self.budget)[0][0]
+            tokens = one_at_a_time(self.seam, self.cfg.with_(runner="compiled"), self.prompts, self.budget)[0]
             engine_run(self.seam, self.cfg.with_(runner="compiled"), self.prompts, self.budget)
         except (ValueError, NotImplementedError) as e:
             return str(e).split("\n")[0], None
@@ -177,14 +223,15 @@ class Family:
         """(tokens/s, tokens per forward) of one run of `variant`."""
         if variant == "loop":
             start = time.perf_counter()
-            tokens, forwards = published_loop(self.name, self.loop_model, self.loaded, self.prompts[0], self.new_tokens)
+            tokens, forwards = loops(self.name, self.loop_model, self.loaded, self.prompts, self.new_tokens)
             seconds = time.perf_counter() - start
-            return len(tokens) / seconds, len(tokens) / forwards
+            n = sum(map(len, tokens))
+            return n / seconds, n / forwards
         runner, rows = variant[:-1], int(variant[-1])
-        tokens, forwards, seconds = engine_run(self.seam, self.cfg.with_(runner=runner), self.prompts[:rows],
-                                               self.budget)
+        run = engine_run if rows > 1 else one_at_a_time
+        tokens, forwards, seconds = run(self.seam, self.cfg.with_(runner=runner), self.prompts, self.budget)
         n = sum(map(len, tokens))
-        return n / seconds, n / rows / forwards
+        return n / seconds, n / len(tokens) / forwards if rows > 1 else n / forwards
 
 
 def ratio(a: list[float], b: list[float]) -> str:
@@ -211,10 +258,11 @@ def row(fam: Family, got: dict) -> str:
         batch8 = f"{med['compiled8']:.1f} ({ratio(tps['compiled8'], tps['compiled1'])})"
     else:
         compiled, batch8 = "not run" if "--no-compiled" in fam.compiled_refusal else "refused", "-"
+    same_forwards, as_run = ceiling(fam.floor, fam.single, fam.batched)
     return (f"| {fam.name} | {fam.loop_over} | {fam.loaded.block_size} / {fam.loaded.threshold} | {med['loop']:.1f} "
             f"| {tpf['loop']:.2f} | {med['eager1']:.1f} ({ratio(tps['eager1'], tps['loop'])}) | {tpf['eager1']:.2f} | "
             f"{compiled} | {med['eager8']:.1f} ({ratio(tps['eager8'], tps['eager1'])}) | {batch8} | "
-            f"{'yes' if fam.same else 'NO'} |")
+            f"{same_forwards:.2f}x [{as_run:.2f}x] | {'yes' if fam.same else 'NO'} |")
 
 
 def refused(fams: list[Family]) -> str:
@@ -254,6 +302,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    args.bandwidth, args.gemm_rate = bandwidth(), gemm_rate()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         fams = [Family(n, Path(tmp), args) for n in names]
@@ -267,15 +316,19 @@ def main(argv=None) -> int:
           f"greedy, {PROMPT_LEN}-token prompts, "
           f"{args.new_tokens} new tokens per request (to whole blocks), head x{args.peak}; cpu, {args.threads} "
           f"thread(s), load average {load} (a shared machine); median of {args.rounds} interleaved rounds. "
-          "x: ratio of medians [range of per-round ratios]. batch 8: aggregate tokens/s of 8 requests decoded "
-          "together, against one request alone on the same runner. Targets: compiled >= 5x the published loop "
-          "at batch 1; batch 8 >= 3x batch 1. Same tokens: Clover's batch-1 tokens (eager and compiled) equal the "
-          "loop's. docs/families.md." + refused(fams) + (wide_note(fams) if h > 256 else ""))
+          "x: ratio of medians [range of per-round ratios]. Every variant decodes the same 8 prompts: the loop and "
+          "batch 1 one request after another, batch 8 all at once (aggregate tokens/s), against batch 1 on the "
+          "same runner. Targets: compiled >= 5x the published loop at batch 1; batch 8 >= 3x batch 1. b8/b1 "
+          f"ceiling: at the floor of each forward (max(weight bytes / {args.bandwidth / 1e9:.1f} GB/s copy "
+          f"bandwidth, weight FLOPs / {args.gemm_rate / 1e9:.0f} GFLOP/s GEMM), measured), batch 1's forwards "
+          "run 8 rows at once [the batch-8 run's forwards]. Same tokens: Clover's batch-1 tokens (eager and "
+          "compiled) equal the loop's for every prompt. docs/families.md." + refused(fams)
+          + (wide_note(fams) if h > 256 else ""))
     print()
     print("| family | published loop over | block / threshold | loop tok/s | loop TPF | eager b1 tok/s (vs loop) "
           "| eager TPF | compiled b1 tok/s (vs loop) | eager b8 tok/s (vs b1) | compiled b8 tok/s (vs b1) "
-          "| same tokens as the loop |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| b8/b1 ceiling | same tokens as the loop |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     print("\n".join(rows))
     return 0
 

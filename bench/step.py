@@ -94,6 +94,11 @@ def weight_itemsize(model) -> int:
     return 2 if bf16_valued else model.dtype.itemsize
 
 
+# the last layer's weights that take every column (its K/V or GDN state inputs): Clover's fused qkv_proj
+# and in_proj, the Qwen families' k_proj / v_proj, LLaDA2's fused query_key_value
+EVERY_COLUMN = ("qkv_proj", "in_proj", "k_proj", "v_proj", "query_key_value")
+
+
 def forward_floor(model, itemsize: int, bw: float, rate: float):
     """seconds(columns, kept) of one forward at the floor: max(weight bytes it reads / `bw`, weight
     FLOPs / `rate`), `itemsize` bytes a weight. Every column runs the layers; the last layer's output
@@ -103,17 +108,17 @@ def forward_floor(model, itemsize: int, bw: float, rate: float):
     scores and the delta rule's state work are left out: a lower bound)."""
     c = model.config
     last = f"model.layers.{c.num_hidden_layers - 1}."
-    share = c.num_experts_per_tok / c.num_experts
+    share = c.num_experts_per_tok / c.num_experts if getattr(c, "num_experts", 0) else 0.0  # 0: a dense family
     every, kept_only, experts, last_experts = 0, 0, 0, 0  # weights per column, per kept column; routed stacks
     for name, p in model.named_parameters():
-        if p.dim() < 2 or "embed_tokens" in name or "conv" in name:
+        if p.dim() < 2 or "embed" in name or "conv" in name:  # embed_tokens; word_embeddings (LLaDA2)
             continue
         if ".experts." in name:
             if name.startswith(last):
                 last_experts += p.numel()
             else:
                 experts += p.numel()
-        elif name.startswith(last) and not any(k in name for k in ("qkv_proj", "in_proj")) or name.startswith("lm_head"):
+        elif name.startswith(last) and not any(k in name for k in EVERY_COLUMN) or name.startswith("lm_head"):
             kept_only += p.numel()  # the last layer's K/V (or GDN state) inputs take every column
         else:
             every += p.numel()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # it imports bench/step.py as `step` (the floor)
 spec = importlib.util.spec_from_file_location("bench_families", ROOT / "bench" / "families.py")
 families = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(families)
