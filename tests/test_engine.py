@@ -225,3 +225,20 @@ def test_filled_in_order(model, prompts):
     lc = run(model, prompts, threshold=0.95, max_new_tokens=11)
     flags = [f for s in lc for f in filled_in_order(s.trajectory)]
     assert len(flags) == sum(len(s.token_ids) for s in lc) and not all(flags)  # a random model fills out of order
+
+
+def test_steps_run_without_grad_and_enter_no_grad_only_where_grad_is_on(monkeypatch):
+    from clover.engine.engine import without_grad
+
+    seen, entered, real = [], [], torch.no_grad
+    monkeypatch.setattr(torch, "no_grad", lambda: entered.append(1) or real())
+
+    @without_grad
+    def probe(x):
+        seen.append(torch.is_grad_enabled())
+        return x + 1
+
+    assert probe(1) == 2
+    with torch.inference_mode():  # the server's decoding thread: grad is off already
+        assert probe(2) == 3
+    assert seen == [False, False] and entered == [1]

@@ -17,6 +17,8 @@ requests may join between steps (`add`), so a server can batch continuously.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..settings import DEFAULTS, MODES, DecodeConfig  # noqa: F401 - re-exported (clover.engine)
@@ -47,6 +49,21 @@ def make_mode(cfg, mask_id: int, device, generator, hook: TokenHook | None = Non
         raise ValueError(f"unknown mode {cfg.mode!r}")
     mode.layout = layout
     return mode
+
+
+def without_grad(fn):
+    """`fn` under torch.no_grad(), entered only where grad is on: a caller already without it (the
+    server's decoding loop, in inference mode for good) does not enter and leave it at every step."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
 
 class Engine:
     def __init__(self, model, config: DecodeConfig, defer_compile: bool = False, hook=None):
@@ -82,7 +99,7 @@ class Engine:
         return getattr(self.mode, "policy", None)
 
     # ---- add requests ----------------------------------------------------------------------------
-    @torch.no_grad()
+    @without_grad
     def add(self, prompts: list[list[int]], max_new_tokens: list[int] | None = None,
             interleave: bool = False) -> list[Sequence]:
         """Validate every prompt before any work, prefill them as a batch and join the running rows
@@ -140,7 +157,7 @@ class Engine:
     def running(self) -> bool:
         return bool(self.seqs or self.joining)
 
-    @torch.no_grad()
+    @without_grad
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Advance every running row, then one prefill chunk of the first prompt in `prefilling` (its
         rows join once only the last clean window is left); returns (sequence, new tokens) for rows that

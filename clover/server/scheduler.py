@@ -394,6 +394,10 @@ class Scheduler:
         return bool(self.stopping or self.waiting or self.to_cancel or self.engines or self.core.running)
 
     def _loop(self) -> None:
+        with torch.inference_mode():  # the thread's whole life: not entered and left again every turn
+            self._turns()
+
+    def _turns(self) -> None:
         while True:
             if not self._busy():
                 flush_posts()  # no graph call is coming to take the last turn's posts
@@ -411,7 +415,7 @@ class Scheduler:
                 cancels, self.to_cancel = self.to_cancel, []
                 admit = self._take(sum(isinstance(j, RowJob) and j.state == "running" for j, _ in cancels))
             try:
-                with torch.inference_mode(), held_posts(defer=self.model if self.runner == "compiled" else None):
+                with held_posts(defer=self.model if self.runner == "compiled" else None):
                     for item, reason in cancels:
                         self._cancel(item, reason)
                     self._admit(admit)
@@ -430,7 +434,7 @@ class Scheduler:
                     flush_posts()
                     self._compile_one(traced=False)
         flush_posts()
-        with self.cv, torch.inference_mode():  # nothing is left pending: every request gets its answer
+        with self.cv:  # nothing is left pending: every request gets its answer
             self._fail_all("the server is shutting down", waiting=True)
 
     def _gather(self) -> None:

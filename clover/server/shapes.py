@@ -12,6 +12,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
 
 
+_dumps = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False), without its call per value
+
+
 def sse(body: dict, ensure_ascii: bool = True) -> str:
     return f"data: {json.dumps(body, ensure_ascii=ensure_ascii)}\n\n"
 
@@ -43,11 +46,13 @@ class Reply:
 
     def chunk(self, i: int, delta: dict | None = None, text: str = "", finish: str | None = None,
               clover: dict | None = None) -> str:
-        """One SSE chunk of choice i: a chat delta or a completion's text, its finish reason."""
-        choice = {"index": i, "delta": delta or {}} if self.chat else {"index": i, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish}
-        tail = self._close if clover is None else f'{self._close}, "clover": {json.dumps(clover, ensure_ascii=False)}'
-        return f"data: {self._open}{json.dumps(choice, ensure_ascii=False)}{tail}}}\n\n"
+        """One SSE chunk of choice i: a chat delta or a completion's text, its finish reason. Sent for
+        every step of every stream: the choice's JSON is written around its one free value (the text or
+        the delta), as `json.dumps` of the whole choice writes it, instead of serialising a dict."""
+        body = f'"delta": {_dumps(delta or {})}' if self.chat else f'"text": {_dumps(text)}'
+        tail = self._close if clover is None else f'{self._close}, "clover": {_dumps(clover)}'
+        return (f'data: {self._open}{{"index": {int(i)}, {body}, "logprobs": null, "finish_reason": '
+                f'{"null" if finish is None else _dumps(finish)}}}{tail}}}\n\n')
 
     def end(self, use: dict) -> list[str]:
         """The stream's last events: the usage chunk (when asked for) and [DONE]."""
