@@ -7,7 +7,7 @@ calls and tokens each way, and what one batched forward saves over one-row forwa
 a model call's cost (per call, per token fed), the ratio the fewest forwards would reach with the same tokens,
 and with the tokens an exact prefix cache would save (estimated from the jobs' first forwards, nothing cached).
 
-    PYTHONPATH=. python bench/tool_calls.py [--model DIR | --size large] [--rounds 3] [--threads 1] [--block-size 8]
+    PYTHONPATH=. python bench/tool_calls.py [--model DIR | --size large] [--rounds 3] [--threads 1,2] [--block-size 8]
 
 The server runs in this process (uvicorn in a thread, a free loopback port); --model defaults to the
 shipped default model. `--size large` serves instead bench/serve_peer.py's large random-weight model
@@ -18,6 +18,8 @@ caches, where one forward of many rows should cost less than the rows' one-row f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import socket
@@ -281,12 +283,17 @@ def main() -> None:
     ap.add_argument("--size", choices=("default", "large"), default="default",
                     help="large: bench/serve_peer.py's large random-weight model instead (not with --model)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", default="1,2",
+                    help="torch threads, a comma list run one after another (2: the server's default on 2 cores)")
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--tools", type=int, default=len(TOOLS), choices=range(1, len(TOOLS) + 1),
                     help="offer the first N tools (1: no function pick, the arguments only)")
     args = ap.parse_args()
+    try:
+        args.thread_list = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(f"--threads: a comma list of integers, got {args.threads!r}")
     if args.model and args.size != "default":
         ap.error("--model and --size large name two models: give one")
     import tempfile
@@ -301,23 +308,34 @@ def run(args, tmp: str) -> None:
     from clover.api import eos_ids
     from clover.server import Settings, create_app
 
-    torch.set_num_threads(args.threads)
     model, tok, name = load_model(args, tmp)
     args.name = f"{name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters"
     app = create_app(model, tok, Settings(model_id="bench", block_size=args.block_size, max_batch=16),
                      eos_ids(model, tok))
     server, url = serve(app)
     one = lambda ask: call(url, ask, args.max_tokens, TOOLS[: args.tools])  # noqa: E731
-    solo = [one(a) for a in ASKS]  # warm-up, and the replies to compare with
-    meter = Meter(model)
-    seq, par, equal, calls, chain = rounds(one, args.rounds, meter, solo)
-    for h in meter.hooks:
-        h.remove()
-    server.should_exit = True
-    tokens = round(statistics.median(r[2] / r[1] for r in seq))
-    gain = {n: batching_gain(model, n) for n in sorted({16, 32, tokens})}
-    report(args, solo, seq, par, equal, gain, tokens)
+    outs, summary = [], []
+    for threads in args.thread_list:
+        args.threads = threads
+        torch.set_num_threads(threads)
+        solo = [one(a) for a in ASKS]  # warm-up, and the replies to compare with
+        meter = Meter(model)
+        seq, par, equal, calls, chain = rounds(one, args.rounds, meter, solo)
+        for h in meter.hooks:
+            h.remove()
+        tokens = round(statistics.median(r[2] / r[1] for r in seq))
+        gain = {n: batching_gain(model, n) for n in sorted({16, 32, tokens})}
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            report(args, solo, seq, par, equal, gain, tokens)
+        outs.append(out.getvalue())
+        ratios = sorted(b[0] / a[0] for a, b in zip(seq, par))
+        ratio = statistics.median(r[0] for r in par) / statistics.median(r[0] for r in seq)
+        summary.append(f"{threads} thread(s) {ratio:.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+    print("concurrent / sequential wall, ratio of medians [range of per-round ratios]: " + "; ".join(summary)
+          + " (target <= 0.5; torch's default, one thread per core, is what `clover serve` uses)\n")
+    print("\n".join(outs), end="")
     print(floors(call_cost(model), calls, chain, statistics.median(r[1] for r in par)))
+    server.should_exit = True
 
 
 if __name__ == "__main__":
