@@ -18,8 +18,6 @@ caches, where one forward of many rows should cost less than the rows' one-row f
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import socket
@@ -240,24 +238,27 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
     return "\n".join(lines)
 
 
-def report(args, solo, seq, par, equal, gain: dict, tokens: int) -> None:
+def report(args, solo, seq, par, equal, gain: dict, tokens: int) -> tuple[str, str]:
+    """(the run's table and findings, its ratio in one line for the summary above all runs)."""
     med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
     s, p = med(seq, 0), med(par, 0)
     ratios = sorted(b[0] / a[0] for a, b in zip(seq, par))
-    print(f"8 forced tool-call requests to {args.name} ({sum(len(c) for c in solo)} calls, {args.tools} tools; "
-          f"tool_choice required, "
-          f"parallel_tool_calls; block {args.block_size}, {args.threads} torch thread(s), {os.cpu_count()} CPU cores, load "
-          f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} interleaved rounds):")
-    print("\n| | sequential | concurrent |\n|---|---:|---:|")
-    print(f"| wall s | {s:.2f} | {p:.2f} |")
-    print(f"| model calls | {med(seq, 1):.0f} | {med(par, 1):.0f} |")
-    print(f"| tokens fed (padding) | {med(seq, 2):.0f} ({med(seq, 3):.0f}) | {med(par, 2):.0f} ({med(par, 3):.0f}) |")
-    print(f"| share of wall in the model | {med(seq, 4) / s:.0%} | {med(par, 4) / p:.0%} |")
     sizes = " / ".join(f"{gain[n]:.2f}x" for n in sorted(gain))
-    print(f"\nconcurrent / sequential {p / s:.2f} (per round {', '.join(f'{r:.2f}' for r in ratios)}; target <= 0.5: "
-          f"{'met' if p / s <= 0.5 else 'NOT met'}); replies equal: {'yes' if equal else 'NO'}. One forward of 8 rows "
-          f"takes {sizes} the time of 8 one-row forwards at {' / '.join(map(str, sorted(gain)))} tokens a row "
-          f"({tokens}: the mean a sequential call feeds).")
+    text = "\n".join([
+        f"8 forced tool-call requests to {args.name} ({sum(len(c) for c in solo)} calls, {args.tools} tools; "
+        f"tool_choice required, "
+        f"parallel_tool_calls; block {args.block_size}, {args.threads} torch thread(s), {os.cpu_count()} CPU cores, load "
+        f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} interleaved rounds):",
+        "\n| | sequential | concurrent |\n|---|---:|---:|",
+        f"| wall s | {s:.2f} | {p:.2f} |",
+        f"| model calls | {med(seq, 1):.0f} | {med(par, 1):.0f} |",
+        f"| tokens fed (padding) | {med(seq, 2):.0f} ({med(seq, 3):.0f}) | {med(par, 2):.0f} ({med(par, 3):.0f}) |",
+        f"| share of wall in the model | {med(seq, 4) / s:.0%} | {med(par, 4) / p:.0%} |",
+        f"\nconcurrent / sequential {p / s:.2f} (per round {', '.join(f'{r:.2f}' for r in ratios)}; target <= 0.5: "
+        f"{'met' if p / s <= 0.5 else 'NOT met'}); replies equal: {'yes' if equal else 'NO'}. One forward of 8 rows "
+        f"takes {sizes} the time of 8 one-row forwards at {' / '.join(map(str, sorted(gain)))} tokens a row "
+        f"({tokens}: the mean a sequential call feeds).\n"])
+    return text, f"{args.threads} thread(s) {p / s:.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
 
 
 def load_model(args, tmp: str):
@@ -325,12 +326,9 @@ def run(args, tmp: str) -> None:
             h.remove()
         tokens = round(statistics.median(r[2] / r[1] for r in seq))
         gain = {n: batching_gain(model, n) for n in sorted({16, 32, tokens})}
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            report(args, solo, seq, par, equal, gain, tokens)
-        outs.append(out.getvalue())
-        ratios = sorted(b[0] / a[0] for a, b in zip(seq, par))
-        ratio = statistics.median(r[0] for r in par) / statistics.median(r[0] for r in seq)
-        summary.append(f"{threads} thread(s) {ratio:.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+        text, line = report(args, solo, seq, par, equal, gain, tokens)
+        outs.append(text)
+        summary.append(line)
     print("concurrent / sequential wall, ratio of medians [range of per-round ratios]: " + "; ".join(summary)
           + " (target <= 0.5; torch's default, one thread per core, is what `clover serve` uses)\n")
     print("\n".join(outs), end="")
