@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if not quiet_rank():
             print(f"clover {args.command}: error: {e}", file=sys.stderr)
+        else:
+            let_rank_0_report()
         return 2
     except KeyboardInterrupt:
         print(f"clover {args.command}: interrupted", file=sys.stderr)
@@ -94,6 +96,15 @@ def quiet_rank() -> bool:
         return False
     dist = sys.modules.get("torch.distributed")
     return not (dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def let_rank_0_report(seconds: float = 30.0) -> None:
+    """A quiet rank's exit must not come first: torchrun stops the other ranks as soon as one fails, and
+    could stop rank 0 before it has printed the line. So this rank waits (torchrun ends it once rank 0
+    has exited 2; the bound only guards a rank 0 that somehow never fails)."""
+    import time
+
+    time.sleep(seconds)
 
 
 def finished() -> None:
