@@ -107,3 +107,26 @@ def test_compiled_steps_read_the_span_in_use(tmp_path):
     same_logits(got_logits, ref_logits)
     assert runner.eager_calls == 0
     assert {k.span for k in state_of(seam).replays} == {64, 128}
+
+
+@pytest.mark.timeout(1800)
+def test_masked_head_steps_decode_as_eager(tmp_path):
+    """LLaDA2 (no shift) in blocks of 16: its greedy steps ask for their head, and the compiled ones
+    with at most 8 masked columns per row run the last layer and the head on 8 columns
+    (`FamilySeam.head_width`, a graph of their own); the same tokens and forwards as the eager
+    runner, its logits wherever the graph computed them."""
+    write_family(tmp_path, "llada2_moe")
+    seam = FamilySeam(confident(tmp_path, "llada2_moe", 3.0))  # unsure enough to fill a block in several steps
+    batch, budgets = prompts(), [20, 13, 27]
+    ref_logits, ref, ref_forwards, _ = decode(seam, "eager", batch, budgets, 16)
+    got_logits, got, forwards, runner = decode(seam, "compiled", batch, budgets, 16)
+    assert got == ref and forwards == ref_forwards
+    assert runner.eager_calls == 0
+    assert {k.head for k in state_of(seam).replays} == {0, 8}
+    trimmed = 0
+    for (a, _), (b, index) in zip(got_logits, ref_logits, strict=True):  # the eager head: some rows' columns
+        a = a if index is None else a[:, index]
+        computed = (a != 0).any(-1)  # a row's masked columns: the only ones its step reads
+        trimmed += int((~computed).sum())
+        torch.testing.assert_close(a[computed], b[computed], rtol=1e-5, atol=3.0 * 1e-5)
+    assert trimmed > 0

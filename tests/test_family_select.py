@@ -191,3 +191,57 @@ def test_sub_block_pick_equals_the_pick_over_every_column():
     assert not torch.equal(want[0], filled) and not torch.equal(want[-2], window)  # some targets filled
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model_type", ["sdar", "llada2_moe"])
+def test_masked_head_step_equals_the_full_step(tmp_path, model_type):
+    """A family without shift, a step that asks for its head (`sub_block_head`, as the engine's
+    greedy steps do): `head_width` columns hold every row's masked ones, and the seam's compiled-layout
+    step computing the last layer and the head on those (`masked_columns`) gives the full step's
+    logits at those columns, 0 at the others, and leaves the cache as the full step does; rows
+    of odd, different lengths, windows masked anywhere. The eager seam ignores the ask (its
+    `logits_index` chooses the columns)."""
+    from clover.models.family_seam import HEAD_MIN, masked_columns
+
+    write_family(tmp_path, model_type)
+    loaded = confident(tmp_path, model_type)
+    seam = FamilySeam(loaded)
+    mask_id = seam.config.mask_token_id
+    g = torch.Generator().manual_seed(7)
+    window = random_windows(g, len(LENGTHS), 32, mask_id)
+    window[1, 9:] = torch.randint(4, VOCAB - 1, (23,), generator=g)  # 8 masks at most in any row
+    window[2, 5:] = 7
+    assert seam.head_width(window, 32, 32) == HEAD_MIN
+    assert seam.head_width(window, 0, 32) == HEAD_MIN and seam.head_width(window, 32, 0) == 0
+    window[1, 3:16] = mask_id  # 13 masks in a row
+    head = seam.head_width(window, 32, 32)
+    assert head == 16
+    window[0, 1:] = mask_id
+    assert seam.head_width(window, 32, 32) == 0  # all the window's columns: no narrower graph
+    window[0, 1:] = 5
+    masked = window == mask_id
+    cols = masked_columns(window, mask_id, 32, head)
+    assert all(set(masked[r].nonzero().squeeze(1).tolist()) <= set(cols[r].tolist()) for r in range(len(LENGTHS)))
+    with torch.no_grad():
+        full_cache, cache = committed(loaded.model, LENGTHS), committed(loaded.model, LENGTHS)
+        full = loaded.model.static_forward(window, full_cache, 32, None, 32)
+        got = seam.graph_step(window, None, cache, 32, 32, 32, 32, sub_block_head=True, head=head)
+        index = torch.tensor([3, 17])
+        eager = seam(window, cache=committed(loaded.model, LENGTHS), block_size=32, draft_len=32, logits_to_keep=32,
+                     logits_index=index, sub_block_head=True).logits
+        eager_ref = loaded.model(window, cache=committed(loaded.model, LENGTHS), block_size=32)
+    chosen = torch.zeros_like(masked).scatter(1, cols, True)
+    assert got.shape == full.shape and bool((masked <= chosen).all())
+    torch.testing.assert_close(got[chosen], full[chosen], rtol=1e-5, atol=3e-4)
+    assert bool((got[~chosen] == 0).all())
+    torch.testing.assert_close(eager, eager_ref[:, index], rtol=1e-5, atol=3e-4)
+    for layer in full_cache.key:
+        torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)
+
+
+def test_masked_head_needs_a_family_without_shift(tmp_path):
+    write_family(tmp_path, "Fast_dLLM_Qwen")
+    seam = FamilySeam(confident(tmp_path, "Fast_dLLM_Qwen"))
+    window = torch.full((2, 32), 5)
+    window[:, 20:] = seam.config.mask_token_id
+    assert seam.head_width(window, 32, 32) == 0

@@ -31,6 +31,7 @@ class ShapeKey(NamedTuple):
     inference: bool
     span: int = 0  # cache slots the attention reads (0: the whole capacity; `attention_span`)
     sub_block_head: bool = False  # a sub-block step's draft (engine/batch.Forward): other columns' logits 0
+    head: int = 0  # columns a masked-head step computes (the model's `head_width`; 0: every kept column)
 
 
 def shape_key(ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,

@@ -21,15 +21,17 @@ RECOMPILE_LIMIT = 256
 
 
 def _step(model, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int, block: int,
-          span: int = 0, sub_block_head: bool = False):
+          span: int = 0, sub_block_head: bool = False, head: int = 0):
     """One steady step, layout included: its masks and positions are a dozen small ops on the
     cache's lengths, fused into the graph here. A model behind the seam that lays out its own step
     (`graph_step`: the public families, models/family_seam.py) runs that instead, its attention
     reading the first `span` cache slots (0: all), a sub-block step's draft (`sub_block_head`) computing
-    only the logits that step reads."""
+    only the logits that step reads (`head`: on that many columns, `head_width`)."""
     graph_step = getattr(model, "graph_step", None)
     if graph_step is not None:
         asked = {"sub_block_head": True} if sub_block_head else {}
+        if head:
+            asked["head"] = head
         return graph_step(ids, pad_mask, cache, logits_to_keep, draft_len, clean_block_size, block, span, **asked)
     layout = stream_layout(model.config, ids.shape[0], ids.shape[1], draft_len, clean_block_size, block, cache,
                            pad_mask, ids.device, static=True)
@@ -90,7 +92,12 @@ class CompileState:
         """(logits, whether a Replay gave them) of the key's graph on these inputs: its Replay
         (`replay`), else through dynamo, which compiles the graph if it has none. (None, False) where
         the call must run eagerly, before any cache write: a shape with no graph when `defer` (queued
-        for `compile_next`) or past the recompile limit."""
+        for `compile_next`) or past the recompile limit. A step that asks for its head
+        (`sub_block_head`) of a model with `head_width(ids, logits_to_keep, draft_len)` has a graph per
+        head width (`ShapeKey.head`), read here from the ids."""
+        head_width = getattr(self.model(), "head_width", None) if key.sub_block_head and self.model else None
+        if head_width is not None:
+            key = key._replace(head=head_width(ids, key.logits_to_keep, key.draft_len))
         if key not in self.replays and (self.full or defer):
             if defer and not self.full:
                 self.deferred[key] = None
@@ -130,7 +137,7 @@ class CompileState:
         self.raise_recompile_limits()  # in this thread (the step may have been made in another)
         try:
             logits = step(model, ids, pad_mask, cache, key.logits_to_keep, key.draft_len, key.clean_block_size,
-                          key.block, key.span, key.sub_block_head)
+                          key.block, key.span, key.sub_block_head, key.head)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             warnings.warn(f"compiled runner: dynamo's recompile limit ({torch._dynamo.config.recompile_limit} "
                           "graphs) reached, new shapes now run eagerly", stacklevel=4)

@@ -22,7 +22,8 @@ class Forward(NamedTuple):
     """The forward a job plans next: [pending ; window], `draft_len` of it draft (0: all committed as
     fed), logits of the last `keep` columns (`index`: of those columns only). A window of width 0
     commits the pending segment only. `sub_block_head`: a sub-block step's draft (greedy: only the
-    first sub-block with masks is read), whose other columns a model may leave uncomputed."""
+    first sub-block with masks is read), or a greedy step's without shift (only the masked targets
+    are read), whose other columns a model may leave uncomputed."""
 
     window: torch.Tensor
     draft_len: int

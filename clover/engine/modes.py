@@ -362,7 +362,9 @@ class DiffusionMode(Mode):
             cols = fillable(st.eligible, st.filled, sub_block).any(0).nonzero().squeeze(1)
             cols = None if cols.numel() == B else cols
         self.cols = cols
-        return Forward(batch.window, B, B, B, cols, sub_block_head=bool(sub_block))
+        # greedy without shift: only the masked targets' logits are read (the model may leave the others 0)
+        masked_head = not self.layout.shift and self.cfg.sampling.greedy
+        return Forward(batch.window, B, B, B, cols, sub_block_head=bool(sub_block) or masked_head)
 
     def consume(self, batch: RowBatch, logits: torch.Tensor) -> Events:
         if self.commit_only:  # every row waited: its window's first column, nothing drafted

@@ -13,6 +13,8 @@ from torch import nn
 
 from .modeling_family import tail_columns
 
+HEAD_MIN = 8  # the fewest columns a masked-head step computes (`head_width`: powers of two from here)
+
 
 class FamilySeam(nn.Module):
     def __init__(self, loaded):
@@ -60,12 +62,19 @@ class FamilySeam(nn.Module):
         return block, block
 
     def graph_step(self, ids, pad_mask, cache, logits_to_keep: int, draft_len: int, clean_block_size: int,
-                   block: int, span: int = 0, sub_block_head: bool = False):
+                   block: int, span: int = 0, sub_block_head: bool = False, head: int = 0):
         """One compiled step: the logits of the last `logits_to_keep` columns; every column's K/V
         written into the cache in place, the attention reading its first `span` slots (0: all;
         modeling_family.static_block_step). A sub-block family's draft window (every column kept, no
         clean segment) of a sub-block step (`sub_block_head`) computes only the logits that step reads
-        and returns those alone, [rows, sub_block, V] of the columns `sub_block_columns` (`trims`)."""
+        and returns those alone, [rows, sub_block, V] of the columns `sub_block_columns` (`trims`). With
+        `head` (`head_width`), the last layer and the head run on `head` columns of the kept ones, each
+        row's masked columns among them (`masked_columns`); the other kept columns' logits are 0."""
+        if head:
+            keep = logits_to_keep or ids.shape[1]
+            cols = masked_columns(ids, self.config.mask_token_id, keep, head)
+            logits = self.family_model.static_forward(ids, cache, block, pad_mask, span=span, select=cols)
+            return spread(logits, cols - (ids.shape[1] - keep), keep)
         if not self.trims(ids.shape[1], draft_len, logits_to_keep, asked=sub_block_head):
             return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
         cols = sub_block_columns(ids, self.config.mask_token_id, self.sub_block)
@@ -80,6 +89,20 @@ class FamilySeam(nn.Module):
         the others 0."""
         return ((asked or self.sub_block_head) and bool(self.sub_block) and draft_len == width and keep in (0, width) and index is None
                 and width % self.sub_block == 0 and width > self.sub_block)
+
+    def head_width(self, ids, logits_to_keep: int, draft_len: int) -> int:
+        """How many columns a step that asks for its head (`sub_block_head`) computes the last layer and
+        the head on, in a family without shift: such a step (a greedy fill) reads the logits of its
+        masked targets only, each its own column. The fewest power of two from HEAD_MIN holding every
+        row's masked columns among the kept ones (the draft window), 0 where that is all of them, where
+        more than the window is kept, or for a family with shift (its sub-block step: `trims`).
+        Read on the host from the ids (a graph per width: `ShapeKey.head`)."""
+        keep = logits_to_keep or ids.shape[1]
+        if self.shift or keep != draft_len or keep <= HEAD_MIN:
+            return 0
+        most = int((ids[:, -keep:] == self.config.mask_token_id).sum(1).max())
+        width = max(HEAD_MIN, 1 << max(most - 1, 0).bit_length())
+        return width if width < keep else 0
 
     span_limited = True  # its compiled steps read only the cache slots in use (compile.attention_span)
 
@@ -101,6 +124,7 @@ class FamilySeam(nn.Module):
         then ignored)."""
         width = input_ids.shape[1]
         block = self.block_of(block_size, clean_block_size)
+        sub_block_head = sub_block_head and bool(self.sub_block)  # without sub-blocks: `logits_index` says
         asked_index = None if sub_block_head else logits_index  # a sub-block step's: its index slices, as a graph's
         cols = sub_block_columns(input_ids, self.config.mask_token_id, self.sub_block) \
             if self.trims(width, draft_len, logits_to_keep, asked_index, sub_block_head) else None
@@ -130,6 +154,15 @@ def spread(logits: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor
     """logits [R, n, V] of the columns `cols` [R, n] -> [R, width, V], the other columns 0."""
     full = logits.new_zeros(logits.shape[0], width, logits.shape[-1])
     return full.scatter(1, cols[:, :, None].expand(-1, -1, logits.shape[-1]), logits)
+
+
+def masked_columns(ids: torch.Tensor, mask_id: int, keep: int, n: int) -> torch.Tensor:
+    """[R, n] columns of the last `keep` of ids [R, L]: each row's columns holding the mask first (at
+    most n of them), then its others, each group in column order."""
+    start = ids.shape[1] - keep
+    col = torch.arange(keep, device=ids.device)
+    rank = torch.where(ids[:, start:] == mask_id, col, col + keep)
+    return rank.topk(n, dim=1, largest=False).indices + start
 
 
 def sub_block_columns(window: torch.Tensor, mask_id: int, sub: int) -> torch.Tensor:
