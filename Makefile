@@ -1,13 +1,14 @@
 # Two entry points a new user needs: `make demo` and `make test`. Both build .venv from scratch.
-# `make test` leaves out the tests that compile with inductor (marker `compiled`, tests/conftest.py);
-# `make test-compiled` runs just those; .ci/run runs both.
+# `make test` leaves out the tests that compile with inductor (marker `compiled`, tests/conftest.py)
+# and those that start several processes (marker `slow`); `make test-compiled` and `make test-slow`
+# run them; .ci/run runs all three.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # torch is pinned first: pip then takes the local CPU wheel instead of a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install demo test test-compiled e2e bench clean model distill llamacpp llama-server
+.PHONY: install demo test test-compiled test-slow e2e bench clean model distill llamacpp llama-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,10 +27,14 @@ demo: install
 	printf 'Sort: 41 7 93 28 65 12 80\n' | $(BIN)/clover generate --prompt-file - --max-new-tokens 32
 
 test: install
-	$(BIN)/python -m pytest -q -x -m "not compiled"
+	$(BIN)/python -m pytest -q -x -m "not compiled and not slow"
 
 test-compiled: install
 	$(BIN)/python -m pytest -q -x -m compiled
+
+# the tests that start several processes or whole CLI commands (marker `slow`, tests/conftest.py)
+test-slow: install
+	$(BIN)/python -m pytest -q -x -m "slow and not compiled"
 
 # The playground in headless Chromium against a real `clover serve` (screenshot: build/e2e/playground.png).
 # Installs Debian's chromium when missing (needs root) and the e2e extra.

@@ -27,6 +27,21 @@ COMPILED = {
 }
 
 
+# Tests that start several processes (torchrun ranks over gloo) or run whole CLI commands in
+# subprocesses: minutes on a 2-core machine, and many times that when it is busy. They carry the
+# `slow` marker: `make test` leaves them out, `make test-slow` runs them, and .ci/run runs it.
+SLOW = {
+    "test_distributed_infer.py": None,
+    "test_distributed_train.py": None,
+    "test_cli_generate.py": {"test_bench_decode_long_workload"},
+    "test_families_quant.py": {"test_cli_generate_on_an_int4_family_folder"},
+    "test_families_engine.py": {"test_cli_generate_on_a_family_folder"},
+    "test_families_structured.py": {"test_cli_generate_json_schema"},
+    "test_family_select.py": {"test_sub_block_steps_ask_for_their_head"},
+    "test_long_context.py": {"test_prefill_and_decode_allocations_grow_at_most_linearly"},
+}
+
+
 def is_compiled(item) -> bool:
     names = COMPILED.get(item.path.name, ())
     if names is None:
@@ -37,10 +52,17 @@ def is_compiled(item) -> bool:
     return params is None or params.params.get("compiled", True) is not False
 
 
+def is_slow(item) -> bool:
+    names = SLOW.get(item.path.name, ())
+    return names is None or item.originalname in names
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if is_compiled(item):
             item.add_marker(pytest.mark.compiled)
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")

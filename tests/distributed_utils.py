@@ -38,6 +38,37 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, cwd=None, env=No
     return r
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc): torchrun starts each worker in a session of its own,
+    so killing torchrun's process group leaves the ranks running."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` (started with start_new_session=True), its process group and every process below it."""
+    below = descendants(proc.pid)
+    for kill, target in [(os.killpg, proc.pid)] + [(os.kill, p) for p in below]:
+        try:
+            kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def run_bounded(cmd: list[str], timeout: float = 240, cwd=None, env=None) -> subprocess.CompletedProcess:
     """Run `cmd` in its own session; raises on timeout (after killing every process it started) and
     on a non-zero exit, with the output in the message."""
@@ -48,7 +79,7 @@ def run_bounded(cmd: list[str], timeout: float = 240, cwd=None, env=None) -> sub
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{err[-3000:]}") from None
     if proc.returncode != 0:

@@ -12,7 +12,7 @@ import clover
 from clover.distributed.parallel import check_parallel, load_parallel
 from clover.models import preset_config
 
-from distributed_utils import EXIT_PROBE_ENV, REPO, assert_groups_ended, run_bounded, torchrun
+from distributed_utils import EXIT_PROBE_ENV, REPO, assert_groups_ended, kill_tree, run_bounded, torchrun
 from helpers import save_tiny_model
 
 PROMPTS = ["to be or", "Hello there, my friend, how"]  # batch 2, different lengths (left padding)
@@ -110,11 +110,13 @@ def test_serve_under_torchrun_answers_the_openai_client(tiny):
                             start_new_session=True)
     try:
         url, deadline = None, time.time() + 180
-        lines = []
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-        reader.start()
+        lines, errors = [], []
+        readers = [threading.Thread(target=into.extend, args=(stream,), daemon=True)
+                   for stream, into in ((proc.stdout, lines), (proc.stderr, errors))]
+        for r in readers:
+            r.start()
         while url is None:
-            assert time.time() < deadline and proc.poll() is None, f"server did not start: {proc.stderr.read()[-3000:]}"
+            assert time.time() < deadline and proc.poll() is None, f"server did not start: {''.join(errors)[-3000:]}"
             for line in list(lines):
                 if "clover serve:" in line and "http://" in line:
                     url = line.split("http://")[1].split()[0]
@@ -137,10 +139,9 @@ def test_serve_under_torchrun_answers_the_openai_client(tiny):
         # Ctrl-C (SIGINT to every process): each rank ends its group, rank 0's exit hook no traceback
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
-        err = proc.stderr.read()
+        readers[1].join(timeout=30)  # stderr read to its end
+        err = "".join(errors)
         assert_groups_ended(err, 2)
         assert "Exception ignored in atexit" not in err, err[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_tree(proc)

@@ -78,6 +78,58 @@ def test_the_extension_is_named_by_its_sources(tmp_path, monkeypatch):
     assert tiled._name() != first
 
 
+def test_the_extension_is_named_by_its_checkout(tmp_path, monkeypatch):
+    """The same sources in another folder (a second checkout) build elsewhere: ninja would rebuild the one
+    library under the other checkout's running processes, since its commands name the source paths."""
+    first = tiled._name()
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        for path in (tiled._SOURCE, *tiled._MORE_SOURCES, *tiled._SOURCE.parent.glob("*.h")):
+            (tmp_path / folder / path.name).write_bytes(path.read_bytes())
+    names = []
+    for folder in ("a", "b"):
+        monkeypatch.setattr(tiled, "_SOURCE", tmp_path / folder / tiled._SOURCE.name)
+        monkeypatch.setattr(tiled, "_MORE_SOURCES", tuple(tmp_path / folder / p.name for p in tiled._MORE_SOURCES))
+        names.append(tiled._name())
+    assert len({first, *names}) == 3
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    """A builder killed midway leaves torch's `lock` file: the next load removes it (under clover's flock,
+    which only a live process holds) and loads, where torch alone waited for ever."""
+    import subprocess
+    import sys
+    import textwrap
+
+    held = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from clover.ops.linear import tiled
+        with tiled._one_builder(Path({str(tmp_path)!r})):
+            print("holding", flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "holding"
+        (tmp_path / "lock").write_text("")  # a live builder's lock: kept while it holds the flock
+        waiter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            from pathlib import Path
+            from clover.ops.linear import tiled
+            print("trying", flush=True)
+            with tiled._one_builder(Path({str(tmp_path)!r})):
+                print("built", flush=True)
+            """)], stdout=subprocess.PIPE, text=True)
+        assert waiter.stdout.readline().strip() == "trying"
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiter.wait(timeout=2)
+        assert (tmp_path / "lock").exists()
+        held.kill()  # dies holding it, `lock` left behind
+        assert waiter.communicate(timeout=60)[0].strip() == "built"
+        assert not (tmp_path / "lock").exists()
+    finally:
+        held.kill()
+
+
 def _never_done(model, c_shims, conn):
     """A compiling child whose compiles never end: it notes each shape it is sent, reports none."""
     while True:

@@ -1,32 +1,37 @@
-"""The suite's split: `make test` runs every test but those marked `compiled` (tests/conftest.py),
-`make test-compiled` runs those, and CI runs both, so no test is left out of CI; the names that
-conftest marks exist (a renamed test would otherwise fall silently into the default run)."""
+"""The suite's split: `make test` runs every test but those marked `compiled` or `slow`
+(tests/conftest.py), `make test-compiled` and `make test-slow` run those, and CI runs all three, so no
+test is left out of CI; the names that conftest marks exist (a renamed test would otherwise fall
+silently into the default run)."""
 
 import ast
 import re
 from pathlib import Path
 
-from conftest import COMPILED
+import pytest
+from conftest import COMPILED, SLOW
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
-def test_every_test_conftest_marks_compiled_exists():
-    for module, names in COMPILED.items():
+@pytest.mark.parametrize("marked", [COMPILED, SLOW], ids=["compiled", "slow"])
+def test_every_test_conftest_marks_exists(marked):
+    for module, names in marked.items():
         path = TESTS / module
-        assert path.exists(), f"conftest.COMPILED names {module}, which is gone"
+        assert path.exists(), f"conftest names {module}, which is gone"
         defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
         assert names is None or names <= defined, f"{module} has no {sorted(names - defined)}"
 
 
-def test_make_test_and_make_test_compiled_split_the_suite_and_ci_runs_both():
+def test_make_test_compiled_and_slow_split_the_suite_and_ci_runs_all_three():
     make = ROOT.joinpath("Makefile").read_text()
     default = re.search(r"^test: .*\n\t(.+)$", make, re.M).group(1)
     compiled = re.search(r"^test-compiled: .*\n\t(.+)$", make, re.M).group(1)
-    assert default.endswith('pytest -q -x -m "not compiled"') and compiled.endswith("pytest -q -x -m compiled")
+    slow = re.search(r"^test-slow: .*\n\t(.+)$", make, re.M).group(1)
+    assert default.endswith('pytest -q -x -m "not compiled and not slow"')
+    assert compiled.endswith("pytest -q -x -m compiled") and slow.endswith('pytest -q -x -m "slow and not compiled"')
     ci = ROOT.joinpath(".ci", "run").read_text().splitlines()
-    assert "make test" in ci and "make test-compiled" in ci
+    assert {"make test", "make test-compiled", "make test-slow"} <= set(ci)
 
 
 def test_the_compiled_cases_of_a_parametrized_test_are_the_marked_ones(pytester):

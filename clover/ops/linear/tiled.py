@@ -47,6 +47,7 @@ False and graphs keep torch's ops.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -96,10 +97,12 @@ def _supported() -> bool:
 
 
 def _name() -> str:
-    """The extension's name, keyed by its sources' contents (headers included) and build flags: two checkouts or
-    versions of clover on one machine build into folders of their own instead of rebuilding, under
-    each other's running processes, the one library torch's extensions dir would hold."""
+    """The extension's name, keyed by its sources' folder, their contents (headers included) and build flags:
+    two checkouts or versions of clover on one machine build into folders of their own instead of rebuilding,
+    under each other's running processes, the one library torch's extensions dir would hold (ninja rebuilds
+    everything when only the sources' paths change)."""
     digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    digest.update(str(_SOURCE.parent.resolve()).encode() + b"\0")
     for path in sorted((_SOURCE, *_MORE_SOURCES, *_SOURCE.parent.glob("*.h"))):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return f"clover_cpu_ops_{digest.hexdigest()[:12]}"
@@ -116,14 +119,33 @@ def needs_build() -> bool:
     return not list(_build_dir().glob("clover_cpu_ops*.so"))
 
 
+@contextlib.contextmanager
+def _one_builder(folder: Path):
+    """torch's build lock is a file (`lock` in the build folder) that a build killed midway leaves behind, and
+    every later load then waits on it for ever. Clover's loaders first take an flock on a file beside it,
+    which the system releases when its holder dies: the holder is the one live builder, so a `lock` file it
+    finds was left by a dead one and goes."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's lock alone
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "clover.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _load() -> bool:
     if not _supported():
         return False
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=_name(), sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=list(_CFLAGS),
-             is_python_module=False, verbose=False)
+        with _one_builder(_build_dir()):
+            load(name=_name(), sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=list(_CFLAGS),
+                 is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch's own linear serves
         warnings.warn(f"clover: the tiled fp32 linear could not be built ({type(e).__name__}: {e}); "
                       "compiled CPU graphs keep torch's linear", stacklevel=2)
