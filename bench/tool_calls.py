@@ -233,8 +233,9 @@ def floors(cost: tuple[float, float], passes: list[list[list[tuple]]], chain: in
                  "only the arguments, and a causal context also keeps where a job ended (infill.Context.close), so the job "
                  "after arguments of several windows feeds only the last one; a burst's tasks wait for the requests still "
                  "on their way (Scheduler.arriving) and start in one forward, and a later job with no partner runs at once "
-                 "rather than putting its request a step behind the others (slots.ready). Jobs of different window widths "
-                 "still take forwards of their own. The prefix-cache rows above count the first jobs' contexts only.")
+                 "rather than putting its request a step behind the others (slots.ready); jobs of different window "
+                 "widths share forwards too, the narrower windows right-padded and masked (slots.SlotJob.ragged). The "
+                 "prefix-cache rows above count the first jobs' contexts only.")
     return "\n".join(lines)
 
 

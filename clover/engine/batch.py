@@ -123,19 +123,23 @@ class RowBatch:
         return self.forward(need.window, need.draft_len, need.keep, need.block_size, need.index, need.sub_block_head)
 
     def forward(self, window: torch.Tensor, draft_len: int, keep: int, block_size: int | None = None,
-                index: torch.Tensor | None = None, sub_block_head: bool = False) -> torch.Tensor:
+                index: torch.Tensor | None = None, sub_block_head: bool = False,
+                draft_lens: list[int] | None = None) -> torch.Tensor:
         """One model step on [pending clean segment ; window]; the pending segment is consumed and
         every running row counts one forward. When only some rows commit (`split_commit`), those rows'
         clean columns run first in a forward of their own rows (not counted: a commit, as prefill)
-        and every row's window after it, so no row pays for columns it does not need."""
+        and every row's window after it, so no row pays for columns it does not need. `draft_lens`:
+        each row's own draft width and block size (a model with `ragged_drafts`; the window
+        right-padded to `draft_len`)."""
         ids, pad, pending = window, None, self.pending
         self.pending = None
         asked = {"sub_block_head": True} if sub_block_head else {}  # a model that knows no such step is not asked
+        ragged = {"draft_lens": draft_lens} if draft_lens is not None else {}
         for s in self.seqs:
             s.forward_passes += 1
         whole_draft = 0 < draft_len == window.shape[1] and (index is None or keep <= draft_len)
         if pending is not None and whole_draft and (rows := self.split_commit(pending)) is not None:
-            return self._split_forward(pending, rows, window, draft_len, keep, block_size, index, asked)
+            return self._split_forward(pending, rows, window, draft_len, keep, block_size, index, asked | ragged)
         if pending is not None:
             clean, clean_pad = pending
             ids, asked = torch.cat([clean, window], dim=1), {}  # not a draft alone: one graph with the others
@@ -143,7 +147,7 @@ class RowBatch:
                 pad = torch.cat([clean_pad, clean_pad.new_zeros(window.shape)], dim=1)
         return self.runner.forward(ids, self.cache, block_size=block_size, draft_len=draft_len,
                                    clean_block_size=self.clean_block_size, pad_mask=pad, logits_to_keep=keep,
-                                   logits_index=index, **asked)
+                                   logits_index=index, **asked, **ragged)
 
     def split_commit(self, pending: Pending) -> torch.Tensor | None:
         """The rows that commit a clean segment of `pending` when a split step pays (their own commit

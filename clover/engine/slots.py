@@ -11,9 +11,12 @@ every job one forward (a job just started with no partner may sit out one step f
 jobs whose forwards have the same shape (window width, draft length, block size) and the same clean
 window size of their pending segment share one batched forward
 (`batch.merge` / `batch.split`: caches side by side, pending segments left-padded, which is what a
-row computes alone - the padding is masked). Jobs of different shapes never share a forward, so a
-job's tokens do not depend on what runs beside it. A job's failure (its prefill, its own logic, a
-forward it ran alone) stays with that job; a shared forward that raises is retried job by job.
+row computes alone - the padding is masked). Whole-window drafts (width = draft length = block size,
+as infill's) of different widths share one too where the model takes per-row draft widths
+(`ragged_drafts`, eager runner): narrower windows right-padded, the padding masked. Jobs of other
+different shapes never share a forward, so a job's tokens do not depend on what runs beside it. A job's
+failure (its prefill, its own logic, a forward it ran alone) stays with that job; a shared forward that
+raises is retried job by job.
 
 A `Task` is a request's whole decoding as a generator of jobs (`yield job` returns its result);
 `drive(task)` runs one alone, the server's scheduler runs many, their jobs side by side.
@@ -25,6 +28,7 @@ from concurrent.futures import Future
 from typing import Callable, Generator
 
 import torch
+import torch.nn.functional as F
 
 from .batch import Forward, RowBatch, left_padded, merge, split
 
@@ -65,7 +69,14 @@ class SlotJob:
 
     def shape(self) -> tuple:
         n = self.need
-        return n.window.shape[1], n.draft_len, n.keep, n.block_size
+        return ("ragged",) if self.ragged() else (n.window.shape[1], n.draft_len, n.keep, n.block_size)
+
+    def ragged(self) -> bool:
+        """Whether its forward may share one with windows of other widths: a whole-window draft (width =
+        draft length = kept columns = block size) on a model and runner that take per-row draft widths."""
+        n, runner = self.need, self.batch.runner
+        return (0 < n.window.shape[1] == n.draft_len == n.keep == n.block_size and n.index is None
+                and not n.sub_block_head and runner.name == "eager" and getattr(runner.model, "ragged_drafts", False))
 
     def clean_block_size(self) -> int | None:
         """The clean window size of the pending segment (None: nothing pending, fits any forward)."""
@@ -117,10 +128,15 @@ def forward(group: list[SlotJob]) -> list[torch.Tensor]:
     merged = merge(batches, bs)
     if not batches[0].layout.absolute:
         share_prefixes(merged)
-    window = torch.cat([j.need.window for j in group])
-    logits = merged.forward(window, need.draft_len, need.keep, need.block_size)
+    widths = [j.need.window.shape[1] for j in group]
+    if len(set(widths)) == 1:
+        logits = merged.forward(torch.cat([j.need.window for j in group]), need.draft_len, need.keep, need.block_size)
+    else:  # whole-window drafts (`SlotJob.ragged`), each row's window right-padded to the widest
+        w = max(widths)
+        window = torch.cat([F.pad(j.need.window, (0, w - n), value=j.batch.mask_id) for j, n in zip(group, widths)])
+        logits = merged.forward(window, w, w, w, draft_lens=[n for b, n in zip(batches, widths) for _ in b.seqs])
     split(merged, batches)
-    return list(logits.split([len(b.seqs) for b in batches]))
+    return [x[:, :n] for x, n in zip(logits.split([len(b.seqs) for b in batches]), widths)]
 
 
 def share_prefixes(batch: RowBatch) -> None:

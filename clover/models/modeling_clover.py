@@ -69,6 +69,12 @@ class Layout:
     slots: torch.Tensor | None = None  # static: [B, L] the cache slot each column's K/V is written to
     rope: tuple | None = None  # (cos, sin), computed by the first attention layer, shared by the rest
     window: int = 0  # every window has this many columns (anchored at the end): the GDN branch runs per window
+    ragged: torch.Tensor | None = None  # [B, L] draft columns past their row's own draft width (`draft_lens`)
+
+    @property
+    def unseen(self) -> torch.Tensor | None:
+        """[B, L] columns no other column reads: left padding and the ragged draft tail."""
+        return self.pad if self.ragged is None else self.ragged if self.pad is None else self.pad | self.ragged
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
         if self.rope is None:
@@ -90,11 +96,30 @@ def _calibration_rows(cfg: CloverConfig, sizes: list[tuple[int, int]], device) -
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
-def stream_layout(cfg, batch, length, draft_len, clean_block_size, draft_bs, cache, pad, device, static: bool = False) -> Layout:
-    """`static`: the attention layers write every column's K/V into the cache in place (clean
-    columns at their commit slots, draft columns in the scratch slots after them, past the row's
-    new length, which no later query reads) and attend over the cache's whole capacity, masked
-    past each row's length: shapes stay fixed while rows grow (compiled runner), no host sync reads
+def _ragged_calibration(cfg, num_clean, clean_block_size, draft_len, draft_lens, device) -> torch.Tensor:
+    """Per-row calibration weights [B, L, A]: row r's draft window has block size `draft_lens[r]`."""
+    zeros = torch.zeros(num_clean + draft_len, cfg.num_calibration_anchors, device=device)
+    rows = [_calibration_rows(cfg, [(num_clean, clean_block_size), (draft_len, w)], device) for w in draft_lens]
+    return torch.stack([zeros if r is None else r for r in rows])
+
+
+def _ragged_tail(draft_lens, draft_len, length, device) -> torch.Tensor:
+    """[B, L]: the columns of the draft window (the last `draft_len`) past each row's own width."""
+    lens = torch.tensor(draft_lens, device=device)
+    col = torch.arange(length, device=device) - (length - draft_len)
+    return col[None, :] >= lens[:, None]
+
+
+def stream_layout(cfg, batch, length, draft_len, clean_block_size, draft_bs, cache, pad, device, static: bool = False,
+                  draft_lens: list[int] | None = None) -> Layout:
+    """`draft_lens` (eager only): each row's own draft width and block size; its window is the first that many
+    columns of the draft (the rest right padding that none of its columns reads, so each row computes what
+    it would alone up to rounding).
+
+    `static`: the attention layers write every column's K/V into the cache in place (clean columns at
+    their commit slots, draft columns in the scratch slots after them, past the row's new length,
+    which no later query reads) and attend over the cache's whole capacity, masked past each row's
+    length: shapes stay fixed while rows grow (compiled runner), no host sync reads
     the lengths and no step copies the cache (a cat of prefix and new keys would)."""
     num_clean = length - draft_len
     wid = window_ids(num_clean, clean_block_size, device)
@@ -105,11 +130,13 @@ def stream_layout(cfg, batch, length, draft_len, clean_block_size, draft_bs, cac
     npad = pad.sum(1) if pad is not None else torch.zeros(batch, dtype=torch.long, device=device)
     cols = torch.arange(length, device=device)
     positions = (lens[:, None] + cols[None, :] - npad[:, None]).clamp_min(0)
-    valid = ~pad if pad is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
+    ragged = _ragged_tail(draft_lens, draft_len, length, device) if draft_lens is not None else None
+    unseen = pad if ragged is None else ragged if pad is None else pad | ragged
+    valid = ~unseen if unseen is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
     new = (wid[None, :] <= wid[:, None])[None] & valid[:, None, :]  # [B, Lq, Lk]
     same = (wid[None, :] == wid[:, None])[None] & valid[:, None, :]
-    if pad is not None:  # padded queries look at themselves only, so no row is empty
-        eye = torch.eye(length, dtype=torch.bool, device=device)[None] & pad[:, :, None]
+    if unseen is not None:  # padded queries look at themselves only, so no row is empty
+        eye = torch.eye(length, dtype=torch.bool, device=device)[None] & unseen[:, :, None]
         new, same = new | eye, same | eye
     prefix = (cache.capacity if static else cache.max_len()) if cache is not None else 0
     slots = None
@@ -120,11 +147,13 @@ def stream_layout(cfg, batch, length, draft_len, clean_block_size, draft_bs, cac
             new = old.scatter(2, slots[:, None, :].expand(-1, length, -1), new)
         else:
             new = torch.cat([old, new], dim=-1)
-    calib = _calibration_rows(cfg, [(num_clean, clean_block_size), (draft_len, draft_bs)], device)
+    calib = _calibration_rows(cfg, [(num_clean, clean_block_size), (draft_len, draft_bs)], device) \
+        if draft_lens is None else _ragged_calibration(cfg, num_clean, clean_block_size, draft_len, draft_lens, device)
     # one window size throughout (a prompt chunk; a window alone or with the block it commits)
     window = draft_len if not num_clean else clean_block_size if draft_len in (0, clean_block_size) else 0
     return Layout(wid, positions, new[:, None], same[:, None] if calib is not None and not window else None, calib,
-                  num_clean, pad, clean_block_size=clean_block_size, prefix=prefix, slots=slots, window=window)
+                  num_clean, pad, clean_block_size=clean_block_size, prefix=prefix, slots=slots, window=window,
+                  ragged=ragged)
 
 
 def training_layout(cfg, batch, length, block, device) -> Layout:
@@ -326,13 +355,14 @@ class CloverGatedDeltaNet(nn.Module):
             return None
         coef = layout.calib.to(self.block_calibration.dtype) @ self.block_calibration  # [L, Hv]
         scale = self.bidir_log_scale.exp().float()
+        coef = (coef if coef.dim() == 3 else coef[None]).float()[..., None]  # [1 or B, L, Hv, 1]
         if layout.window:  # equal windows: each one's own scores, not a masked row over the whole length
-            valid = ~layout.pad if layout.pad is not None else None
+            valid = ~layout.unseen if layout.unseen is not None else None
             out = local_window_attention(q * scale[None, None, :, None], k, v, valid, layout.window)
-            return out * coef.float()[None, :, :, None]
+            return out * coef
         qs = (q * scale[None, None, :, None]).transpose(1, 2)
         out = masked_attention(qs, k.transpose(1, 2), v.float().transpose(1, 2), layout.bidir_mask, 1.0)
-        return out.transpose(1, 2) * coef.float()[None, :, :, None]
+        return out.transpose(1, 2) * coef
 
     def _finish(self, core, z, extra):
         batch, length = z.shape[:2]
@@ -352,8 +382,8 @@ class CloverGatedDeltaNet(nn.Module):
         batch, length, _ = x.shape
         mixed, z, b, a = self._project(x)
         pad = layout.pad
-        if pad is not None:
-            mixed = mixed.masked_fill(pad[..., None], 0.0)
+        if layout.unseen is not None:  # the ragged tail too: the right conv of a row's last columns reads zeros
+            mixed = mixed.masked_fill(layout.unseen[..., None], 0.0)
         stream = mixed.transpose(1, 2)  # [B, C, L]
         conv_state, state = cache.gdn_states(self.layer_idx) if cache is not None else (None, None)
         left = cast(conv_state, stream.dtype) if cache is not None else stream.new_zeros(batch, self.conv_dim, self.kernel - 1)
@@ -592,6 +622,7 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     shift = True  # the model seam (engine/model_api.py): hidden state i predicts token i+1
     block_align = "relative"  # blocks start right after the prompt
+    ragged_drafts = True  # rows of different draft widths share a forward (`draft_lens`, eager)
 
     def __init__(self, config: CloverConfig):
         super().__init__(config)
@@ -609,12 +640,15 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
 
     # ---- the stream forward in three parts (a compiled runner runs the middle one as one graph) ----
     def prepare_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None, pad_mask=None,
-                       static: bool = False) -> Layout:
+                       static: bool = False, draft_lens: list[int] | None = None) -> Layout:
         """Validate, make room in the cache and build the layout (host-side work, before the layers)."""
         clean_block_size, block = self.check_stream(input_ids, cache, block_size, draft_len, clean_block_size, static)
         batch, length = input_ids.shape
+        if draft_lens is not None and (len(draft_lens) != batch or not 1 <= min(draft_lens) <= max(draft_lens)
+                                       <= draft_len):
+            raise ValueError(f"draft_lens={draft_lens}: one per row, each in [1, draft_len={draft_len}]")
         return stream_layout(self.config, batch, length, draft_len, clean_block_size, block, cache, pad_mask,
-                             input_ids.device, static)
+                             input_ids.device, static, draft_lens)
 
     def check_stream(self, input_ids, cache, block_size=None, draft_len=0, clean_block_size=None,
                      static: bool = False) -> tuple[int, int]:
@@ -656,13 +690,15 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
         logits_index: torch.LongTensor | None = None,
+        draft_lens: list[int] | None = None,
         **unused,
     ) -> CloverOutput:
         """See the module docstring. Logits at column i predict the token after column i.
 
         `logits_to_keep` > 0 computes the head only for the last that many columns, `logits_index`
         only for those of them (a draft window's still-masked columns: the head is a large share of a
-        step at a big vocabulary). In the training
+        step at a big vocabulary). `draft_lens`: rows of different draft widths in one forward (see
+        `stream_layout`; the engine's slot jobs, `ragged_drafts`). In the training
         layout the logits returned are those of the noisy half. `labels` (AR mode) gives the mean
         next-token cross-entropy, labels shifted inside as in transformers.
         """
@@ -673,7 +709,8 @@ class CloverForBlockDiffusion(CloverPreTrainedModel):
             layout = training_layout(self.config, batch, length, block, device)
             hidden = self.model(torch.cat([noisy_input_ids, input_ids], dim=1), layout)[:, :length]
         else:
-            layout = self.prepare_stream(input_ids, cache, block_size, draft_len, clean_block_size, pad_mask)
+            layout = self.prepare_stream(input_ids, cache, block_size, draft_len, clean_block_size, pad_mask,
+                                         draft_lens=draft_lens)
             hidden = self.model(input_ids, layout, cache, logits_to_keep)
             self.commit_lens(cache, length - draft_len, pad_mask)
         logits = self.head(hidden, logits_to_keep, logits_index)
