@@ -139,8 +139,8 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
-def start_server(args, max_batch: int, runner: str = "eager"):
-    """`clover serve` in a subprocess: (process, url or None)."""
+def start_server(args, max_batch: int, runner: str = "eager", root=ROOT):
+    """`clover serve` in a subprocess, run from the source tree `root`: (process, url or None)."""
     cmd = [sys.executable, "-m", "clover", "serve", "--port", "0", "--threads", str(args.threads),
            "--block-size", str(args.block_size), "--threshold", str(args.threshold),
            "--max-batch", str(max_batch), "--served-model-name", "bench", "--runner", runner]
@@ -148,7 +148,7 @@ def start_server(args, max_batch: int, runner: str = "eager"):
         cmd += ["--model", args.model]
     if getattr(args, "mode", None):
         cmd += ["--mode", args.mode]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=root)
     for line in proc.stdout:
         match = re.search(r"on (http://\S+)", line)
         if match:

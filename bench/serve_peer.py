@@ -3,7 +3,7 @@
     python bench/serve_peer.py [--sizes default,large] [--clients 1,4,16,32] [--requests 2]
                                [--max-tokens 64] [--rounds 3] [--threads N] [--default-threads 1] [--servers NAME,...]
                                [--large-rounds 1] [--large-requests 1] [--large-max-tokens N]
-                               [--large-servers NAME,...] [--llama-server PATH] [--settle-timeout S]
+                               [--large-servers NAME,...] [--llama-server PATH] [--settle-timeout S] [--base TREE]
                                [--mode ar] [--block-size 8] [--threshold 0.9]
     python bench/serve_peer.py --dry-run      # the plan (models, servers, command lines); runs nothing
     python bench/serve_peer.py --smoke        # clover eager fp32 only, default dims, 1 and 2 clients, 8 tokens
@@ -35,6 +35,8 @@ the matching precision (fp32 vs f32, int4 vs q4_0), what a clover round's forwar
 share of the wall, the mean forward, the eager ones of a compiled server: `/metrics`), each server's
 CPU per generated token (its busiest thread, the decoding one, with how often per token it was
 preempted, and all its threads: /proc, Linux) and the load average during the level. A missed point is listed with both servers' figures and that share.
+--base TREE (a checkout of clover, e.g. a worktree of main) runs each clover server a second time
+from that tree, as `NAME base`, interleaved with the others: a change measured before/after in one run.
 """
 
 from __future__ import annotations
@@ -80,10 +82,13 @@ class Server:
     log: Path | None = None  # llama-server's output
     unready: str | None = None  # a compiled server whose graphs were not all loaded before its rounds
     ready_s: float = 0.0  # seconds waited for a compiled server's graphs
+    base: str | None = None  # a clover server run from this source tree instead (--base): "... base"
 
     @property
     def name(self) -> str:
-        return f"clover {self.runner} {self.precision}" if self.kind == "clover" else f"llama-server {self.precision}"
+        if self.kind != "clover":
+            return f"llama-server {self.precision}"
+        return f"clover {self.runner} {self.precision}" + (" base" if self.base else "")
 
 
 def all_servers() -> list[Server]:
@@ -253,7 +258,7 @@ def start(s: Server, args, files: dict, slots: int, slot_ctx: int, threads: int)
     if s.kind == "clover":
         opts = SimpleNamespace(threads=threads, block_size=args.block_size, threshold=args.threshold,
                                mode=args.mode, model=str(files[s.precision]))
-        s.proc, s.url = start_server(opts, slots, s.runner)
+        s.proc, s.url = start_server(opts, slots, s.runner, root=s.base or ROOT)
     else:
         log = files["fp32"].parent / f"{s.name.replace(' ', '-')}.log"
         s.proc, s.url = start_llama(llama_command(files[s.precision], threads, slots, slot_ctx, args.llama_server), log)
@@ -528,6 +533,8 @@ def parse(argv=None):
     ap.add_argument("--int4-head", choices=("int4", "float"), default="int4", help="clover int4's lm_head: int4 "
                     "(`clover quantize --quantize-head`; default, as the q4_0 GGUF's output.weight is q4_0) or kept float")
     ap.add_argument("--per-task", type=int, default=2, help="held-out task prompts per synthetic task")
+    ap.add_argument("--base", type=Path, help="a clover source tree (a worktree of main): each clover server "
+                    "also runs from it, as `NAME base`, interleaved (before/after a change in one run)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--smoke", action="store_true", help="clover eager fp32 only, default size, 1 and 2 clients, "
                     "1 request of 8 tokens, 1 round: checks the script, measures nothing")
@@ -547,6 +554,9 @@ def main(argv=None) -> int:
             raise ValueError("--sizes takes default and/or large, --clients positive integers")
         servers = {size: pick_servers(args.large_servers if size == "large" else args.servers, have_llama)
                    for size in sizes}
+        if args.base:  # each clover server also from the base tree, interleaved with it
+            servers = {size: group + [Server(s.kind, s.runner, s.precision, base=str(args.base.resolve()))
+                                      for s in group if s.kind == "clover"] for size, group in servers.items()}
     except ValueError as e:
         ap.exit(2, f"bench/serve_peer.py: {e}\n")
     if args.dry_run:
@@ -559,7 +569,7 @@ def main(argv=None) -> int:
     print(header(args, prompts))
     verdicts = []
     for size in sizes:
-        group = [Server(s.kind, s.runner, s.precision) for s in servers[size]]
+        group = [Server(s.kind, s.runner, s.precision, base=s.base) for s in servers[size]]
         with tempfile.TemporaryDirectory() as d:
             facts = run_size(size, group, args, Path(d), prompts)
         verdicts += print_size(size, facts, group, args)
