@@ -492,3 +492,63 @@ def test_graphs_with_a_key_load_on_the_scheduler_thread_without_waiting_for_idle
         assert metric(server, "clover_graphs_compiled_total") >= 1
     assert loads and all(t == "clover-scheduler" and k == "test-key" for t, k in loads)
     assert compiles == []
+
+
+class _Paced:
+    """Stands in for the compiling child's `Background`: `queued` shapes wait; records `pace` calls."""
+
+    def __init__(self, queued):
+        self.queued, self.paces = queued, []
+
+    def pace(self, decoding):
+        self.paces.append(decoding)
+
+    def waiting(self):
+        return self.queued
+
+    def sync(self):
+        pass
+
+    def can_load(self) -> bool:
+        return False
+
+    def can_compile(self) -> bool:
+        return False
+
+    def in_flight(self) -> bool:
+        return bool(self.queued)
+
+    def close(self):
+        pass
+
+
+def test_the_decoding_loop_paces_the_child_only_while_shapes_are_queued(loaded):
+    """With nothing queued the child has nothing to do: the decoding turns do not stop it (no signal
+    per request); with shapes queued every turn paces it."""
+    from clover.engine import DecodeConfig
+    from clover.server.scheduler import RowJob, Scheduler
+
+    from clover.engine import Engine
+
+    model, tokenizer = loaded
+    key, ids = DecodeConfig(mode="ar", block_size=1).engine_key(), tokenizer("hello")["input_ids"]
+    with torch.inference_mode():  # what a first decode builds (kernels) is built before the timed wait
+        Engine(model, Scheduler(model, ()).config(key, 2)).generate([ids])
+    for queued in (0, 2):
+        sched = Scheduler(model, (), max_batch=4)
+        sched.compiles = _Paced(queued)
+        done = threading.Event()
+
+        class Box:
+            def post(self, item):
+                if item.kind != "tokens" or item.finish_reason:
+                    done.set()
+
+        sched.start()
+        try:
+            sched.submit([RowJob(Box(), 0, ids, 6, key)])
+            assert done.wait(120)
+        finally:
+            sched.stop()
+        decoding = sum(sched.compiles.paces)
+        assert decoding == 0 if queued == 0 else decoding >= 6

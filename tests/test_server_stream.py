@@ -4,6 +4,7 @@ runner's forward counts in /metrics, and small prompts encoded on the event loop
 
 import asyncio
 import threading
+import time
 
 import torch
 
@@ -117,19 +118,40 @@ def test_a_gone_loop_drops_the_posts_quietly():
         _ticket(Closed()).post("lost")
 
 
-def test_next_event_takes_a_waiting_item_at_once_and_times_out_to_none(monkeypatch):
+def test_a_request_looks_for_its_client_at_every_tick_also_while_events_keep_coming(monkeypatch):
+    """No events: the client is looked for every POLL_S and the request ends (jobs cancelled) once it
+    is gone. Events every millisecond for longer than that: still looked for (the tick queues behind
+    them); the timer is gone when the request ends."""
+    from types import SimpleNamespace
+
+    from clover.server.choice import Choice
+    from clover.server.scheduler import Tokens
+
     monkeypatch.setattr(routes, "POLL_S", 0.01)
 
-    async def go():
-        q = asyncio.Queue()
-        q.put_nowait("a")
-        q.put_nowait("b")
-        got = [await routes.next_event(q), await routes.next_event(q), await routes.next_event(q)]
-        asyncio.get_running_loop().call_later(0.001, q.put_nowait, "c")
-        got.append(await routes.next_event(q) or await routes.next_event(q))
-        return got
+    async def go(events: bool):
+        looked, cancels = [], []
+        fake = SimpleNamespace(scheduler=SimpleNamespace(cancel=lambda jobs, reason="cancelled": cancels.append(jobs)))
 
-    assert asyncio.run(go()) == ["a", "b", None, "c"]
+        async def is_disconnected():
+            looked.append(time.monotonic())
+            return len(looked) >= 3
+
+        ticket, loop = _ticket(None), asyncio.get_running_loop()
+        for k in range(200 if events else 0):  # a long reply: an event every millisecond
+            loop.call_later(k / 1000, ticket.queue.put_nowait, Tokens("tokens", 0, [1] * (k + 1), [1], [k], None, {}))
+        choices = [Choice(LetterTokenizer(), [], False)]
+        t0 = time.monotonic()
+        async for _ in routes.Routes.drive(fake, SimpleNamespace(is_disconnected=is_disconnected), ticket, ["job"], choices):
+            pass
+        await asyncio.sleep(0.03)  # a tick still armed would queue a None by now
+        left = [x for x in _drain(ticket.queue) if x is None]
+        return len(looked), time.monotonic() - t0, cancels, left
+
+    for events in (False, True):
+        looked, took, cancels, left = asyncio.run(go(events))
+        assert looked == 3 and cancels == [["job"]] and left == []
+        assert 0.025 < took < 0.15
 
 
 class FakeRunner:
@@ -331,3 +353,63 @@ def test_deferred_posts_go_right_before_the_next_graph_call_or_the_next_turn():
     flush_posts()
     run_before_graph()
     assert not loop.calls
+
+
+class LetterTokenizer:
+    """Token i decodes to the i-th lowercase letter (not a byte-level tokenizer: whole decodes)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def _drive(events, stops, merge):
+    """(Deltas and Finished as tuples, choices' (content, finish_reason), cancels) of `Routes.drive`
+    over `events` all queued before it runs (the event loop behind the decoding)."""
+    from types import SimpleNamespace
+
+    from clover.server.choice import Choice
+    from clover.server.scheduler import Tokens
+
+    cancels = []
+    fake = SimpleNamespace(scheduler=SimpleNamespace(cancel=lambda jobs, reason="cancelled": cancels.append(reason)))
+    request = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+
+    async def go():
+        ticket = _ticket(None)
+        ids = {}
+        for index, new, finish in events:
+            ids[index] = ids.get(index, []) + new
+            ticket.queue.put_nowait(Tokens("tokens", index, list(ids[index]), new, [len(ids[index])] * len(new), finish, {}))
+        choices = [Choice(LetterTokenizer(), stops, False) for _ in ids]
+        out = []
+        async for ev in routes.Routes.drive(fake, request, ticket, ["job0", "job1"], choices, merge=merge):
+            out.append((ev.index, ev.content, ev.new_tokens, ev.steps) if isinstance(ev, routes.Delta) else ev.index)
+        return out, [(c.content, c.finish_reason) for c in choices], cancels
+
+    return asyncio.run(go())
+
+
+def test_queued_tokens_of_a_choice_give_one_delta_and_the_same_reply():
+    events = [(0, [0], None), (0, [1, 2], None), (0, [3], None), (1, [4], None), (0, [5], None), (1, [6], "length"),
+              (0, [7], "length")]
+    merged, merged_choices, _ = _drive(events, [], merge=True)
+    alone, alone_choices, _ = _drive(events, [], merge=False)
+    assert merged_choices == alone_choices == [("abcdfh", "length"), ("eg", "length")]
+    assert merged == [(0, "abcd", [0, 1, 2, 3], [1, 3, 3, 4]), (1, "e", [4], [1]), (0, "f", [5], [5]),
+                      (1, "g", [6], [2]), 1, (0, "h", [7], [6]), 0]
+    assert len(alone) == len(events) + 2
+    for index in (0, 1):  # the chunks of a choice, put together, are the same text
+        text = lambda out: "".join(e[1] for e in out if isinstance(e, tuple) and e[0] == index)  # noqa: E731
+        assert text(merged) == text(alone)
+
+
+def test_merged_tokens_stop_where_the_first_alone_would():
+    """Stops "d" and "bcdx": one at a time, "abcd" ends at "d" (content "abc") before "x" comes; the
+    whole text "abcdx" at once would end at "bcdx" (content "a")."""
+    events = [(0, [0], None), (0, [1], None), (0, [2], None), (0, [3], None), (0, [23], None), (0, [4], "length")]
+    merged, merged_choices, merged_cancels = _drive(events, ["d", "bcdx"], merge=True)
+    alone, alone_choices, alone_cancels = _drive(events, ["d", "bcdx"], merge=False)
+    assert merged_choices[0] == alone_choices[0] == ("abc", "stop")
+    assert merged_cancels == alone_cancels == ["stop"]
+    assert "".join(e[1] for e in merged if isinstance(e, tuple)) == "".join(e[1] for e in alone if isinstance(e, tuple))
+    assert merged[-1] == 0 and len(merged) < len(alone)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -48,18 +49,17 @@ class Finished:
     index: int
 
 
-async def next_event(queue: asyncio.Queue):
-    """The queue's next item, None after POLL_S without one; an item already there is taken at once
-    (no timer, no task)."""
-    try:
-        return queue.get_nowait()
-    except asyncio.QueueEmpty:
-        pass
-    try:
-        async with asyncio.timeout(POLL_S):
-            return await queue.get()
-    except (asyncio.TimeoutError, TimeoutError):
+def queued_tokens(queue: asyncio.Queue, ahead: deque, index: int):
+    """The next event, taken from `ahead` (else from the queue, without waiting, into `ahead`) when it
+    is a tokens event of choice `index`; else None (it stays in `ahead`)."""
+    if not ahead:
+        try:
+            ahead.append(queue.get_nowait())
+        except asyncio.QueueEmpty:
+            return None
+    if ahead[0] is None or ahead[0].kind != "tokens" or ahead[0].index != index:
         return None
+    return ahead.popleft()
 
 
 class CleanStream(StreamingResponse):
@@ -210,35 +210,46 @@ class Routes:
             raise APIError(503, f"{e}; retry later", "server_error", code="queue_full", headers={"Retry-After": "1"})
         return ticket, jobs
 
-    async def drive(self, request: Request, ticket: Ticket, jobs: list[RowJob], choices: list[Choice]):
+    async def drive(self, request: Request, ticket: Ticket, jobs: list[RowJob], choices: list[Choice], merge: bool = True):
         """Scheduler events -> Delta / Live / Finished; ends when every choice is done. A client that
-        goes away cancels its jobs (looked for every POLL_S, also while events keep coming)."""
-        scheduler, checked = self.scheduler, time.monotonic()
-        while not all(c.done for c in choices):
-            item = await next_event(ticket.queue)
-            if item is None or time.monotonic() - checked >= POLL_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():
+        goes away cancels its jobs: it is looked for at a tick (a None the request's one timer puts
+        in its queue every POLL_S, also while events keep coming; no timer per event). `merge`: the
+        tokens events of a choice already queued right behind one (posted while the event loop was
+        behind) update the choice one by one, as they would alone, and give one Delta together (one
+        chunk to send instead of one each)."""
+        scheduler, queue, ahead, loop = self.scheduler, ticket.queue, deque(), asyncio.get_running_loop()
+        tick = loop.call_later(POLL_S, queue.put_nowait, None)
+        try:
+            while not all(c.done for c in choices):
+                item = ahead.popleft() if ahead else await queue.get()
+                if item is None:
+                    if await request.is_disconnected():
+                        scheduler.cancel(jobs)
+                        return
+                    tick = loop.call_later(POLL_S, queue.put_nowait, None)
+                    continue
+                choice = choices[item.index]
+                if choice.done:
+                    continue
+                if item.kind == "error":
                     scheduler.cancel(jobs)
-                    return
-            if item is None:
-                continue
-            choice = choices[item.index]
-            if choice.done:
-                continue
-            if item.kind == "error":
-                scheduler.cancel(jobs)
-                raise APIError(500, item.message, "server_error")
-            if item.kind == "live":
-                yield item
-                continue
-            choice.stats = item.stats
-            if choice.update(item.token_ids, item.finish_reason):
-                scheduler.cancel([jobs[item.index]], "stop")
-            r, c = choice.deltas()
-            yield Delta(item.index, r, c, item.new_tokens, item.steps)
-            if choice.done:
-                yield Finished(item.index)
+                    raise APIError(500, item.message, "server_error")
+                if item.kind == "live":
+                    yield item
+                    continue
+                choice.stats, new_tokens, steps = item.stats, item.new_tokens, item.steps
+                stopped = choice.update(item.token_ids, item.finish_reason)
+                while merge and not choice.done and (more := queued_tokens(queue, ahead, item.index)) is not None:
+                    choice.stats, new_tokens, steps = more.stats, new_tokens + more.new_tokens, steps + more.steps
+                    stopped = choice.update(more.token_ids, more.finish_reason)
+                if stopped:
+                    scheduler.cancel([jobs[item.index]], "stop")
+                r, c = choice.deltas()
+                yield Delta(item.index, r, c, new_tokens, steps)
+                if choice.done:
+                    yield Finished(item.index)
+        finally:
+            tick.cancel()
 
     def live_fields(self, event: Delta | Live) -> dict:
         decode = self.tokenizer.decode
@@ -279,7 +290,7 @@ class Routes:
             for i in range(len(choices)):
                 yield reply.chunk(i, {"role": "assistant", "content": ""})
         try:
-            async for ev in self.drive(request, ticket, jobs, choices):
+            async for ev in self.drive(request, ticket, jobs, choices, merge=not req.clover_live):
                 i = ev.index
                 if isinstance(ev, Finished):
                     for delta in tool_call_deltas(choices[i].tool_calls):

@@ -21,8 +21,8 @@
   cancelled task's job leaves between steps and the task ends with `Cancelled`.
 * `--runner compiled`: the engines and the slot jobs defer compiling (a step of a shape with no graph
   runs eagerly and queues the shape); the queued shapes are compiled in a child process into the
-  on-disk caches (`compile.warm.Background`; stopped while rows decode but for a share of the time,
-  `Background.pace`), which reports the cache key of each graph it finished;
+  on-disk caches (`compile.warm.Background`; while it has shapes queued, stopped while rows decode
+  but for a share of the time, `Background.pace`), which reports the cache key of each graph it finished;
   the loop loads such a graph by its key between turns (no trace: milliseconds, `compile.stored`),
   so no request waits on a compile. A graph the child could not give a key for is compiled here
   (a trace and a cache hit, seconds) only after IDLE_BEFORE_COMPILE_S without work; a request that
@@ -427,9 +427,10 @@ class Scheduler:
             self.metrics.running_rows = self.running_rows
             self.idle_since = time.perf_counter()
             if self.compiles is not None:
-                self.compiles.pace(decoding=True)  # the child stopped but for its share of the time
                 self.compiles.sync()  # the shapes new in this turn go to the compiling child
-                self.metrics.graphs_deferred = self.compiles.waiting()
+                self.metrics.graphs_deferred = queued = self.compiles.waiting()
+                if queued:  # the child stopped but for its share of the time (with none queued it has nothing to do)
+                    self.compiles.pace(decoding=True)
                 if self.compiles.can_load():  # between turns: a graph loaded by its key takes milliseconds
                     flush_posts()
                     self._compile_one(traced=False)
