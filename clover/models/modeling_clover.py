@@ -60,7 +60,7 @@ class Layout:
     positions: torch.Tensor  # [B, L] RoPE positions
     attn_mask: torch.Tensor  # [B, 1, Lq, Lk] for the attention layers (keys: cache prefix + new)
     bidir_mask: torch.Tensor | None  # [B, 1, Lq, Lq] same-window mask for the GDN softmax branch
-    calib: torch.Tensor | None  # [L(q), A] calibration interpolation weights per column
+    calib: torch.Tensor | None  # [L(q), A] calibration interpolation weights per column ([B, L, A] with `draft_lens`)
     num_clean: int  # stream: committed columns (the rest is the draft window)
     pad: torch.Tensor | None  # [B, L] left padding of the clean segment (stream only)
     training: bool = False  # [x_t ; x_0] layout: first half noisy, second half clean
@@ -69,12 +69,7 @@ class Layout:
     slots: torch.Tensor | None = None  # static: [B, L] the cache slot each column's K/V is written to
     rope: tuple | None = None  # (cos, sin), computed by the first attention layer, shared by the rest
     window: int = 0  # every window has this many columns (anchored at the end): the GDN branch runs per window
-    ragged: torch.Tensor | None = None  # [B, L] draft columns past their row's own draft width (`draft_lens`)
-
-    @property
-    def unseen(self) -> torch.Tensor | None:
-        """[B, L] columns no other column reads: left padding and the ragged draft tail."""
-        return self.pad if self.ragged is None else self.ragged if self.pad is None else self.pad | self.ragged
+    unseen: torch.Tensor | None = None  # [B, L] columns no other column reads: `pad` and a ragged draft tail (`draft_lens`)
 
     def rope_for(self, rotary_dim: int, theta: float, dtype):
         if self.rope is None:
@@ -153,7 +148,7 @@ def stream_layout(cfg, batch, length, draft_len, clean_block_size, draft_bs, cac
     window = draft_len if not num_clean else clean_block_size if draft_len in (0, clean_block_size) else 0
     return Layout(wid, positions, new[:, None], same[:, None] if calib is not None and not window else None, calib,
                   num_clean, pad, clean_block_size=clean_block_size, prefix=prefix, slots=slots, window=window,
-                  ragged=ragged)
+                  unseen=unseen)
 
 
 def training_layout(cfg, batch, length, block, device) -> Layout:
