@@ -8,6 +8,8 @@ layout (tests/test_families.py writes them)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import runner_calls
@@ -113,20 +115,50 @@ def test_compiled_steps_read_the_span_in_use(tmp_path):
 def test_masked_head_steps_decode_as_eager(tmp_path):
     """LLaDA2 (no shift) in blocks of 16: its greedy steps ask for their head, and the compiled ones
     with at most 8 masked columns per row run the last layer and the head on 8 columns
-    (`FamilySeam.head_width`, a graph of their own); the same tokens and forwards as the eager
-    runner, its logits wherever the graph computed them."""
+    (`FamilySeam.head_width`, a graph of their own) and return those columns' logits alone
+    (`head_columns`, which the mode reads); the same tokens and forwards as the eager runner, its
+    logits at the columns the graph computed."""
+    from clover.models.family_seam import head_columns
+
     write_family(tmp_path, "llada2_moe")
     seam = FamilySeam(confident(tmp_path, "llada2_moe", 3.0))  # unsure enough to fill a block in several steps
     batch, budgets = prompts(), [20, 13, 27]
-    ref_logits, ref, ref_forwards, _ = decode(seam, "eager", batch, budgets, 16)
-    got_logits, got, forwards, runner = decode(seam, "compiled", batch, budgets, 16)
+    with runner_windows("compiled") as windows:
+        ref_logits, ref, ref_forwards, _ = decode(seam, "eager", batch, budgets, 16)
+        got_logits, got, forwards, runner = decode(seam, "compiled", batch, budgets, 16)
     assert got == ref and forwards == ref_forwards
     assert runner.eager_calls == 0
     assert {k.head for k in state_of(seam).replays} == {0, 8}
-    trimmed = 0
-    for (a, _), (b, index) in zip(got_logits, ref_logits, strict=True):  # the eager head: some rows' columns
-        a = a if index is None else a[:, index]
-        computed = (a != 0).any(-1)  # a row's masked columns: the only ones its step reads
-        trimmed += int((~computed).sum())
-        torch.testing.assert_close(a[computed], b[computed], rtol=1e-5, atol=3.0 * 1e-5)
+    trimmed, mask_id = 0, seam.config.mask_token_id
+    for (a, _), (b, index), ids in zip(got_logits, ref_logits, windows, strict=True):
+        if a.shape[1] < 16:  # a masked-head step: the logits of each row's `head_columns` alone
+            window = ids[:, -16:]
+            cols = head_columns(window, mask_id, a.shape[1], shift=False, sub_block=0)
+            known = torch.ones(16, dtype=torch.bool)  # the columns the eager head computed (`logits_index`)
+            if index is not None:
+                b, known = b.new_zeros(len(b), 16, b.shape[-1]).index_copy_(1, index, b), ~known.index_fill(0, index, 0)
+            read = (window.gather(1, cols) == mask_id) & known[cols]  # the masked ones: what the step reads
+            assert bool(read.any()) and bool((window == mask_id).sum(1).le(a.shape[1]).all())
+            a, b, trimmed = a[read], b.gather(1, cols[:, :, None].expand(-1, -1, b.shape[-1]))[read], trimmed + 1
+        elif index is not None:  # the eager head: some rows' columns
+            a = a[:, index]
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=3.0 * 1e-5)
     assert trimmed > 0
+
+
+@contextlib.contextmanager
+def runner_windows(runner: str):
+    """While inside: the ids of every forward of the compiled runner class, in order."""
+    from clover.engine.runner import CompiledRunner
+
+    ids, real = [], CompiledRunner.forward
+
+    def record(self, window, cache, **kw):
+        ids.append(window.clone())
+        return real(self, window, cache, **kw)
+
+    CompiledRunner.forward = record
+    try:
+        yield ids
+    finally:
+        CompiledRunner.forward = real

@@ -197,11 +197,12 @@ def test_sub_block_pick_equals_the_pick_over_every_column():
 def test_masked_head_step_equals_the_full_step(tmp_path, model_type):
     """A family without shift, a step that asks for its head (`sub_block_head`, as the engine's
     greedy steps do): `head_width` columns hold every row's masked ones, and the seam's compiled-layout
-    step computing the last layer and the head on those (`masked_columns`) gives the full step's
-    logits at those columns, 0 at the others, and leaves the cache as the full step does; rows
+    step computing the last layer and the head on those (`masked_columns`) returns the full step's
+    logits at those columns alone (the columns `head_columns` names, as the mode reads them), and
+    leaves the cache as the full step does; rows
     of odd, different lengths, windows masked anywhere. The eager seam ignores the ask (its
     `logits_index` chooses the columns)."""
-    from clover.models.family_seam import HEAD_MIN, masked_columns
+    from clover.models.family_seam import HEAD_MIN, head_columns, masked_columns
 
     write_family(tmp_path, model_type)
     loaded = confident(tmp_path, model_type)
@@ -231,9 +232,10 @@ def test_masked_head_step_equals_the_full_step(tmp_path, model_type):
                      logits_index=index, sub_block_head=True).logits
         eager_ref = loaded.model(window, cache=committed(loaded.model, LENGTHS), block_size=32)
     chosen = torch.zeros_like(masked).scatter(1, cols, True)
-    assert got.shape == full.shape and bool((masked <= chosen).all())
-    torch.testing.assert_close(got[chosen], full[chosen], rtol=1e-5, atol=3e-4)
-    assert bool((got[~chosen] == 0).all())
+    assert got.shape == (len(LENGTHS), head, full.shape[-1]) and bool((masked <= chosen).all())
+    assert torch.equal(head_columns(window, mask_id, head, shift=False, sub_block=0), cols)
+    torch.testing.assert_close(got, full.gather(1, cols[:, :, None].expand(-1, -1, full.shape[-1])),
+                               rtol=1e-5, atol=3e-4)
     torch.testing.assert_close(eager, eager_ref[:, index], rtol=1e-5, atol=3e-4)
     for layer in full_cache.key:
         torch.testing.assert_close(cache.key[layer], full_cache.key[layer], rtol=1e-5, atol=1e-5)

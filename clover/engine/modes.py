@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from ..models.cache_clover import CloverCache, rolled_states
-from ..models.family_seam import spread, sub_block_columns
+from ..models.family_seam import head_columns, spread
 from ..ops.greedy_pick import greedy_pick
 from .batch import Forward, RowBatch
 from .layout import Layout
@@ -391,9 +391,9 @@ class DiffusionMode(Mode):
         return events
 
     def _step(self, batch: RowBatch, logits: torch.Tensor) -> Events:
-        """`logits`: of every column [rows, B, V], of the columns `self.cols`, or (a sub-block step's
-        head, `Forward.sub_block_head`, where the model computes only those) [rows, sub_block, V] of
-        each row's `sub_block_columns`."""
+        """`logits`: of every column [rows, B, V], of the columns `self.cols`, or (a step that asked
+        for its head, `Forward.sub_block_head`, where the model computes only those) [rows, n, V] of
+        each row's `head_columns` (a sub-block step's, or without shift its masked columns)."""
         st, runner, cols = self.state, batch.runner, self.cols
         compact = cols is None and logits.shape[1] != self.block_size
         if compact and self.cfg.sampling.greedy and self.policy.by_probability:
@@ -403,7 +403,7 @@ class DiffusionMode(Mode):
                                              ("pick_sub_block", self.policy, self.layout, self.mask_id), shared=(1, 8))
             *fields, batch.window, done = self._pick_sub(logits, self.banned, *st.fields(), batch.window, self.eos_t)
         elif compact:  # a distribution-scored policy: the other columns' logits 0 (never chosen)
-            cols = sub_block_columns(batch.window, self.mask_id, self.layout.sub_block)
+            cols = head_columns(batch.window, self.mask_id, logits.shape[1], **self._window_args())
             return self._step_scored(batch, spread(logits, cols, self.block_size), None)
         elif cols is None and self.cfg.sampling.greedy and self.policy.by_probability:
             if self._pick_advance is None:  # the greedy pick and `advance` as one call
@@ -534,12 +534,12 @@ def pick_and_advance(policy, logits, banned, *state, shift=True, sub_block=0):
 
 
 def pick_sub_block_and_advance(policy, mask_id, logits, banned, *state, shift=True, sub_block=0):
-    """`pick_and_advance` from the logits of a sub-block step's columns alone [R, sub_block, V], those
-    `sub_block_columns` of each row's window names (the state's sixth tensor): their tokens and
-    probabilities go to those columns, the others get the mask token and 0 (not fillable: never
-    chosen)."""
+    """`pick_and_advance` from the logits of a step's head columns alone [R, n, V], those
+    `head_columns` of each row's window names (the state's sixth tensor; a sub-block step's, or
+    without shift a masked-head step's): their tokens and probabilities go to those columns, the
+    others get the mask token and 0 (not fillable: never chosen)."""
     window = state[5]
-    cols = sub_block_columns(window, mask_id, sub_block)
+    cols = head_columns(window, mask_id, logits.shape[1], shift, sub_block)
     picked, prob = greedy_pick(logits, banned)
     tokens = torch.full_like(window, mask_id).scatter(1, cols, picked)
     score = prob.new_zeros(window.shape).scatter(1, cols, prob)

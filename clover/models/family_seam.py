@@ -68,13 +68,12 @@ class FamilySeam(nn.Module):
         modeling_family.static_block_step). A sub-block family's draft window (every column kept, no
         clean segment) of a sub-block step (`sub_block_head`) computes only the logits that step reads
         and returns those alone, [rows, sub_block, V] of the columns `sub_block_columns` (`trims`). With
-        `head` (`head_width`), the last layer and the head run on `head` columns of the kept ones, each
-        row's masked columns among them (`masked_columns`); the other kept columns' logits are 0."""
+        `head` (`head_width`: a greedy step without shift, its draft window alone), the last layer and
+        the head run on `head` columns of the window, each row's masked columns among them, and the
+        step returns those alone, [rows, head, V] of the columns `head_columns` names."""
         if head:
-            keep = logits_to_keep or ids.shape[1]
-            cols = masked_columns(ids, self.config.mask_token_id, keep, head)
-            logits = self.family_model.static_forward(ids, cache, block, pad_mask, span=span, select=cols)
-            return spread(logits, cols - (ids.shape[1] - keep), keep)
+            cols = masked_columns(ids, self.config.mask_token_id, logits_to_keep or ids.shape[1], head)
+            return self.family_model.static_forward(ids, cache, block, pad_mask, span=span, select=cols)
         if not self.trims(ids.shape[1], draft_len, logits_to_keep, asked=sub_block_head):
             return self.family_model.static_forward(ids, cache, block, pad_mask, logits_to_keep, span)
         cols = sub_block_columns(ids, self.config.mask_token_id, self.sub_block)
@@ -95,7 +94,8 @@ class FamilySeam(nn.Module):
         the head on, in a family without shift: such a step (a greedy fill) reads the logits of its
         masked targets only, each its own column. The fewest power of two from HEAD_MIN holding every
         row's masked columns among the kept ones (the draft window), 0 where that is all of them, where
-        more than the window is kept, or for a family with shift (its sub-block step: `trims`).
+        more than the window is kept, or for a family with shift (its sub-block step: `trims`). The
+        step then returns those columns' logits alone (`graph_step`, `head_columns`).
         Read on the host from the ids (a graph per width: `ShapeKey.head`)."""
         keep = logits_to_keep or ids.shape[1]
         if self.shift or keep != draft_len or keep <= HEAD_MIN:
@@ -163,6 +163,15 @@ def masked_columns(ids: torch.Tensor, mask_id: int, keep: int, n: int) -> torch.
     col = torch.arange(keep, device=ids.device)
     rank = torch.where(ids[:, start:] == mask_id, col, col + keep)
     return rank.topk(n, dim=1, largest=False).indices + start
+
+
+def head_columns(window: torch.Tensor, mask_id: int, width: int, shift: bool, sub_block: int) -> torch.Tensor:
+    """[R, width] the columns of a draft window [R, L] whose logits a step that asked for its head
+    (`Forward.sub_block_head`) returned alone ([R, width, V], width < L): a sub-block step's
+    (`sub_block_columns`, with shift) or a masked-head step's (`masked_columns`, without)."""
+    if shift:
+        return sub_block_columns(window, mask_id, sub_block)
+    return masked_columns(window, mask_id, window.shape[1], width)
 
 
 def sub_block_columns(window: torch.Tensor, mask_id: int, sub: int) -> torch.Tensor:
