@@ -298,6 +298,7 @@ def test_live_chunks_carry_the_block_view(server):
     (["--block-size", "-3"], "block_size must be >= 1, got -3"),
     (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
     (["--max-tool-calls", "0"], "--max-tool-calls must be >= 1, got 0"),
+    (["--stream-interval-ms", "-1"], "--stream-interval-ms must be in [0, 1000], got -1"),
     (["--served-model-name", ""], "--served-model-name"),
     (["--compile-cache", "/tmp"], "--compile-cache needs --runner compiled"),
     (["--runner", "compiled", "--compile-cache", "/proc/no-such-dir"], "--compile-cache: cannot use"),

@@ -413,3 +413,78 @@ def test_merged_tokens_stop_where_the_first_alone_would():
     assert merged_cancels == alone_cancels == ["stop"]
     assert "".join(e[1] for e in merged if isinstance(e, tuple)) == "".join(e[1] for e in alone if isinstance(e, tuple))
     assert merged[-1] == 0 and len(merged) < len(alone)
+
+
+def _tokens(index, so_far, new, finish=None):
+    from clover.server.scheduler import Tokens
+
+    return Tokens("tokens", index, list(range(so_far + new)), list(range(so_far, so_far + new)), [0] * new, finish, {})
+
+
+def test_paced_posts_reach_each_request_in_order_with_nothing_lost_as_unpaced_ones():
+    """Random turns of random rows (first tokens, next tokens, finish, errors) at random times: a pacer
+    of any interval hands each ticket the same posts in the same order as posting every turn (interval
+    0, the reference), and holds nothing past a turn at least `interval` after the last hand-over or a
+    turn with a post that is not a running row's next tokens."""
+    import random
+
+    from clover.server.scheduler import Failed, Pacer
+
+    rng = random.Random(0)
+    for trial in range(40):
+        interval = rng.choice([0.0, 0.002, 0.004, 0.05])
+        loops = [RecordingLoop(), RecordingLoop()]
+        pacer, ref = Pacer(interval), Pacer(0.0)
+        tickets = [(_ticket(loops[i % 2]), _ticket(loops[i % 2])) for i in range(rng.randint(1, 5))]
+        made = [0] * len(tickets)
+        now = 0.0
+        for turn in range(rng.randint(1, 30)):
+            now += rng.choice([0.0005, 0.001, 0.003, 0.01])
+            posts = []
+            for r, (t, t_ref) in enumerate(tickets):
+                if rng.random() < 0.7:
+                    n = rng.randint(1, 3)
+                    finish = "length" if rng.random() < 0.1 else None
+                    item = _tokens(0, made[r], n, finish) if rng.random() < 0.97 else Failed("error", 0, "boom")
+                    made[r] += n
+                    posts.append(((t, t_ref), item))
+            urgent = any(item.kind != "tokens" or item.finish_reason or item.new_tokens[0] == 0 for _, item in posts)
+            due = now - pacer.last >= interval
+            for ticket, item in pacer.take([(tt[0], item) for tt, item in posts], now):
+                ticket.queue.put_nowait(item)
+            if urgent or due:
+                assert not pacer.held  # nothing waits past a due turn or one with a first / last / error post
+            out = ref.take([(tt[1], item) for tt, item in posts], now)
+            assert [i for _, i in out] == [i for _, i in posts]  # interval 0 holds nothing
+            for ticket, item in out:
+                ticket.queue.put_nowait(item)
+        for ticket, item in pacer.release():
+            ticket.queue.put_nowait(item)
+        for t, t_ref in tickets:
+            assert _drain(t.queue) == _drain(t_ref.queue)
+
+
+def test_a_paced_row_first_and_last_tokens_go_at_once_taking_the_held_ones():
+    from clover.server.scheduler import Pacer
+
+    loop = RecordingLoop()
+    t = _ticket(loop)
+    pacer = Pacer(0.004)
+    with held_posts(pacer=pacer):
+        t.post(_tokens(0, 0, 1))  # the first tokens: at once
+    assert len(loop.calls) == 1
+    loop.run()
+    assert [e.new_tokens for e in _drain(t.queue)] == [[0]]
+    for k in range(1, 3):  # within the interval: held
+        with held_posts(pacer=pacer):
+            t.post(_tokens(0, k, 1))
+    assert not loop.calls and len(pacer.held) == 2
+    with held_posts(pacer=pacer):  # the last tokens take the held ones with them, in order
+        t.post(_tokens(0, 3, 1, "length"))
+    loop.run()
+    assert [e.new_tokens for e in _drain(t.queue)] == [[1], [2], [3]] and not pacer.held
+    pacer.last = time.perf_counter() - 0.005  # the interval has passed: the next tokens go at once
+    with held_posts(pacer=pacer):
+        t.post(_tokens(0, 4, 1))
+    loop.run()
+    assert [e.new_tokens for e in _drain(t.queue)] == [[4]]

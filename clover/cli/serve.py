@@ -28,6 +28,10 @@ def register(sub) -> None:
     p.add_argument("--max-batch", type=int, default=32, metavar="N", help="rows decoded together (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="rows waiting for a slot before requests get 503 (default 256)")
+    p.add_argument("--stream-interval-ms", type=float, metavar="MS",
+                   help="a streamed reply's next tokens wait up to this long and go out as one chunk (its first and "
+                        "last tokens never wait): fewer wake-ups of the HTTP side beside the decoding (default 8; "
+                        "0: a chunk per decoding step)")
     add_decode_args(p, "block_size", "threshold", "mode", "draft", "edit_threshold", "max_post_steps", "runner", help=dict(  # per-request defaults (a request may override)
         block_size="default block size (default: the model's; auto: the one `clover tune` stored)",
         threshold="default low_confidence threshold",
@@ -58,6 +62,8 @@ def check_args(args):
     for name in ("max_batch", "max_queue", "default_max_tokens", "max_tool_calls", "max_body_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.stream_interval_ms is not None and not 0 <= args.stream_interval_ms <= 1000:
+        raise UserError(f"--stream-interval-ms must be in [0, 1000], got {args.stream_interval_ms:g}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
@@ -141,7 +147,8 @@ def run(args) -> int:
     key = api_key(args)
     settings = Settings(model_id=name, aliases=tuple(aliases), api_key=key, max_batch=args.max_batch,
                         max_queue=args.max_queue, decode=cfg, infill_threshold=args.threshold,
-                        default_max_tokens=args.default_max_tokens, max_tool_calls=args.max_tool_calls)
+                        default_max_tokens=args.default_max_tokens, max_tool_calls=args.max_tool_calls,
+                        **({} if args.stream_interval_ms is None else {"stream_interval": args.stream_interval_ms / 1e3}))
     if args.max_body_bytes is not None:
         settings.max_body_bytes = args.max_body_bytes
     torch_backend = args.backend != "llamacpp"  # load_model ran `prepare` on a torch model

@@ -20,7 +20,7 @@ from .choice import Choice
 from .metrics import Metrics
 from .protocol import APIError, error_body
 from .routes import Routes
-from .scheduler import Scheduler
+from .scheduler import STREAM_INTERVAL_S, Scheduler
 from .shapes import tool_call_deltas
 from .structured import MAX_TOOL_CALLS
 
@@ -51,6 +51,7 @@ class Settings:
     default_max_tokens: int = 512  # chat requests without max_tokens (capped by the context)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413
     max_tool_calls: int = MAX_TOOL_CALLS  # calls in one reply under tool_choice "required" + parallel_tool_calls
+    stream_interval: float = STREAM_INTERVAL_S  # a running row's next tokens wait up to this long, joined (scheduler.Pacer)
 
     def __init__(self, decode: DecodeConfig | None = None, infill_threshold: float | None = None, **settings):
         own = {f.name for f in fields(self)}
@@ -149,7 +150,7 @@ def create_app(model, tokenizer, settings: Settings, eos_token_ids: tuple[int, .
     import_ahead()
     metrics = Metrics()
     scheduler = Scheduler(model, eos_token_ids, settings.max_batch, settings.max_queue, metrics,
-                          settings.decode.runner)
+                          settings.decode.runner, settings.stream_interval)
     routes = Routes(model, tokenizer, settings, scheduler, metrics)
 
     @asynccontextmanager

@@ -69,6 +69,7 @@ from .metrics import Metrics
 
 COMPILE_POLL_S = 0.2  # idle with shapes in the compiling child: how often the loop looks for a finished one
 IDLE_BEFORE_COMPILE_S = 2.0  # how long the loop must have had nothing to do before it loads a graph
+STREAM_INTERVAL_S = 0.008  # the default longest wait of a running row's next tokens (`Pacer`; `clover serve --stream-interval-ms`)
 GATHER_S = 0.03  # fresh tasks wait for tasks still being planned at most this long after the last arrival
 
 
@@ -132,25 +133,61 @@ _held = threading.local()  # `posts`: the posts held by this thread's open `held
 
 
 @contextmanager
-def held_posts(defer=None):
+def held_posts(defer=None, pacer: "Pacer | None" = None):
     """Posts made in the block reach their requests at its end, one wake-up of each event loop for
     all of them (a scheduler turn: one hand-off to the event loop's thread per step, not one per
     row), in the order they were made. `defer` (a model): they go instead right before this thread's
     next compiled graph call of that model (`runner.before_next_graph`), where it lets go of the GIL
     for the graph's run, so the woken loop's thread runs beside the graph rather than taking the GIL
     at the first short op before it (every torch op lets go of the GIL) while this thread waits;
-    posts no graph call took by the end of the next block go there (first), or at `flush_posts`."""
+    posts no graph call took by the end of the next block go there (first), or at `flush_posts`.
+    `pacer`: the block's posts go through it (it may hold them for a later block)."""
     _held.posts = []
     try:
         yield
     finally:
         posts, _held.posts = _held.posts, None
         flush_posts()
+        if pacer is not None:
+            posts = pacer.take(posts, time.perf_counter())
         if defer is not None and posts:
             _held.deferred = posts
             before_next_graph(defer, flush_posts)
         else:
             deliver(posts)
+
+
+class Pacer:
+    """Running rows' token posts between scheduler turns: held, in order, until `interval` seconds have
+    passed since the last hand-over, then all of them go (the event loop joins a choice's queued tokens
+    into one chunk: one wake-up of the loop's thread, and one chunk for the client to read, per interval
+    instead of per step, while the decoding thread runs its graphs). A post that is not a running row's
+    next tokens - a row's first tokens (time to first token), its last ones (finish), an error, the
+    playground's view - takes every held post with it at once, so no request waits on the interval to
+    start or to end. `interval` 0: every turn's posts go at its end."""
+
+    def __init__(self, interval: float = 0.0):
+        self.interval, self.held, self.last = interval, [], float("-inf")
+
+    def take(self, posts: list, now: float) -> list:
+        """The posts to hand over at `now`: those held before, then `posts`; none while they may wait."""
+        posts = self.held + posts if self.held else posts
+        if posts and now - self.last < self.interval and not any(_urgent(item) for _, item in posts):
+            self.held = posts
+            return []
+        self.held = []
+        if posts:
+            self.last = now
+        return posts
+
+    def release(self) -> list:
+        """Every held post (the loop goes idle, or fails the turn's rows)."""
+        posts, self.held = self.held, []
+        return posts
+
+
+def _urgent(item: Event) -> bool:
+    return item.kind != "tokens" or item.finish_reason is not None or len(item.token_ids) == len(item.new_tokens)
 
 
 def flush_posts() -> None:
@@ -293,8 +330,10 @@ class RowJob:
 
 class Scheduler:
     def __init__(self, model, eos_token_ids: tuple[int, ...], max_batch: int = 32, max_queue: int = 256,
-                 metrics: Metrics | None = None, runner: str = DEFAULTS.runner):
+                 metrics: Metrics | None = None, runner: str = DEFAULTS.runner, stream_interval: float = 0.0):
+        """`stream_interval`: seconds a running row's next tokens may wait to be posted, joined (`Pacer`)."""
         self.model, self.eos, self.runner = model, tuple(eos_token_ids), runner
+        self.pacer = Pacer(stream_interval)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.metrics = metrics or Metrics()
         self.cv = threading.Condition()
@@ -400,7 +439,7 @@ class Scheduler:
     def _turns(self) -> None:
         while True:
             if not self._busy():
-                flush_posts()  # no graph call is coming to take the last turn's posts
+                self._flush()  # no graph call is coming to take the last turn's posts
             with self.cv:
                 while not self._busy() and (wait := self._compile_wait()) != 0:
                     self.cv.wait(timeout=wait)
@@ -415,14 +454,14 @@ class Scheduler:
                 cancels, self.to_cancel = self.to_cancel, []
                 admit = self._take(sum(isinstance(j, RowJob) and j.state == "running" for j, _ in cancels))
             try:
-                with held_posts(defer=self.model if self.runner == "compiled" else None):
+                with held_posts(defer=self.model if self.runner == "compiled" else None, pacer=self.pacer):
                     for item, reason in cancels:
                         self._cancel(item, reason)
                     self._admit(admit)
                     self._step_all()
             except Exception:  # never let the loop die: fail the rows and tasks involved, keep serving
                 traceback.print_exc()
-                flush_posts()  # what the turn posted goes before the errors
+                self._flush()  # what the turn posted goes before the errors
                 self._fail_all("internal error in the decoding loop")
             self.metrics.running_rows = self.running_rows
             self.idle_since = time.perf_counter()
@@ -434,9 +473,14 @@ class Scheduler:
                 if self.compiles.can_load():  # between turns: a graph loaded by its key takes milliseconds
                     flush_posts()
                     self._compile_one(traced=False)
-        flush_posts()
+        self._flush()
         with self.cv:  # nothing is left pending: every request gets its answer
             self._fail_all("the server is shutting down", waiting=True)
+
+    def _flush(self) -> None:
+        """Every post made or held so far, now."""
+        flush_posts()
+        deliver(self.pacer.release())
 
     def _gather(self) -> None:
         """(Under the lock) while only tasks that have not run a forward would run and other tasks are
