@@ -23,7 +23,8 @@ batches up to that many rows (`--max-batch`).
 
 Each client is a closed loop (the official async `openai` client, streaming, /v1/completions): a
 held-out task prompt, exactly --max-tokens generated (`ignore_eos`, honoured by both servers),
-greedy. Per level, each server runs the requests of one round untimed (the same prompts, so a compiled
+greedy; clover streams at its default `--stream-interval-ms` (a row's tokens of up to 8 ms in one
+chunk), llama-server a chunk per token. Per level, each server runs the requests of one round untimed (the same prompts, so a compiled
 clover server meets every shape a round will), then --rounds timed rounds, servers interleaved within a
 round. Before each timed run every compiled clover server has loaded the graphs of every shape it has
 met (`clover_graphs_deferred` 0; its compiling child at normal priority, CLOVER_COMPILE_NICE=0), so no
@@ -588,7 +589,9 @@ def header(args, prompts: list[str]) -> str:
             f"--max-tokens {args.max_tokens} --rounds {args.rounds}{large} --threads {args.threads} --default-threads {args.default_threads} --mode {args.mode} "
             f"--int4-activations {args.int4_activations} --int4-head {args.int4_head}`: "
             f"{os.cpu_count()} CPU cores shared with other work, load average {os.getloadavg()[0]:.1f} at the start; "
-            f"{len(prompts)} held-out task prompts (ignore_eos, greedy), streamed; servers interleaved; a compiled "
+            f"{len(prompts)} held-out task prompts (ignore_eos, greedy), streamed (clover at its default "
+            "--stream-interval-ms: a row's tokens of up to 8 ms in one chunk, its first and last at once; llama-server "
+            "a chunk per token); servers interleaved; a compiled "
             "server's graphs loaded (untimed) before each timed run. Clover forwards: the scheduler's time in "
             "forwards over the round's wall time, the mean forward, and forwards run eagerly (compiled servers). "
             "Server CPU per token: CPU time per generated token of the server's busiest thread (involuntary "
