@@ -1,5 +1,5 @@
 """A one-row compiled AR step's time against the pause before it: how much of a served step's cost
-is its weights going cold between steps (issue 54's 1-client point).
+comes from the pause before it (issue 54's 1-client point).
 
     python bench/step_gap.py [--gaps 0,1,3] [--steps 40] [--rounds 5] [--threads 1]
 
@@ -8,8 +8,8 @@ untimed after each step) runs in bursts of `--steps` steps, each step after a pa
 gaps (a sleep); bursts of every gap alternate in rounds, so load from other processes hits all
 alike. Each gap's figure is the median step over its rounds, with the range of the rounds' medians.
 A server's decoding thread pauses between steps (its Python, waits for the GIL, the event loop);
-a tight loop does not. On a machine whose L3 is shared, weights that fit it only stay there while
-nothing else runs in the gap.
+a tight loop does not. The likely cause on a machine whose L3 is shared with other work: weights
+that fit the cache stay there only while nothing else runs in between (not measured here).
 """
 
 from __future__ import annotations
