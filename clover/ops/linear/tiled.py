@@ -108,10 +108,11 @@ def _name() -> str:
     return f"clover_cpu_ops_{digest.hexdigest()[:12]}"
 
 
-def _build_dir() -> Path:
+def _build_dir(name: str | None = None) -> Path:
+    """Where torch builds the extension `name` (default: `_name()`, which hashes the sources)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory(_name(), verbose=False))
+    return Path(_get_build_directory(name or _name(), verbose=False))
 
 
 def needs_build() -> bool:
@@ -143,8 +144,9 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        with _one_builder(_build_dir()):
-            load(name=_name(), sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=list(_CFLAGS),
+        name = _name()
+        with _one_builder(_build_dir(name)):
+            load(name=name, sources=[str(_SOURCE), *map(str, _MORE_SOURCES)], extra_cflags=list(_CFLAGS),
                  is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch's own linear serves
         warnings.warn(f"clover: the tiled fp32 linear could not be built ({type(e).__name__}: {e}); "
