@@ -488,3 +488,48 @@ def test_a_paced_row_first_and_last_tokens_go_at_once_taking_the_held_ones():
         t.post(_tokens(0, 4, 1))
     loop.run()
     assert [e.new_tokens for e in _drain(t.queue)] == [[4]]
+
+
+def test_tokens_held_by_the_pacer_go_out_before_a_graph_load_between_turns():
+    """A graph loaded between turns takes milliseconds: the posts of the turns before it, those the
+    pacer holds for its interval too, are handed to their request's loop before the load starts."""
+    from clover.engine import DecodeConfig
+    from clover.server.scheduler import RowJob, Scheduler
+    from helpers import tiny_model, tiny_tokenizer
+
+    class Loads:  # stands in for the compiling child: a graph to load after every turn
+        def sync(self):
+            pass
+
+        def waiting(self):
+            return 0
+
+        def can_load(self):
+            return True
+
+        def pace(self, decoding):
+            pass
+
+        def close(self):
+            pass
+
+    model, tokenizer = tiny_model(3), tiny_tokenizer()
+    key, ids = DecodeConfig(mode="ar", block_size=1).engine_key(), tokenizer("hello")["input_ids"]
+    loop = RecordingLoop()
+    ticket = _ticket(loop)
+    sched = Scheduler(model, (), max_batch=4, stream_interval=60.0)  # held until a last post or a flush
+    sched.compiles = Loads()
+    undelivered_at_load = []
+    sched._compile_one = lambda traced: undelivered_at_load.append(len(sched.pacer.held))
+    sched.start()
+    try:
+        sched.submit([RowJob(ticket, 0, ids, 6, key)])
+        deadline, events = time.time() + 60, []
+        while not (events and events[-1].finish_reason) and time.time() < deadline:
+            loop.run()
+            events += _drain(ticket.queue)
+            time.sleep(0.01)
+    finally:
+        sched.stop()
+    assert events[-1].finish_reason and sum(len(e.new_tokens) for e in events) == 6
+    assert len(undelivered_at_load) >= 4 and set(undelivered_at_load) == {0}

@@ -471,7 +471,7 @@ class Scheduler:
                 if queued:  # the child stopped but for its share of the time (with none queued it has nothing to do)
                     self.compiles.pace(decoding=True)
                 if self.compiles.can_load():  # between turns: a graph loaded by its key takes milliseconds
-                    flush_posts()
+                    self._flush()  # tokens held by the pacer too: none waits on the load
                     self._compile_one(traced=False)
         self._flush()
         with self.cv:  # nothing is left pending: every request gets its answer
