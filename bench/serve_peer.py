@@ -4,7 +4,7 @@
                                [--max-tokens 64] [--rounds 3] [--threads N] [--default-threads 1] [--servers NAME,...]
                                [--large-rounds 1] [--large-requests 1] [--large-max-tokens N]
                                [--large-servers NAME,...] [--llama-server PATH] [--settle-timeout S] [--base TREE]
-                               [--mode ar] [--block-size 8] [--threshold 0.9]
+                               [--mode ar] [--block-size 8] [--threshold 0.9] [--trace FILE]
     python bench/serve_peer.py --dry-run      # the plan (models, servers, command lines); runs nothing
     python bench/serve_peer.py --smoke        # clover eager fp32 only, default dims, 1 and 2 clients, 8 tokens
 
@@ -38,6 +38,9 @@ CPU per generated token (its busiest thread, the decoding one, with how often pe
 preempted, and all its threads: /proc, Linux) and the load average during the level. A missed point is listed with both servers' figures and that share.
 --base TREE (a checkout of clover, e.g. a worktree of main) runs each clover server a second time
 from that tree, as `NAME base`, interleaved with the others: a change measured before/after in one run.
+--trace FILE appends every timed request as a JSON line (server, clients, the round's tokens/s, latency,
+TTFT, client, request, start after the round's, longest wait between text chunks, start on the
+machine's monotonic clock, which a server's own log can be lined up with): which requests are slow.
 """
 
 from __future__ import annotations
@@ -183,23 +186,28 @@ def start_llama(cmd: list[str], log: Path | None = None, timeout: float = 600.0)
     return proc, None
 
 
-async def client_loop(c, prompts: list[str], cid: int, requests: int, max_tokens: int, out: list) -> None:
-    """One closed-loop client: (latency s, time to first token s, tokens) per request. Tokens are
-    the server's `usage` count, else the streamed chunks that carried text."""
+async def client_loop(c, prompts: list[str], cid: int, requests: int, max_tokens: int, out: list,
+                      origin: float = 0.0) -> None:
+    """One closed-loop client: (latency s, time to first token s, tokens, client, request, start s after
+    `origin`, longest wait between text chunks s, text chunks, start on time.perf_counter's clock) per request. Tokens are the server's
+    `usage` count, else the streamed chunks that carried text."""
     for r in range(requests):
-        t0 = time.perf_counter()
-        first, tokens, chunks = None, 0, 0
+        t0 = last = time.perf_counter()
+        first, tokens, chunks, gap = None, 0, 0, 0.0
         stream = await c.completions.create(model="bench", prompt=prompts[(cid + r) % len(prompts)], max_tokens=max_tokens,
                                             temperature=0, stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
-                chunks += 1
+                now, chunks = time.perf_counter(), chunks + 1
                 if first is None:
-                    first = time.perf_counter() - t0
+                    first = now - t0
+                else:
+                    gap = max(gap, now - last)
+                last = now
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
-        out.append((time.perf_counter() - t0, first or 0.0, tokens or chunks))
+        out.append((time.perf_counter() - t0, first or 0.0, tokens or chunks, cid, r, t0 - origin, gap, chunks, t0))
 
 
 async def level(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
@@ -210,16 +218,17 @@ async def level(url: str, prompts: list[str], clients: int, requests: int, max_t
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=2, timeout=1800)
     out: list = []
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    await asyncio.gather(*(client_loop(c, prompts, i, requests, max_tokens, out) for i in range(clients)))
+    await asyncio.gather(*(client_loop(c, prompts, i, requests, max_tokens, out, t0) for i in range(clients)))
     wall = time.perf_counter() - t0
     await c.close()
-    return summarise(out, wall, (load0 + os.getloadavg()[0]) / 2) | {"short": sum(t != max_tokens for *_, t in out)}
+    return summarise(out, wall, (load0 + os.getloadavg()[0]) / 2) | {"short": sum(o[2] != max_tokens for o in out),
+                                                                     "requests": out}
 
 
 def summarise(out: list, wall: float, load: float) -> dict:
     """A level's requests [(latency, ttft, tokens)] run in `wall` seconds: aggregate tokens/s, TTFT
     p50, latency p50 / p99."""
-    lat, ttft, toks = zip(*out)
+    lat, ttft, toks = list(zip(*out))[:3]
     return dict(tps=sum(toks) / wall, tokens=sum(toks), wall=wall, ttft=percentile(ttft, 0.5), p50=percentile(lat, 0.5),
                 p99=percentile(lat, 0.99), load=load)
 
@@ -294,11 +303,24 @@ def run_size(size: str, servers: list[Server], args, tmp: Path, prompts: list[st
                     run = attempt(s, n, prompts, plan.requests, plan.max_tokens)
                     if run:
                         s.runs.setdefault(n, []).append(run)
+                        trace(args.trace, s, n, run)
     finally:
         for s in servers:
             if s.proc is not None:
                 stop_server(s.proc)
     return dict(params=files["params"], levels=levels, slot_ctx=slot_ctx, plan=plan)
+
+
+def trace(path: Path | None, s: Server, n: int, run: dict) -> None:
+    """A timed run's requests, one JSON line each, appended to `path` (--trace)."""
+    if path is None:
+        return
+    import json
+
+    keys = ("latency", "ttft", "tokens", "client", "request", "start", "gap", "chunks", "clock")
+    with open(path, "a") as f:
+        for o in run["requests"]:
+            f.write(json.dumps({"server": s.name, "clients": n, "tps": run["tps"], **dict(zip(keys, o))}) + "\n")
 
 
 def size_plan(args, size: str):
@@ -536,6 +558,8 @@ def parse(argv=None):
     ap.add_argument("--per-task", type=int, default=2, help="held-out task prompts per synthetic task")
     ap.add_argument("--base", type=Path, help="a clover source tree (a worktree of main): each clover server "
                     "also runs from it, as `NAME base`, interleaved (before/after a change in one run)")
+    ap.add_argument("--trace", type=Path, help="append every timed request (latency, TTFT, client, start, longest "
+                    "wait between chunks) to this file, one JSON line each")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--smoke", action="store_true", help="clover eager fp32 only, default size, 1 and 2 clients, "
                     "1 request of 8 tokens, 1 round: checks the script, measures nothing")

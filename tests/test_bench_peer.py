@@ -162,3 +162,20 @@ def test_server_cpu_per_token_names_the_busiest_thread_and_all_threads():
     if sys.platform.startswith("linux"):
         assert str(os.getpid()) in now and all(cpu >= 0 and inv >= 0 for cpu, inv in now.values())
     assert peer.thread_clock(-1) == {}
+
+
+def test_trace_writes_each_timed_request_with_its_server_and_level(tmp_path):
+    """--trace: one JSON line per request of a run (latency, TTFT, client, start, longest chunk gap),
+    appended; summarise reads the first three fields of the longer records."""
+    import json
+
+    out = [(0.5, 0.1, 64, 0, 0, 0.0, 0.02, 40, 10.0), (0.7, 0.2, 64, 1, 0, 0.01, 0.05, 38, 10.01)]
+    run = peer.summarise(out, wall=1.0, load=0.5) | {"requests": out}
+    assert run["tps"] == 128.0 and run["p50"] == pytest.approx(0.6)
+    server = peer.pick_servers("clover compiled int4", True)[0]
+    peer.trace(tmp_path / "t.jsonl", server, 16, run)
+    peer.trace(tmp_path / "t.jsonl", server, 16, run)
+    peer.trace(None, server, 16, run)  # no --trace: nothing written
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and lines[1]["server"] == "clover compiled int4" and lines[1]["clients"] == 16
+    assert (lines[1]["latency"], lines[1]["client"], lines[1]["gap"], lines[1]["clock"]) == (0.7, 1, 0.05, 10.01)
