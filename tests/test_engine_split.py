@@ -73,6 +73,21 @@ def test_split_step_equals_the_rectangle_on_clover(clover_model, monkeypatch, mo
     assert_split_equals_fused(clover_model, cfg, ps, [21, 13, 30, 17, 25], monkeypatch, join_late)
 
 
+@pytest.mark.parametrize("mode", ["ar", "self_spec"])
+def test_split_step_of_a_clean_window_equals_the_rectangle(clover_model, monkeypatch, mode):
+    """AR's window is its last token, committed as fed (no draft): rows joining running ones commit
+    their prompt's tail in a forward of their own, then every row runs its token (the server's rows
+    then no longer carry the newcomers' prompt width). self_spec (plain steps of one clean token may
+    split, its recorded draft and verify steps do not): the same tokens and forwards either way."""
+    cfg = DecodeConfig(mode=mode, block_size=4, prefill_chunk=8, max_new_tokens=64)
+    ps = prompts(120)
+    if mode == "ar":
+        assert_split_equals_fused(clover_model, cfg, ps, [21, 13, 30, 17, 25], monkeypatch, join_late=True)
+        return
+    fused = decode(clover_model, None, cfg, ps, [21, 13, 30, 17, 25], monkeypatch, join_late=True)
+    assert decode(clover_model, 0, cfg, ps, [21, 13, 30, 17, 25], monkeypatch, join_late=True)[:2] == fused[:2]
+
+
 @pytest.mark.parametrize("model_type,block", [("sdar", 4), ("llada2_moe", 4), ("Fast_dLLM_Qwen", 8)])
 def test_split_step_equals_the_rectangle_on_the_families(tmp_path, monkeypatch, model_type, block):
     write_family(tmp_path, model_type)

@@ -137,8 +137,8 @@ class RowBatch:
         ragged = {"draft_lens": draft_lens} if draft_lens is not None else {}
         for s in self.seqs:
             s.forward_passes += 1
-        whole_draft = 0 < draft_len == window.shape[1] and (index is None or keep <= draft_len)
-        if pending is not None and whole_draft and (rows := self.split_commit(pending)) is not None:
+        split = pending is not None and self.splits(window, draft_len, keep, index)
+        if split and (rows := self.split_commit(pending)) is not None:
             return self._split_forward(pending, rows, window, draft_len, keep, block_size, index, asked | ragged)
         if pending is not None:
             clean, clean_pad = pending
@@ -149,9 +149,17 @@ class RowBatch:
                                    clean_block_size=self.clean_block_size, pad_mask=pad, logits_to_keep=keep,
                                    logits_index=index, **asked, **ragged)
 
+    def splits(self, window: torch.Tensor, draft_len: int, keep: int, index: torch.Tensor | None) -> bool:
+        """Whether a step's window may run after its pending segment, in a forward of its own: a window
+        all draft (kept logits on it), or one clean window committed as fed (AR's last token; the clean
+        windows of [pending ; window], counted from the end, are those of pending then the window)."""
+        if 0 < draft_len == window.shape[1]:
+            return index is None or keep <= draft_len
+        return draft_len == 0 and window.shape[1] == self.clean_block_size
+
     def split_commit(self, pending: Pending) -> torch.Tensor | None:
         """The rows that commit a clean segment of `pending` when a split step pays (their own commit
-        forward, then the window of every row, all draft): some rows commit nothing and would carry
+        forward, then the window of every row: `splits`): some rows commit nothing and would carry
         at least `split_min_saved` clean columns in all (None: one fused forward)."""
         clean, pad = pending
         if pad is None or self.cache.recording or self.split_min_saved is None:
