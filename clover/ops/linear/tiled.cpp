@@ -243,29 +243,44 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
 template <int V>
 using Int = std::integral_constant<int, V>;
 
-// Every kernel's walk over panels [p0, p1) and M rows (but the AVX2 tiles', walk_avx2): groups of P
-// panels outermost (a group stays in L1 while every row tile passes over it), then single panels; row
-// tiles of up to 8. Calls fn(Int<R>, Int<panels>, m, p) with the tile's row and panel counts as
-// compile-time constants.
+// Every kernel's walk over panels [p0, p1) and M rows (but the AVX2 tiles', walk_avx2): row tiles of
+// up to 8 rows, the rows shared evenly among them (9 rows as 5 + 4, not 8 + 1: a tile of few rows
+// holds too few independent FMA chains to keep the FMA pipes busy, so a 1-row tail cost about as
+// much as a full tile); groups of P panels outermost (a group stays in L1 while every row tile passes
+// over it), of 2P panels where M <= 4 (as many accumulators as a full tile: the few rows per expert of
+// the routed experts), then single panels. Calls fn(Int<R>, Int<panels>, m, p) with the tile's row
+// and panel counts as compile-time constants.
 template <int P, typename Fn>
 inline void walk_tiles(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
-  const auto rows = [&](auto np, int64_t m, int64_t p) {
-    switch (std::min<int64_t>(8, M - m)) {
-      case 1: fn(Int<1>{}, np, m, p); break;
-      case 2: fn(Int<2>{}, np, m, p); break;
-      case 3: fn(Int<3>{}, np, m, p); break;
-      case 4: fn(Int<4>{}, np, m, p); break;
-      case 5: fn(Int<5>{}, np, m, p); break;
-      case 6: fn(Int<6>{}, np, m, p); break;
-      case 7: fn(Int<7>{}, np, m, p); break;
-      default: fn(Int<8>{}, np, m, p); break;
+  const int64_t tiles = (M + 7) / 8;
+  const auto rows = [&](auto np, int64_t p) {
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+      const int64_t r = (M - m + tiles - t - 1) / (tiles - t);  // the rows left, shared evenly
+      switch (r) {
+        case 1: fn(Int<1>{}, np, m, p); break;
+        case 2: fn(Int<2>{}, np, m, p); break;
+        case 3: fn(Int<3>{}, np, m, p); break;
+        case 4: fn(Int<4>{}, np, m, p); break;
+        case 5: fn(Int<5>{}, np, m, p); break;
+        case 6: fn(Int<6>{}, np, m, p); break;
+        case 7: fn(Int<7>{}, np, m, p); break;
+        default: fn(Int<8>{}, np, m, p); break;
+      }
+      m += r;
     }
   };
   int64_t p = p0;
-  for (; p + P <= p1; p += P)
-    for (int64_t m = 0; m < M; m += 8) rows(Int<P>{}, m, p);
-  for (; p < p1; ++p)
-    for (int64_t m = 0; m < M; m += 8) rows(Int<1>{}, m, p);
+  if (M >= 1 && M <= 4) {
+    constexpr int kWide = 2 * P;
+    for (; p + kWide <= p1; p += kWide) switch (M) {
+        case 1: fn(Int<1>{}, Int<kWide>{}, 0, p); break;
+        case 2: fn(Int<2>{}, Int<kWide>{}, 0, p); break;
+        case 3: fn(Int<3>{}, Int<kWide>{}, 0, p); break;
+        default: fn(Int<4>{}, Int<kWide>{}, 0, p); break;
+      }
+  }
+  for (; p + P <= p1; p += P) rows(Int<P>{}, p);
+  for (; p < p1; ++p) rows(Int<1>{}, p);
 }
 
 #if defined(CLOVER_AVX2)
