@@ -615,6 +615,27 @@ def test_tiled_experts_match_naive(tokens, experts, topk, hidden, inter, bf16_va
     torch.testing.assert_close(tiled.tiled_experts(x, top_idx, top_w, gate_up, down), -want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("inter", [9, 16, 40])
+def test_tiled_experts_swiglu_over_the_whole_fp32_range(inter):
+    """The experts' SwiGLU (a vector exp where AVX-512 is built) against the naive experts in fp64 on
+    gate values from 1e-3 to past exp's fp32 range on both sides (silu -> 0 and -> g, no inf or nan):
+    odd widths (masked tails), 5 tokens, top 2 of 3 experts."""
+    from clover.ops.moe import naive_experts
+
+    tiled = _tiled()
+    torch.manual_seed(2)
+    tokens, experts, hidden = 5, 3, 16
+    x = torch.randn(tokens, hidden)
+    gate_up = torch.randn(experts, 2 * inter, hidden) / hidden**0.5
+    gate_up[:, :inter] *= torch.logspace(-3, 2.5, inter)[:, None]  # gates up to ~|300|: exp(-g) over- and underflows
+    down = torch.randn(experts, hidden, inter) / inter**0.5
+    top_w, top_idx = torch.softmax(torch.randn(tokens, experts), -1).topk(2, dim=-1)
+    got = tiled.tiled_experts(x, top_idx, top_w, gate_up, down)
+    want = naive_experts(x.double(), top_idx, top_w.double(), gate_up.double(), down.double())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(2, 5, 37), (3, 4099), (1, 8, 4096), (2, 3, 1, 17)])
 @pytest.mark.parametrize("kernel", ["cpp", "torch"])
 def test_greedy_pick_matches_naive(shape, kernel):
