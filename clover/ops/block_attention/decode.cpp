@@ -24,6 +24,7 @@
 
 #include "../linear/parallel.h"
 #include "../linear/define_op.h"
+#include "../linear/vec_exp.h"
 
 namespace {
 
@@ -53,20 +54,7 @@ inline float dot_vec(const float* __restrict__ a, const float* __restrict__ b, i
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
-// exp(x) for x <= 0 (scores less their max): Cephes' expf polynomial on x - n ln2, scaled by 2^n;
-// within 2 ulp of std::exp.
-inline __m512 exp_vec(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+using clover_vec::exp_vec;  // ../linear/vec_exp.h
 
 // p[t] = exp(p[t] - top) for t < T, 16 at a time; returns their sum.
 inline float exp_row(float* p, int64_t T, float top) {

@@ -15,36 +15,18 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_exp.h"
 
 namespace clover_experts {
 
-#if defined(__AVX512F__)
-// exp(x) of 16 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r) by Cephes' expf
-// polynomial (about 1 ulp), times 2^n by scalef (inf past fp32's range, 0 below it).
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 // a[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u for j < I: 16 lanes at a time where AVX-512 is
-// built (exp16, the tail masked), else std::exp.
+// built (vec_exp.h, the tail masked), else std::exp.
 inline void swiglu(const float* g, const float* u, float* a, int64_t I) {
 #if defined(__AVX512F__)
   for (int64_t j = 0; j < I; j += 16) {
     const __mmask16 m = I - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - j)) - 1);
     const __m512 gv = _mm512_maskz_loadu_ps(m, g + j), uv = _mm512_maskz_loadu_ps(m, u + j);
-    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), clover_vec::exp_vec(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
     _mm512_mask_storeu_ps(a + j, m, _mm512_mul_ps(_mm512_div_ps(gv, den), uv));
   }
 #else

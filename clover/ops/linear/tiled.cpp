@@ -243,6 +243,27 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
 template <int V>
 using Int = std::integral_constant<int, V>;
 
+// fn(Int<r>{}) for a row count 1 <= r <= Most as a compile-time constant (r past Most: Most).
+template <int Most, typename Fn>
+inline void with_rows(int64_t r, Fn&& fn) {
+  if constexpr (Most > 1) {
+    if (r < Most) return with_rows<Most - 1>(r, fn);
+  }
+  fn(Int<Most>{});
+}
+
+// Row tiles of at most Most rows over M rows, the rows shared evenly among them (9 rows in tiles of
+// up to 8: 5 + 4, not 8 + 1): fn(Int<rows>{}, first row) for each.
+template <int Most, typename Fn>
+inline void even_row_tiles(int64_t M, Fn&& fn) {
+  const int64_t tiles = (M + Most - 1) / Most;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t r = (M - m + tiles - t - 1) / (tiles - t);  // the rows left, shared evenly
+    with_rows<Most>(r, [&](auto R) { fn(R, m); });
+    m += r;
+  }
+}
+
 // Every kernel's walk over panels [p0, p1) and M rows (but the AVX2 tiles', walk_avx2): row tiles of
 // up to 8 rows, the rows shared evenly among them (9 rows as 5 + 4, not 8 + 1: a tile of few rows
 // holds too few independent FMA chains to keep the FMA pipes busy, so a 1-row tail cost about as
@@ -252,33 +273,10 @@ using Int = std::integral_constant<int, V>;
 // and panel counts as compile-time constants.
 template <int P, typename Fn>
 inline void walk_tiles(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
-  const int64_t tiles = (M + 7) / 8;
-  const auto rows = [&](auto np, int64_t p) {
-    for (int64_t t = 0, m = 0; t < tiles; ++t) {
-      const int64_t r = (M - m + tiles - t - 1) / (tiles - t);  // the rows left, shared evenly
-      switch (r) {
-        case 1: fn(Int<1>{}, np, m, p); break;
-        case 2: fn(Int<2>{}, np, m, p); break;
-        case 3: fn(Int<3>{}, np, m, p); break;
-        case 4: fn(Int<4>{}, np, m, p); break;
-        case 5: fn(Int<5>{}, np, m, p); break;
-        case 6: fn(Int<6>{}, np, m, p); break;
-        case 7: fn(Int<7>{}, np, m, p); break;
-        default: fn(Int<8>{}, np, m, p); break;
-      }
-      m += r;
-    }
-  };
+  const auto rows = [&](auto np, int64_t p) { even_row_tiles<8>(M, [&](auto r, int64_t m) { fn(r, np, m, p); }); };
   int64_t p = p0;
-  if (M >= 1 && M <= 4) {
-    constexpr int kWide = 2 * P;
-    for (; p + kWide <= p1; p += kWide) switch (M) {
-        case 1: fn(Int<1>{}, Int<kWide>{}, 0, p); break;
-        case 2: fn(Int<2>{}, Int<kWide>{}, 0, p); break;
-        case 3: fn(Int<3>{}, Int<kWide>{}, 0, p); break;
-        default: fn(Int<4>{}, Int<kWide>{}, 0, p); break;
-      }
-  }
+  if (M >= 1 && M <= 4)
+    for (; p + 2 * P <= p1; p += 2 * P) with_rows<4>(M, [&](auto r) { fn(r, Int<2 * P>{}, 0, p); });
   for (; p + P <= p1; p += P) rows(Int<P>{}, p);
   for (; p < p1; ++p) rows(Int<1>{}, p);
 }
@@ -301,19 +299,7 @@ inline void walk_avx2(int64_t M, int64_t p0, int64_t p1, Fn&& fn) {
     constexpr int kP = std::is_same_v<W, uint16_t> ? 2 : 1;
     return by_panels(Int<kP>{}, [&](auto np, int64_t p) { fn(Int<2>{}, np, 0, p); });
   }
-  const int64_t tiles = (M + 3) / 4;
-  by_panels(Int<1>{}, [&](auto np, int64_t p) {
-    for (int64_t t = 0, m = 0; t < tiles; ++t) {
-      const int64_t r = (M - m + tiles - t - 1) / (tiles - t);  // the rows left, shared evenly
-      switch (r) {
-        case 1: fn(Int<1>{}, np, m, p); break;
-        case 2: fn(Int<2>{}, np, m, p); break;
-        case 3: fn(Int<3>{}, np, m, p); break;
-        default: fn(Int<4>{}, np, m, p); break;
-      }
-      m += r;
-    }
-  });
+  by_panels(Int<1>{}, [&](auto np, int64_t p) { even_row_tiles<4>(M, [&](auto r, int64_t m) { fn(r, np, m, p); }); });
 }
 #endif
 
