@@ -58,6 +58,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import metric, percentile, settle, start_server, stop_server  # noqa: E402  (bench/serve.py)
@@ -186,11 +187,24 @@ def start_llama(cmd: list[str], log: Path | None = None, timeout: float = 600.0)
     return proc, None
 
 
+class Request(NamedTuple):
+    """One timed request of a client (`client_loop`), as --trace writes it."""
+
+    latency: float  # s
+    ttft: float  # time to first token, s
+    tokens: int
+    client: int
+    request: int  # the client's how-many-th
+    start: float  # s after the level's start
+    gap: float  # longest wait between text chunks, s
+    chunks: int  # text chunks
+    clock: float  # start on time.perf_counter's clock (the machine's monotonic one)
+
+
 async def client_loop(c, prompts: list[str], cid: int, requests: int, max_tokens: int, out: list,
                       origin: float = 0.0) -> None:
-    """One closed-loop client: (latency s, time to first token s, tokens, client, request, start s after
-    `origin`, longest wait between text chunks s, text chunks, start on time.perf_counter's clock) per request. Tokens are the server's
-    `usage` count, else the streamed chunks that carried text."""
+    """One closed-loop client: a `Request` per request. Tokens are the server's `usage` count, else
+    the streamed chunks that carried text."""
     for r in range(requests):
         t0 = last = time.perf_counter()
         first, tokens, chunks, gap = None, 0, 0, 0.0
@@ -207,7 +221,7 @@ async def client_loop(c, prompts: list[str], cid: int, requests: int, max_tokens
                 last = now
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
-        out.append((time.perf_counter() - t0, first or 0.0, tokens or chunks, cid, r, t0 - origin, gap, chunks, t0))
+        out.append(Request(time.perf_counter() - t0, first or 0.0, tokens or chunks, cid, r, t0 - origin, gap, chunks, t0))
 
 
 async def level(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
@@ -317,10 +331,9 @@ def trace(path: Path | None, s: Server, n: int, run: dict) -> None:
         return
     import json
 
-    keys = ("latency", "ttft", "tokens", "client", "request", "start", "gap", "chunks", "clock")
     with open(path, "a") as f:
         for o in run["requests"]:
-            f.write(json.dumps({"server": s.name, "clients": n, "tps": run["tps"], **dict(zip(keys, o))}) + "\n")
+            f.write(json.dumps({"server": s.name, "clients": n, "tps": run["tps"], **dict(zip(Request._fields, o))}) + "\n")
 
 
 def size_plan(args, size: str):
